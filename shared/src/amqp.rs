@@ -1,0 +1,136 @@
+//! AMQP connections: several URLs tried in turn, heartbeats on, a connect timeout, and a
+//! publish helper that treats a returned (unroutable) message as a failure.
+
+use lapin::options::BasicPublishOptions;
+use lapin::{Confirmation, PublisherConfirm};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use std::time::Duration;
+
+use crate::config::{AmqpConfig, redact};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum AmqpError {
+    #[error("cannot connect to RabbitMQ ({urls}): {last}")]
+    Connect { urls: String, last: String },
+    #[error("publish to {exchange}/{routing_key} failed: {source}")]
+    Publish { exchange: String, routing_key: String, source: lapin::Error },
+    #[error("broker returned the message to {exchange}/{routing_key} as unroutable ({reply}): no queue is bound")]
+    Returned { exchange: String, routing_key: String, reply: String },
+    #[error("broker nacked the message to {exchange}/{routing_key}")]
+    Nacked { exchange: String, routing_key: String },
+    #[error("no publisher confirm within {0:?}")]
+    ConfirmTimeout(Duration),
+}
+
+impl AmqpError {
+    /// Everything here may succeed on a retry, except a message the broker could not route.
+    pub fn is_transient(&self) -> bool {
+        !matches!(self, AmqpError::Returned { .. })
+    }
+}
+
+fn with_heartbeat(url: &str, heartbeat: Duration) -> String {
+    if url.contains("heartbeat=") {
+        return url.to_string();
+    }
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}heartbeat={}", heartbeat.as_secs().max(1))
+}
+
+/// Connects to the first URL of `config.url` that answers.
+pub async fn connect(config: &AmqpConfig, connection_name: &str) -> Result<Connection, AmqpError> {
+    let urls = config.url.list();
+    let mut last = String::from("no URL configured");
+    for url in &urls {
+        let props = ConnectionProperties::default().with_connection_name(connection_name.into());
+        let full = with_heartbeat(url, config.heartbeat);
+        match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&full, props)).await {
+            Ok(Ok(conn)) => return Ok(conn),
+            Ok(Err(e)) => last = format!("{}: {e}", redact(url)),
+            Err(_) => last = format!("{}: timed out after {CONNECT_TIMEOUT:?}", redact(url)),
+        }
+    }
+    Err(AmqpError::Connect { urls: urls.iter().map(|u| redact(u)).collect::<Vec<_>>().join(", "), last })
+}
+
+/// Publishes one message with `mandatory` set on a channel in confirm mode and waits for
+/// its confirm. A returned message or a nack is an error: the message is not in a queue.
+pub async fn publish_confirmed(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+    timeout: Duration,
+) -> Result<(), AmqpError> {
+    let pending = publish(channel, exchange, routing_key, body, props).await?;
+    check_confirm(pending, exchange, routing_key, timeout).await
+}
+
+/// Sends a mandatory publish and returns its pending confirm (for pipelining).
+pub async fn publish(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+) -> Result<PublisherConfirm, AmqpError> {
+    channel
+        .basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            BasicPublishOptions { mandatory: true, ..Default::default() },
+            body,
+            props,
+        )
+        .await
+        .map_err(|source| AmqpError::Publish {
+            exchange: exchange.to_string(),
+            routing_key: routing_key.to_string(),
+            source,
+        })
+}
+
+/// Awaits a pending confirm; `Ack(Some(returned))` counts as a failure (lapin reports a
+/// returned mandatory message as an ack carrying the message).
+pub async fn check_confirm(
+    pending: PublisherConfirm,
+    exchange: &str,
+    routing_key: &str,
+    timeout: Duration,
+) -> Result<(), AmqpError> {
+    let confirmation = tokio::time::timeout(timeout, pending)
+        .await
+        .map_err(|_| AmqpError::ConfirmTimeout(timeout))?
+        .map_err(|source| AmqpError::Publish {
+            exchange: exchange.to_string(),
+            routing_key: routing_key.to_string(),
+            source,
+        })?;
+    match confirmation {
+        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+        Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => Err(AmqpError::Returned {
+            exchange: exchange.to_string(),
+            routing_key: routing_key.to_string(),
+            reply: format!("{} {}", returned.reply_code, returned.reply_text.as_str()),
+        }),
+        Confirmation::Nack(None) => {
+            Err(AmqpError::Nacked { exchange: exchange.to_string(), routing_key: routing_key.to_string() })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heartbeat_is_added_once() {
+        let hb = Duration::from_secs(10);
+        assert_eq!(with_heartbeat("amqp://h/%2f", hb), "amqp://h/%2f?heartbeat=10");
+        assert_eq!(with_heartbeat("amqp://h/%2f?frame_max=8192", hb), "amqp://h/%2f?frame_max=8192&heartbeat=10");
+        assert_eq!(with_heartbeat("amqp://h/%2f?heartbeat=3", hb), "amqp://h/%2f?heartbeat=3");
+    }
+}

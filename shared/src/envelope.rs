@@ -1,0 +1,237 @@
+//! Envelope v1: the JSON body of every chime message, and the idempotency keys.
+//!
+//! Keys derive from the *scheduled instant* (or the caller's key), never from `now()`, so
+//! every ticker replica, restart or catch-up produces the same key for the same slot. The
+//! attempt counter travels here and is never derived from `x-death` or delivery counts,
+//! whose meaning changed between RabbitMQ 3.10, 3.13, 4.0 and 4.3.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use serde::{Deserialize, Deserializer, Serialize};
+use uuid::Uuid;
+
+/// The only envelope version this release reads and writes.
+pub const VERSION: u32 = 1;
+
+/// Namespace of chime's UUIDv5 keys: UUIDv5(URL namespace, "https://chime.dev/ns/idempotency").
+/// Changing it changes every key: never do.
+pub const NAMESPACE: Uuid = Uuid::from_u128(0x7f5a_2425_8181_5667_9a90_8823_4fab_d9fe);
+
+/// Where a message came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    Schedule,
+    Adhoc,
+    Replay,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Schedule => "schedule",
+            Source::Adhoc => "adhoc",
+            Source::Replay => "replay",
+        }
+    }
+}
+
+/// The message body. Every field is required on the wire (`null` where allowed).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Envelope {
+    pub v: u32,
+    /// UUIDv7 of this message instance.
+    pub id: Uuid,
+    /// Idempotency key.
+    pub key: Uuid,
+    pub job: String,
+    pub queue: String,
+    pub payload: serde_json::Value,
+    /// Scheduled instant (UTC) of a scheduled run; `null` for ad-hoc runs.
+    #[serde(deserialize_with = "required_nullable")]
+    pub slot: Option<DateTime<Utc>>,
+    pub enqueued_at: DateTime<Utc>,
+    /// Starts at 1; carried by chime.
+    pub attempt: u32,
+    pub max_attempts: u32,
+    pub source: Source,
+    #[serde(deserialize_with = "required_nullable")]
+    pub trace_id: Option<String>,
+}
+
+/// With `deserialize_with`, serde no longer treats a missing `Option` field as `None`: the
+/// field must be present, though it may be `null`.
+fn required_nullable<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d)
+}
+
+/// Why a body is not a valid envelope (the message is dead-lettered as `malformed`).
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("body is not a chime envelope: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("unsupported envelope version {0} (this release reads v{VERSION})")]
+    Version(u32),
+    #[error("attempt {attempt} is outside 1..=max_attempts ({max})")]
+    Attempt { attempt: u32, max: u32 },
+}
+
+/// Key of a scheduled run: UUIDv5(ns, "{job}@{slot as RFC 3339 UTC, seconds}").
+pub fn scheduled_key(job: &str, slot: DateTime<Utc>) -> Uuid {
+    let name = format!("{job}@{}", slot.to_rfc3339_opts(SecondsFormat::Secs, true));
+    Uuid::new_v5(&NAMESPACE, name.as_bytes())
+}
+
+/// Key of an ad-hoc run with a caller key: UUIDv5(ns, "{job}#{key}").
+pub fn adhoc_key(job: &str, key: &str) -> Uuid {
+    Uuid::new_v5(&NAMESPACE, format!("{job}#{key}").as_bytes())
+}
+
+/// Key of an ad-hoc run without a caller key: random (UUIDv7).
+pub fn random_key() -> Uuid {
+    Uuid::now_v7()
+}
+
+impl Envelope {
+    /// A fresh envelope for attempt 1.
+    pub fn new(
+        job: &str,
+        queue: &str,
+        key: Uuid,
+        payload: serde_json::Value,
+        slot: Option<DateTime<Utc>>,
+        max_attempts: u32,
+        source: Source,
+    ) -> Self {
+        Self {
+            v: VERSION,
+            id: Uuid::now_v7(),
+            key,
+            job: job.to_string(),
+            queue: queue.to_string(),
+            payload,
+            slot,
+            enqueued_at: Utc::now(),
+            attempt: 1,
+            max_attempts,
+            source,
+            trace_id: None,
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        // Serialising this struct cannot fail: every field is a plain JSON value.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
+        let env: Envelope = serde_json::from_slice(body)?;
+        if env.v != VERSION {
+            return Err(DecodeError::Version(env.v));
+        }
+        if env.attempt == 0 || env.max_attempts == 0 || env.attempt > env.max_attempts {
+            return Err(DecodeError::Attempt { attempt: env.attempt, max: env.max_attempts });
+        }
+        Ok(env)
+    }
+
+    /// AMQP properties: `message_id = key`, `type = job`, `timestamp`, persistent, JSON.
+    pub fn properties(&self) -> BasicProperties {
+        let ts = u64::try_from(self.enqueued_at.timestamp()).unwrap_or(0);
+        BasicProperties::default()
+            .with_content_type(ShortString::from("application/json"))
+            .with_delivery_mode(2)
+            .with_message_id(ShortString::from(self.key.to_string()))
+            .with_type(ShortString::from(self.job.clone()))
+            .with_timestamp(ts)
+    }
+}
+
+/// Reads a string header (long or short string) from AMQP properties.
+pub fn header_str(props: &BasicProperties, name: &str) -> Option<String> {
+    let headers = props.headers().as_ref()?;
+    match headers.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
+        AMQPValue::LongLongInt(n) => Some(n.to_string()),
+        AMQPValue::LongInt(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// Inserts a string header.
+pub fn put_header(table: &mut FieldTable, name: &str, value: &str) {
+    table.insert(ShortString::from(name), AMQPValue::LongString(LongString::from(value)));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespace_is_derived_as_documented() {
+        let derived = Uuid::new_v5(&Uuid::NAMESPACE_URL, b"https://chime.dev/ns/idempotency");
+        assert_eq!(NAMESPACE, derived, "namespace constant must be {derived}");
+    }
+
+    /// This vector must never change between releases: keys already in Redis and in queues
+    /// would stop matching, and a rolling upgrade would double-run every slot.
+    #[test]
+    fn fixed_key_vector() {
+        let slot: DateTime<Utc> = "2026-03-29T01:00:00Z".parse().unwrap();
+        assert_eq!(
+            scheduled_key("nightly-report", slot).to_string(),
+            "6c94badc-ac49-57fc-aff9-efaefacce06b",
+        );
+        assert_eq!(adhoc_key("send-invoice", "inv-42").to_string(), "ca3fe340-5e83-5ff8-b0c0-619f773233f1");
+    }
+
+    #[test]
+    fn keys_ignore_sub_second_and_offset_spelling() {
+        let a: DateTime<Utc> = "2026-03-29T03:00:00+02:00".parse().unwrap();
+        let b: DateTime<Utc> = "2026-03-29T01:00:00Z".parse().unwrap();
+        assert_eq!(scheduled_key("j", a), scheduled_key("j", b));
+        assert_ne!(scheduled_key("j", b), scheduled_key("k", b));
+        assert_ne!(random_key(), random_key());
+    }
+
+    fn sample() -> Envelope {
+        Envelope::new("j", "default", adhoc_key("j", "k"), serde_json::json!({"a": 1}), None, 3, Source::Adhoc)
+    }
+
+    #[test]
+    fn round_trip() {
+        let e = sample();
+        assert_eq!(Envelope::decode(&e.encode()).unwrap(), e);
+    }
+
+    #[test]
+    fn malformed_bodies_are_rejected() {
+        assert!(Envelope::decode(b"not json").is_err());
+        let mut v: serde_json::Value = serde_json::from_slice(&sample().encode()).unwrap();
+        v.as_object_mut().unwrap().remove("slot");
+        let e = Envelope::decode(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("slot"), "{e}");
+        let mut v: serde_json::Value = serde_json::from_slice(&sample().encode()).unwrap();
+        v["v"] = 2.into();
+        assert!(matches!(Envelope::decode(&serde_json::to_vec(&v).unwrap()), Err(DecodeError::Version(2))));
+        let mut v: serde_json::Value = serde_json::from_slice(&sample().encode()).unwrap();
+        v["attempt"] = 0.into();
+        assert!(Envelope::decode(&serde_json::to_vec(&v).unwrap()).is_err());
+    }
+
+    #[test]
+    fn properties_follow_the_contract() {
+        let e = sample();
+        let p = e.properties();
+        assert_eq!(p.message_id().as_ref().unwrap().as_str(), e.key.to_string());
+        assert_eq!(p.kind().as_ref().unwrap().as_str(), "j");
+        assert_eq!(*p.delivery_mode(), Some(2));
+    }
+}

@@ -1,0 +1,104 @@
+//! `/livez`, `/readyz` and `/metrics` for both daemons.
+//!
+//! Liveness checks nothing external (a broker outage must not get every replica restarted);
+//! readiness reports each named check and answers 503 when one fails.
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use metrics_exporter_prometheus::PrometheusHandle;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use tokio_util::sync::CancellationToken;
+
+use crate::telemetry;
+
+/// Readiness checks, set by the runtime as dependencies come and go.
+#[derive(Clone, Default)]
+pub struct Health {
+    checks: Arc<Mutex<BTreeMap<&'static str, bool>>>,
+}
+
+impl Health {
+    pub fn new(checks: &[&'static str]) -> Self {
+        let h = Self::default();
+        for c in checks {
+            h.set(c, false);
+        }
+        h
+    }
+
+    /// Sets a check; `amqp` and `redis` are mirrored in `chime_up{dependency}`.
+    pub fn set(&self, check: &'static str, ok: bool) {
+        if let Ok(mut m) = self.checks.lock() {
+            m.insert(check, ok);
+        }
+        if matches!(check, "amqp" | "redis") {
+            metrics::gauge!(telemetry::UP, "dependency" => check).set(if ok { 1.0 } else { 0.0 });
+        }
+    }
+
+    pub fn get(&self, check: &str) -> bool {
+        self.checks.lock().map(|m| m.get(check).copied().unwrap_or(false)).unwrap_or(false)
+    }
+
+    pub fn ready(&self) -> bool {
+        self.checks.lock().map(|m| m.values().all(|v| *v)).unwrap_or(false)
+    }
+
+    fn report(&self) -> String {
+        let map: BTreeMap<&str, bool> =
+            self.checks.lock().map(|m| m.iter().map(|(k, v)| (*k, *v)).collect()).unwrap_or_default();
+        serde_json::to_string(&map).unwrap_or_default()
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    health: Health,
+    metrics: Option<PrometheusHandle>,
+}
+
+/// Serves the endpoints on `listener` until `token` is cancelled.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    health: Health,
+    metrics: Option<PrometheusHandle>,
+    token: CancellationToken,
+) -> std::io::Result<()> {
+    if let Some(h) = &metrics {
+        // The recorder is installed without the exporter's own upkeep task.
+        let h = h.clone();
+        let t = token.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
+            loop {
+                tokio::select! {
+                    _ = t.cancelled() => break,
+                    _ = tick.tick() => h.run_upkeep(),
+                }
+            }
+        });
+    }
+    let app = Router::new()
+        .route("/livez", get(|| async { "ok\n" }))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_route))
+        .with_state(AppState { health, metrics });
+    axum::serve(listener, app).with_graceful_shutdown(token.cancelled_owned()).await
+}
+
+async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
+    let code = if s.health.ready() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, [(header::CONTENT_TYPE, "application/json")], s.health.report() + "\n")
+}
+
+async fn metrics_route(State(s): State<AppState>) -> impl IntoResponse {
+    match s.metrics {
+        Some(h) => (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], h.render()),
+        None => (StatusCode::NOT_FOUND, [(header::CONTENT_TYPE, "text/plain")], "no recorder\n".into()),
+    }
+}

@@ -1,0 +1,183 @@
+//! The Redis idempotency table: one hash per key, `<prefix>:idem:<key>`, driven only by the
+//! atomic Lua scripts below (each touches exactly one key, so Redis Cluster works).
+//!
+//! Fields: `s` state (`run`, `done`, `dead`, `free`), `o` owner token, `u` lease end (ms of
+//! Redis `TIME`, so worker clocks do not matter), `f` fence (monotonic per key: incremented
+//! on every successful claim, kept for the retention period).
+//!
+//! This table makes duplicates rare, not impossible: a Redis failover or restart without
+//! persistence loses keys. Handlers that need exactly-once effects use the key or the fence
+//! in their own transaction.
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Client, Script};
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use crate::config::RedisConfig;
+use crate::topology::Names;
+
+const NOW: &str = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)";
+
+/// KEYS[1] idem key; ARGV owner, lease_ms, retention_ms.
+static CLAIM: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        r"{NOW}
+local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'f')
+local s, fence = h[1], tonumber(h[4]) or 0
+if s == 'done' or s == 'dead' then return {{s, fence, 0}} end
+if s == 'run' and tonumber(h[3]) > now then return {{'busy', fence, tonumber(h[3]) - now}} end
+fence = redis.call('HINCRBY', KEYS[1], 'f', 1)
+redis.call('HSET', KEYS[1], 's', 'run', 'o', ARGV[1], 'u', now + tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {{'claimed', fence, 0}}"
+    ))
+});
+
+/// KEYS[1]; ARGV owner, fence, lease_ms. 1 = renewed, 0 = no longer ours.
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        r"{NOW}
+local h = redis.call('HMGET', KEYS[1], 's', 'o', 'f')
+if h[1] ~= 'run' or h[2] ~= ARGV[1] or h[3] ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], 'u', now + tonumber(ARGV[3]))
+return 1"
+    ))
+});
+
+/// KEYS[1]; ARGV owner, fence, new state, retention_ms. 1 = recorded, 0 = not ours.
+static FINISH: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"local h = redis.call('HMGET', KEYS[1], 's', 'o', 'f')
+if h[1] ~= 'run' or h[2] ~= ARGV[1] or h[3] ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], 's', ARGV[3], 'u', 0)
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1",
+    )
+});
+
+/// Result of a claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Ours to run, with this fence token.
+    Claimed { fence: u64 },
+    /// Already completed (a duplicate).
+    Done { fence: u64 },
+    /// Already dead-lettered (a duplicate of a dead job).
+    Dead { fence: u64 },
+    /// Another live owner holds it for `remaining` more.
+    Busy { fence: u64, remaining: Duration },
+}
+
+/// Final state written by [`IdemStore::finish`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Final {
+    Done,
+    Dead,
+    /// Give the key back (retry later, or shutdown before finishing).
+    Free,
+}
+
+impl Final {
+    fn as_str(self) -> &'static str {
+        match self {
+            Final::Done => "done",
+            Final::Dead => "dead",
+            Final::Free => "free",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum IdemError {
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("redis script returned an unexpected reply: {0}")]
+    Protocol(String),
+}
+
+/// A cheaply clonable handle on one multiplexed, self-reconnecting Redis connection.
+#[derive(Clone)]
+pub struct IdemStore {
+    conn: ConnectionManager,
+    names: Names,
+    lease: Duration,
+    retention: Duration,
+}
+
+impl IdemStore {
+    /// Creates the store without waiting for Redis: the first command connects, and a
+    /// broken connection is re-established in the background.
+    pub fn connect(config: &RedisConfig, names: Names) -> Result<Self, IdemError> {
+        let client = Client::open(config.url.as_str())?;
+        let cm = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(config.timeout))
+            .set_connection_timeout(Some(config.timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_secs(1));
+        let conn = ConnectionManager::new_lazy_with_config(client, cm)?;
+        Ok(Self { conn, names, lease: config.lease, retention: config.done_retention })
+    }
+
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    fn ms(d: Duration) -> u64 {
+        u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Claims `key` for `owner` (a token unique to this attempt). One round trip.
+    pub async fn claim(&self, key: &str, owner: &str) -> Result<Claim, IdemError> {
+        let mut conn = self.conn.clone();
+        let (state, fence, remaining): (String, u64, u64) = CLAIM
+            .key(self.names.idem_key(key))
+            .arg(owner)
+            .arg(Self::ms(self.lease))
+            .arg(Self::ms(self.retention))
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(match state.as_str() {
+            "claimed" => Claim::Claimed { fence },
+            "done" => Claim::Done { fence },
+            "dead" => Claim::Dead { fence },
+            "busy" => Claim::Busy { fence, remaining: Duration::from_millis(remaining) },
+            other => return Err(IdemError::Protocol(other.to_string())),
+        })
+    }
+
+    /// Extends our lease; `Ok(false)` means another owner took the key over.
+    pub async fn renew(&self, key: &str, owner: &str, fence: u64) -> Result<bool, IdemError> {
+        let mut conn = self.conn.clone();
+        let n: i64 = RENEW
+            .key(self.names.idem_key(key))
+            .arg(owner)
+            .arg(fence)
+            .arg(Self::ms(self.lease))
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// Records the outcome. `Ok(false)` means the key was no longer ours (our lease lapsed
+    /// and another owner claimed it); the newer owner records its own outcome.
+    pub async fn finish(&self, key: &str, owner: &str, fence: u64, state: Final) -> Result<bool, IdemError> {
+        let mut conn = self.conn.clone();
+        let n: i64 = FINISH
+            .key(self.names.idem_key(key))
+            .arg(owner)
+            .arg(fence)
+            .arg(state.as_str())
+            .arg(Self::ms(self.retention))
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// `PING` with the configured timeout.
+    pub async fn ping(&self) -> Result<(), IdemError> {
+        let mut conn = self.conn.clone();
+        let _: String = redis::cmd("PING").query_async(&mut conn).await?;
+        Ok(())
+    }
+}
