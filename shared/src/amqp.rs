@@ -2,8 +2,8 @@
 //! publish helper that treats a returned (unroutable) message as a failure.
 
 use lapin::options::BasicPublishOptions;
-use lapin::{Confirmation, PublisherConfirm};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{Confirmation, PublisherConfirm};
 use std::time::Duration;
 
 use crate::config::{AmqpConfig, redact};
@@ -16,7 +16,9 @@ pub enum AmqpError {
     Connect { urls: String, last: String },
     #[error("publish to {exchange}/{routing_key} failed: {source}")]
     Publish { exchange: String, routing_key: String, source: lapin::Error },
-    #[error("broker returned the message to {exchange}/{routing_key} as unroutable ({reply}): no queue is bound")]
+    #[error(
+        "broker returned the message to {exchange}/{routing_key} as unroutable ({reply}): no queue is bound"
+    )]
     Returned { exchange: String, routing_key: String, reply: String },
     #[error("broker nacked the message to {exchange}/{routing_key}")]
     Nacked { exchange: String, routing_key: String },
@@ -130,7 +132,10 @@ mod tests {
     fn heartbeat_is_added_once() {
         let hb = Duration::from_secs(10);
         assert_eq!(with_heartbeat("amqp://h/%2f", hb), "amqp://h/%2f?heartbeat=10");
-        assert_eq!(with_heartbeat("amqp://h/%2f?frame_max=8192", hb), "amqp://h/%2f?frame_max=8192&heartbeat=10");
+        assert_eq!(
+            with_heartbeat("amqp://h/%2f?frame_max=8192", hb),
+            "amqp://h/%2f?frame_max=8192&heartbeat=10"
+        );
         assert_eq!(with_heartbeat("amqp://h/%2f?heartbeat=3", hb), "amqp://h/%2f?heartbeat=3");
     }
 }

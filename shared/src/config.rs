@@ -610,9 +610,7 @@ impl Config {
 
     /// Effective prefetch per consumer.
     pub fn prefetch(&self) -> u16 {
-        self.worker
-            .prefetch
-            .unwrap_or_else(|| u16::try_from(self.worker.concurrency).unwrap_or(u16::MAX))
+        self.worker.prefetch.unwrap_or_else(|| u16::try_from(self.worker.concurrency).unwrap_or(u16::MAX))
     }
 }
 

@@ -185,10 +185,7 @@ mod tests {
     #[test]
     fn fixed_key_vector() {
         let slot: DateTime<Utc> = "2026-03-29T01:00:00Z".parse().unwrap();
-        assert_eq!(
-            scheduled_key("nightly-report", slot).to_string(),
-            "6c94badc-ac49-57fc-aff9-efaefacce06b",
-        );
+        assert_eq!(scheduled_key("nightly-report", slot).to_string(), "6c94badc-ac49-57fc-aff9-efaefacce06b",);
         assert_eq!(adhoc_key("send-invoice", "inv-42").to_string(), "ca3fe340-5e83-5ff8-b0c0-619f773233f1");
     }
 
@@ -202,7 +199,15 @@ mod tests {
     }
 
     fn sample() -> Envelope {
-        Envelope::new("j", "default", adhoc_key("j", "k"), serde_json::json!({"a": 1}), None, 3, Source::Adhoc)
+        Envelope::new(
+            "j",
+            "default",
+            adhoc_key("j", "k"),
+            serde_json::json!({"a": 1}),
+            None,
+            3,
+            Source::Adhoc,
+        )
     }
 
     #[test]

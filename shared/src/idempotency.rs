@@ -17,7 +17,8 @@ use std::time::Duration;
 use crate::config::RedisConfig;
 use crate::topology::Names;
 
-const NOW: &str = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)";
+const NOW: &str =
+    "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)";
 
 /// KEYS[1] idem key; ARGV owner, lease_ms, retention_ms.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {

@@ -27,8 +27,9 @@ pub mod outcome {
 /// Label used instead of a job name that is not in the config (keeps cardinality bounded).
 pub const UNKNOWN_JOB_LABEL: &str = "_unknown";
 
-const SECONDS_BUCKETS: &[f64] =
-    &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0];
+const SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0,
+];
 
 /// Installs the global Prometheus recorder (binaries only) with explicit histogram buckets,
 /// so histograms aggregate across replicas instead of rendering as summaries.
@@ -52,4 +53,19 @@ fn describe() {
     describe_gauge!(TICKER_LEADER, "1 while this ticker holds the leader lease.");
     describe_gauge!(TICKER_CLOCK_SKEW, "Local clock minus Redis TIME.");
     describe_gauge!(UP, "1 when the dependency answers, by dependency.");
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`); JSON lines when
+/// `CHIME_LOG_FORMAT=json`. Binaries call this once.
+pub fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
+    if std::env::var("CHIME_LOG_FORMAT").is_ok_and(|v| v == "json") {
+        let _ = builder.json().flatten_event(true).try_init();
+    } else {
+        let _ = builder.try_init();
+    }
 }

@@ -168,7 +168,11 @@ fn classify(entity: &str, err: lapin::Error) -> TopologyError {
 pub async fn depth(conn: &Connection, queue: &str) -> Result<(u32, u32), lapin::Error> {
     let ch = conn.create_channel().await?;
     let q = ch
-        .queue_declare(queue.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions { passive: true, ..Default::default() },
+            FieldTable::default(),
+        )
         .await;
     let _ = ch.close(200, "depth".into()).await;
     let q = q?;

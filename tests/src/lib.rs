@@ -1,1 +1,313 @@
+//! Test harness for chime's integration tests against real RabbitMQ and Redis.
+//!
+//! - [`TestEnv`]: a unique prefix per test (exchanges, queues, Redis keys), removed on drop.
+//! - [`wait_until`]: wait on a condition with a deadline; tests never sleep to synchronise.
+//! - [`PrivateRedis`]: a redis-server of the test's own on a spare port, to kill and restart.
+//! - [`Child`]: a `chime`/`chime-worker` process of the test's own, killed on drop.
+//!
+//! A test that cannot reach its service fails with a message saying so; none passes
+//! vacuously.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use chime_shared::config::Config;
+use chime_shared::topology::Names;
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+use lapin::{Connection, ConnectionProperties};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub fn amqp_url() -> String {
+    std::env::var("CHIME_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+pub fn redis_url() -> String {
+    std::env::var("CHIME_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/0".into())
+}
+
+/// Waits until `pred` is true, polling every 20 ms; panics with `what` after `timeout`.
+pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut pred: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if pred().await {
+            return;
+        }
+        if Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Connects to the shared broker, failing the test with a clear message if it is down.
+pub async fn connect_amqp() -> Connection {
+    match Connection::connect(&amqp_url(), ConnectionProperties::default()).await {
+        Ok(c) => c,
+        Err(e) => {
+            panic!("RabbitMQ is not reachable at {}: {e}. Start it (README: running the tests).", amqp_url())
+        }
+    }
+}
+
+/// A multiplexed connection to the shared Redis, failing the test clearly if it is down.
+pub async fn connect_redis(url: &str) -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(url).expect("redis url");
+    match client.get_multiplexed_async_connection().await {
+        Ok(c) => c,
+        Err(e) => panic!("Redis is not reachable at {url}: {e}. Start it (README: running the tests)."),
+    }
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A test's own namespace on the shared services. Dropping it deletes every queue and
+/// exchange the test declared and every Redis key under its prefix.
+pub struct TestEnv {
+    pub prefix: String,
+    pub queues: Vec<String>,
+    pub redis_url: String,
+    pub dir: PathBuf,
+}
+
+impl TestEnv {
+    /// `name` becomes part of the prefix, so leftovers point at their test.
+    pub fn new(name: &str) -> Self {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let prefix = format!(
+            "t-{name}-{}-{n}-{}",
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..6]
+        );
+        let dir = std::env::temp_dir().join(&prefix);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self { prefix, queues: vec!["default".into()], redis_url: redis_url(), dir }
+    }
+
+    pub fn names(&self) -> Names {
+        Names::new(&self.prefix)
+    }
+
+    /// A config under this prefix: `extra` is TOML appended after the generated sections'
+    /// keys (use it for `[[jobs]]`), `worker` is added to `[worker]`.
+    pub fn config_text(&self, queue_type: &str, redis: &str, worker: &str, jobs: &str) -> String {
+        format!(
+            "prefix = \"{}\"\n[amqp]\nurl = \"{}\"\nqueue_type = \"{queue_type}\"\n[redis]\nurl = \"{}\"\n{redis}\n[worker]\n{worker}\n{jobs}\n",
+            self.prefix,
+            amqp_url(),
+            self.redis_url
+        )
+    }
+
+    pub fn config(&self, queue_type: &str, redis: &str, worker: &str, jobs: &str) -> Config {
+        let text = self.config_text(queue_type, redis, worker, jobs);
+        Config::from_toml_str(&text).unwrap_or_else(|e| panic!("test config invalid: {e}\n{text}"))
+    }
+
+    /// Writes a config file into the test's directory and returns its path.
+    pub fn write_config(&self, text: &str) -> PathBuf {
+        let path = self.dir.join("chime.toml");
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    async fn cleanup(&self) {
+        let Ok(conn) = Connection::connect(&amqp_url(), ConnectionProperties::default()).await else {
+            return;
+        };
+        let names = self.names();
+        for q in &self.queues {
+            for name in [names.work_queue(q), names.dlq(q)] {
+                if let Ok(ch) = conn.create_channel().await {
+                    let _ = ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default()).await;
+                }
+            }
+        }
+        for ex in [names.work_exchange(), names.dead_exchange()] {
+            if let Ok(ch) = conn.create_channel().await {
+                let _ = ch.exchange_delete(ex.as_str().into(), ExchangeDeleteOptions::default()).await;
+            }
+        }
+        let _ = conn.close(200, "cleanup".into()).await;
+        if let Ok(client) = redis::Client::open(self.redis_url.as_str())
+            && let Ok(mut r) = client.get_multiplexed_async_connection().await
+        {
+            let pattern = format!("{}:*", self.prefix);
+            let keys: Vec<String> =
+                redis::cmd("KEYS").arg(&pattern).query_async(&mut r).await.unwrap_or_default();
+            if !keys.is_empty() {
+                let _: Result<(), _> = redis::cmd("DEL").arg(keys).query_async(&mut r).await;
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        let env = TestEnv {
+            prefix: self.prefix.clone(),
+            queues: self.queues.clone(),
+            redis_url: self.redis_url.clone(),
+            dir: self.dir.clone(),
+        };
+        // Runs on its own thread and runtime: Drop may run inside (or outside) a runtime.
+        let _ = std::thread::spawn(move || {
+            if let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                rt.block_on(env.cleanup());
+            }
+            std::mem::forget(env); // its own Drop must not recurse
+        })
+        .join();
+    }
+}
+
+/// A free TCP port on loopback (bound once, then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A redis-server owned by one test, on a spare port, with no persistence.
+pub struct PrivateRedis {
+    pub port: u16,
+    child: Option<std::process::Child>,
+    dir: PathBuf,
+}
+
+impl PrivateRedis {
+    pub async fn start() -> Self {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("chime-redis-{port}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut r = Self { port, child: None, dir };
+        r.spawn().await;
+        r
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    async fn spawn(&mut self) {
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start redis-server (is it installed?): {e}"));
+        self.child = Some(child);
+        let url = self.url();
+        wait_until("private redis answers PING", Duration::from_secs(10), || {
+            let url = url.clone();
+            async move {
+                let Ok(client) = redis::Client::open(url.as_str()) else { return false };
+                let Ok(mut c) = client.get_multiplexed_async_connection().await else { return false };
+                redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
+            }
+        })
+        .await;
+    }
+
+    /// SIGKILLs the server (its data is gone: no persistence).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again, empty, on the same port.
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.spawn().await;
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Path of a workspace binary (`chime`, `chime-worker`) next to the test executable.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(Path::parent).unwrap();
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} not found: build the binaries first (`cargo build --workspace --bins`, done by scripts/test)",
+        path.display()
+    );
+    path
+}
+
+/// A child process killed (SIGKILL) on drop unless it already exited.
+pub struct Child {
+    pub child: tokio::process::Child,
+    pub log: PathBuf,
+}
+
+impl Child {
+    /// Spawns `chime-worker --config CONFIG args…`, logging to a file in `dir`.
+    pub fn worker(dir: &Path, config: &Path, args: &[&str], tag: &str) -> Self {
+        let log = dir.join(format!("worker-{tag}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = tokio::process::Command::new(bin("chime-worker"))
+            .arg("--config")
+            .arg(config)
+            .args(args)
+            .env("RUST_LOG", "info,chime_worker=debug")
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        Self { child, log }
+    }
+
+    pub fn pid(&self) -> i32 {
+        i32::try_from(self.child.id().unwrap_or(0)).unwrap()
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // Sends a signal through the `kill` program (the test crate has no unsafe code).
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{sig} {} failed", self.pid());
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// Lines of a ledger file (one line per event, appended by exec jobs).
+pub fn ledger(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path).unwrap_or_default().lines().map(str::to_string).collect()
+}
+
+/// Counts of lines equal to `line` in a ledger.
+pub fn count(lines: &[String], line: &str) -> usize {
+    lines.iter().filter(|l| l.as_str() == line).count()
+}

@@ -1,1 +1,100 @@
-fn main() {}
+//! `chime-worker`: parses flags, wires config → tracing → metrics → health → `Worker::run`.
+
+use chime_shared::config::Config;
+use chime_shared::health::{self, Health};
+use chime_worker::{Registry, Worker};
+use clap::Parser;
+use std::path::PathBuf;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Parser)]
+#[command(name = "chime-worker", version, about = "Runs chime jobs from RabbitMQ")]
+struct Args {
+    /// Config file (default: $CHIME_CONFIG, else ./chime.toml)
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// Queues to consume, comma-separated (default: worker.queues, else every job's queue)
+    #[arg(long, value_delimiter = ',')]
+    queues: Option<Vec<String>>,
+    /// Jobs run at once (default: worker.concurrency)
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// Serve /metrics, /livez and /readyz here (default: worker.listen; none if unset)
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<String>,
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    chime_shared::telemetry::init_tracing();
+    std::process::exit(run(args).await);
+}
+
+async fn run(args: Args) -> i32 {
+    let config = match Config::load(args.config.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("chime-worker: error: {e}");
+            return 2;
+        }
+    };
+    let listen = args.listen.clone().or_else(|| config.worker.listen.clone());
+    let health = Health::default();
+    let mut builder = Worker::builder(config).registry(Registry::new()).health(health.clone());
+    if let Some(q) = args.queues {
+        builder = builder.queues(q);
+    }
+    if let Some(n) = args.concurrency {
+        builder = builder.concurrency(n);
+    }
+    let worker = match builder.build() {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("chime-worker: error: {e}");
+            return if e.is_config() { 2 } else { 1 };
+        }
+    };
+    let token = CancellationToken::new();
+    if let Some(addr) = listen {
+        let listener = match tokio::net::TcpListener::bind(&addr).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("chime-worker: error: cannot listen on {addr}: {e}");
+                return 2;
+            }
+        };
+        let recorder = match chime_shared::telemetry::install_recorder() {
+            Ok(h) => Some(h),
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics recorder not installed");
+                None
+            }
+        };
+        tracing::info!(%addr, "serving /metrics, /livez, /readyz");
+        tokio::spawn(health::serve(listener, health, recorder, token.clone()));
+    }
+    tokio::spawn(signals(token.clone()));
+    match worker.run(token).await {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("chime-worker: error: {e}");
+            if e.is_config() { 2 } else { 1 }
+        }
+    }
+}
+
+/// First SIGTERM/SIGINT: graceful drain. Second: exit at once.
+async fn signals(token: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    else {
+        tracing::error!("cannot install signal handlers");
+        return;
+    };
+    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+    tracing::info!("shutdown requested; draining (signal again to exit at once)");
+    token.cancel();
+    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+    std::process::exit(130);
+}

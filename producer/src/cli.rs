@@ -1,0 +1,203 @@
+//! The `chime` command line. `main` only calls [`main_exit_code`].
+
+use anyhow::Context as _;
+use chime_shared::config::Config;
+use clap::{Args, Parser, Subcommand};
+use std::io::{BufRead, Read};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::enqueue::{EnqueueClient, EnqueueError, EnqueueRequest, parse_batch_line, prepare};
+
+#[derive(Debug, Parser)]
+#[command(name = "chime", version, about = "Scheduled and ad-hoc jobs on RabbitMQ and Redis")]
+pub struct Cli {
+    /// Config file (default: $CHIME_CONFIG, else ./chime.toml)
+    #[arg(long, global = true, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Push an ad-hoc job (returns after the broker confirmed it)
+    Enqueue(EnqueueArgs),
+    /// Validate the config and exit (0 = valid, 2 = invalid)
+    CheckConfig,
+}
+
+#[derive(Debug, Args)]
+pub struct EnqueueArgs {
+    /// Job name, as in the config's [[jobs]]
+    pub job: String,
+    /// Payload as JSON text
+    #[arg(long, conflicts_with_all = ["payload_file", "batch"])]
+    pub payload: Option<String>,
+    /// Read the payload from a file, or from standard input with `-`
+    #[arg(long, value_name = "PATH|-", conflicts_with = "batch")]
+    pub payload_file: Option<String>,
+    /// Idempotency key: the same key for the same job runs once
+    #[arg(long, conflicts_with = "batch")]
+    pub key: Option<String>,
+    /// Queue (default: the job's queue)
+    #[arg(long)]
+    pub queue: Option<String>,
+    /// Attempts before the job is dead-lettered (default: the job's max_attempts)
+    #[arg(long)]
+    pub max_attempts: Option<u32>,
+    /// JSON lines, one job each ({"payload":…,"key":…} or a bare payload); `-` = stdin
+    #[arg(long, value_name = "PATH|-")]
+    pub batch: Option<String>,
+    /// Print the result as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A failure with its exit code: 2 for usage and config errors, 1 at run time.
+#[derive(Debug)]
+pub struct Failure {
+    pub code: i32,
+    pub error: anyhow::Error,
+}
+
+fn usage(error: impl Into<anyhow::Error>) -> Failure {
+    Failure { code: 2, error: error.into() }
+}
+fn runtime(error: impl Into<anyhow::Error>) -> Failure {
+    Failure { code: 1, error: error.into() }
+}
+fn from_enqueue(e: EnqueueError) -> Failure {
+    if e.is_usage() { usage(e) } else { runtime(e) }
+}
+
+/// Runs the CLI and returns the process exit code.
+pub async fn main_exit_code(cli: Cli) -> i32 {
+    match run(cli).await {
+        Ok(()) => 0,
+        Err(f) => {
+            eprintln!("chime: error: {:#}", f.error);
+            f.code
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let config = Config::load(cli.config.as_deref()).map_err(usage)?;
+    match cli.command {
+        Command::CheckConfig => {
+            println!(
+                "config OK: {} job(s), queues: {}, queue type {}, prefix {:?}",
+                config.jobs.len(),
+                config.all_queues().join(", "),
+                config.amqp.queue_type.as_str(),
+                config.prefix
+            );
+            Ok(())
+        }
+        Command::Enqueue(args) => enqueue(Arc::new(config), args).await,
+    }
+}
+
+fn read_source(path: &str) -> Result<String, Failure> {
+    if path == "-" {
+        let mut s = String::new();
+        std::io::stdin().read_to_string(&mut s).context("reading standard input").map_err(usage)?;
+        Ok(s)
+    } else {
+        std::fs::read_to_string(path).with_context(|| format!("reading {path}")).map_err(usage)
+    }
+}
+
+async fn enqueue(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> {
+    if config.job(&args.job).is_none() {
+        return Err(usage(EnqueueError::UnknownJob(args.job)));
+    }
+    if let Some(batch) = &args.batch {
+        return enqueue_batch(config, &args, batch).await;
+    }
+    let payload_text = match (&args.payload, &args.payload_file) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(f)) => Some(read_source(f)?),
+        (None, None) => None,
+    };
+    let payload = payload_text
+        .map(|t| serde_json::from_str::<serde_json::Value>(&t))
+        .transpose()
+        .context("--payload is not valid JSON")
+        .map_err(usage)?;
+    let req = EnqueueRequest {
+        job: args.job.clone(),
+        payload,
+        key: args.key.clone(),
+        queue: args.queue.clone(),
+        max_attempts: args.max_attempts,
+    };
+    // Validate before connecting, so a bad request never touches the broker.
+    prepare(&config, &req).map_err(from_enqueue)?;
+    let client = EnqueueClient::connect(config).await.map_err(from_enqueue)?;
+    let done = client.enqueue(req).await.map_err(from_enqueue)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({"confirmed": true, "id": done.id, "key": done.key, "job": done.job, "queue": done.queue})
+        );
+    } else {
+        println!(
+            "enqueued {} on queue {} (key {}, id {}), confirmed",
+            done.job, done.queue, done.key, done.id
+        );
+    }
+    Ok(())
+}
+
+async fn enqueue_batch(config: Arc<Config>, args: &EnqueueArgs, source: &str) -> Result<(), Failure> {
+    let reader: Box<dyn BufRead> = if source == "-" {
+        Box::new(std::io::BufReader::new(std::io::stdin()))
+    } else {
+        let f = std::fs::File::open(source).with_context(|| format!("opening {source}")).map_err(usage)?;
+        Box::new(std::io::BufReader::new(f))
+    };
+    let mut reqs = Vec::new();
+    for (i, line) in reader.lines().enumerate() {
+        let line = line.with_context(|| format!("reading {source}")).map_err(usage)?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let mut req = parse_batch_line(&args.job, &line)
+            .map_err(|e| usage(anyhow::anyhow!("{source} line {}: {e}", i + 1)))?;
+        if req.queue.is_none() {
+            req.queue = args.queue.clone();
+        }
+        if req.max_attempts.is_none() {
+            req.max_attempts = args.max_attempts;
+        }
+        reqs.push(req);
+    }
+    for (i, r) in reqs.iter().enumerate() {
+        prepare(&config, r).map_err(|e| usage(anyhow::anyhow!("{source} entry {}: {e}", i + 1)))?;
+    }
+    let client = EnqueueClient::connect(config).await.map_err(from_enqueue)?;
+    let started = Instant::now();
+    let report = client.enqueue_batch(&reqs).await.map_err(from_enqueue)?;
+    let secs = started.elapsed().as_secs_f64();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({"confirmed": report.confirmed, "total": report.total, "seconds": secs,
+                "error": report.error.as_ref().map(|e| e.to_string())})
+        );
+    } else {
+        let rate = if secs > 0.0 { report.confirmed as f64 / secs } else { 0.0 };
+        println!("confirmed {} of {} jobs in {secs:.2}s ({rate:.0}/s)", report.confirmed, report.total);
+    }
+    match report.error {
+        None => Ok(()),
+        Some(e) => Err(runtime(anyhow::anyhow!(
+            "{} of {} not confirmed: {e}",
+            report.total - report.confirmed,
+            report.total
+        ))),
+    }
+}

@@ -1,0 +1,102 @@
+//! The `chime` binary: exit codes, confirmations, batch, and bad input publishing nothing.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use crate::common::*;
+
+const JOBS: &str = "[[jobs]]\nname = \"greet\"\nhandler = \"noop\"\n";
+
+fn chime(config: &std::path::Path, args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
+    let mut child = Command::new(bin("chime"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    if let Some(s) = stdin {
+        child.stdin.take().unwrap().write_all(s.as_bytes()).unwrap();
+    } else {
+        drop(child.stdin.take());
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn config_errors_exit_2_naming_the_key() {
+    let env = TestEnv::new("clicfg");
+    let good = env.write_config(&env.config_text("classic", "", "", JOBS));
+    let (code, out, _) = chime(&good, &["check-config"], None);
+    assert_eq!(code, 0);
+    assert!(out.contains("config OK: 1 job(s)"), "{out}");
+
+    let bad = env.dir.join("bad.toml");
+    std::fs::write(&bad, format!("{}\n[worker]\nconcurency = 4\n", "prefix = \"x\"")).unwrap();
+    let (code, _, err) = chime(&bad, &["check-config"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("concurency"), "{err}");
+
+    std::fs::write(&bad, "[[jobs]]\nname = \"a\"\nhandler = \"exec\"\n").unwrap();
+    let (code, _, err) = chime(&bad, &["check-config"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("jobs[0] (a).command"), "{err}");
+
+    let (code, _, err) = chime(&env.dir.join("missing.toml"), &["check-config"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("not found"), "{err}");
+}
+
+#[tokio::test]
+async fn enqueue_confirms_and_bad_input_publishes_nothing() {
+    let env = TestEnv::new("clienq");
+    let path = env.write_config(&env.config_text("quorum", "", "", JOBS));
+    let queue = env.names().work_queue("default");
+
+    let (code, _, err) = chime(&path, &["enqueue", "nope"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("unknown job \"nope\""), "{err}");
+    let (code, _, err) = chime(&path, &["enqueue", "greet", "--payload", "{bad"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("not valid JSON"), "{err}");
+    let (code, _, err) =
+        chime(&path, &["enqueue", "greet", "--batch", "-"], Some("{\"payload\":1}\n{oops\n"));
+    assert_eq!(code, 2);
+    assert!(err.contains("line 2"), "{err}");
+
+    let (code, out, err) =
+        chime(&path, &["enqueue", "greet", "--payload", "{\"a\":1}", "--key", "k", "--json"], None);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["confirmed"], true);
+    assert_eq!(v["key"], chime_shared::envelope::adhoc_key("greet", "k").to_string());
+    assert_eq!(depth(&queue).await, 1, "only the valid job was published");
+
+    let (code, out, err) = chime(&path, &["enqueue", "greet", "--payload-file", "-"], Some("[1,2,3]"));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("confirmed"), "{out}");
+
+    let lines: String =
+        (0..1000).map(|i| format!("{{\"payload\":{{\"i\":{i}}},\"key\":\"b{i}\"}}\n")).collect();
+    let (code, out, err) = chime(&path, &["enqueue", "greet", "--batch", "-"], Some(&lines));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("confirmed 1000 of 1000 jobs"), "{out}");
+    let q = queue.clone();
+    wait_until("1002 messages queued", std::time::Duration::from_secs(10), || {
+        let q = q.clone();
+        async move { depth(&q).await == 1002 }
+    })
+    .await;
+
+    // A queue nothing is bound to: the broker returns the message, and that is a failure.
+    let (code, _, err) = chime(&path, &["enqueue", "greet", "--queue", "unbound"], None);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("unroutable"), "{err}");
+}

@@ -1,0 +1,110 @@
+//! In-process workers and a counting ledger for the tests.
+
+use chime_shared::config::Config;
+use chime_shared::health::Health;
+use chime_worker::{JobContext, JobError, Registry, Stats, Worker, WorkerError, raw_handler_fn};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use chime_tests::*;
+
+/// Executions per payload `n`.
+#[derive(Clone, Default)]
+pub struct Ledger(pub Arc<Mutex<HashMap<u64, u32>>>);
+
+impl Ledger {
+    pub fn record(&self, n: u64) {
+        *self.0.lock().unwrap().entry(n).or_default() += 1;
+    }
+    pub fn distinct(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+    pub fn total(&self) -> u64 {
+        self.0.lock().unwrap().values().map(|v| u64::from(*v)).sum()
+    }
+    pub fn get(&self, n: u64) -> u32 {
+        self.0.lock().unwrap().get(&n).copied().unwrap_or(0)
+    }
+    pub fn duplicates(&self) -> u64 {
+        self.0.lock().unwrap().values().map(|v| u64::from(v.saturating_sub(1))).sum()
+    }
+}
+
+/// A registry with handler `count` recording `payload.n`, sleeping `payload.sleep_ms`.
+pub fn counting_registry(ledger: &Ledger) -> Registry {
+    let l = ledger.clone();
+    let mut r = Registry::new();
+    r.register(
+        "count",
+        raw_handler_fn(move |_ctx: JobContext, p: serde_json::Value| {
+            let l = l.clone();
+            async move {
+                if let Some(ms) = p.get("sleep_ms").and_then(|v| v.as_u64()) {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                l.record(p.get("n").and_then(|v| v.as_u64()).unwrap_or(u64::MAX));
+                Ok::<_, JobError>(())
+            }
+        }),
+    );
+    r
+}
+
+/// `[[jobs]]` entry for the counting handler.
+pub const COUNT_JOB: &str = "[[jobs]]\nname = \"count\"\nhandler = \"count\"\n";
+
+pub struct Running {
+    pub token: CancellationToken,
+    pub handle: JoinHandle<Result<(), WorkerError>>,
+    pub stats: Arc<Stats>,
+    pub health: Health,
+}
+
+impl Running {
+    pub async fn start(config: Config, registry: Registry, concurrency: usize) -> Self {
+        let health = Health::default();
+        let worker = Worker::builder(config)
+            .registry(registry)
+            .concurrency(concurrency)
+            .health(health.clone())
+            .build()
+            .expect("worker builds");
+        let stats = worker.stats();
+        let token = CancellationToken::new();
+        let handle = tokio::spawn(worker.run(token.clone()));
+        let h = health.clone();
+        wait_until("worker consuming", Duration::from_secs(20), || {
+            let h = h.clone();
+            async move { h.get("consuming") }
+        })
+        .await;
+        Self { token, handle, stats, health }
+    }
+
+    pub async fn stop(self) {
+        self.token.cancel();
+        let r = tokio::time::timeout(Duration::from_secs(60), self.handle).await;
+        r.expect("worker stops within 60s").expect("worker task").expect("worker run ok");
+    }
+
+    pub fn succeeded(&self) -> u64 {
+        Stats::get(&self.stats.succeeded)
+    }
+    pub fn duplicates(&self) -> u64 {
+        Stats::get(&self.stats.duplicates)
+    }
+    pub fn dead_lettered(&self) -> u64 {
+        Stats::get(&self.stats.dead_lettered)
+    }
+}
+
+/// Ready messages in `queue` (passive declare).
+pub async fn depth(queue: &str) -> u32 {
+    let conn = connect_amqp().await;
+    let d = chime_shared::topology::depth(&conn, queue).await.map(|(m, _)| m).unwrap_or(u32::MAX);
+    let _ = conn.close(200, "".into()).await;
+    d
+}

@@ -1,0 +1,127 @@
+//! Messages that cannot run reach their DLQ with reason headers, body unchanged.
+
+use chime_shared::amqp;
+use chime_shared::envelope::{Envelope, Source, adhoc_key, header_str};
+use chime_worker::{JobError, Registry, raw_handler_fn};
+use lapin::BasicProperties;
+use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions};
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::common::*;
+
+/// Takes every message from `dlq` (acking it), as (body, headers by name).
+async fn drain_dlq(dlq: &str, expect: usize) -> Vec<(Vec<u8>, HashMap<String, String>)> {
+    let conn = connect_amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut out = Vec::new();
+    let started = std::time::Instant::now();
+    while out.len() < expect {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "only {} of {expect} dead letters in {dlq}",
+            out.len()
+        );
+        match ch.basic_get(dlq.into(), BasicGetOptions::default()).await.unwrap() {
+            Some(m) => {
+                let props = &m.delivery.properties;
+                let mut h = HashMap::new();
+                for k in [
+                    "x-chime-reason",
+                    "x-chime-error",
+                    "x-chime-attempts",
+                    "x-chime-failed-at",
+                    "x-chime-worker",
+                ] {
+                    if let Some(v) = header_str(props, k) {
+                        h.insert(k.to_string(), v);
+                    }
+                }
+                out.push((m.delivery.data.clone(), h));
+                m.delivery.acker.ack(BasicAckOptions::default()).await.unwrap();
+            }
+            None => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    let _ = conn.close(200, "".into()).await;
+    out
+}
+
+#[tokio::test]
+async fn malformed_and_unknown_jobs_go_to_the_dlq_with_their_reason() {
+    let env = TestEnv::new("malformed");
+    let config = env.config("classic", "", "", COUNT_JOB);
+    let ledger = Ledger::default();
+    let worker = Running::start(config.clone(), counting_registry(&ledger), 2).await;
+    let conn = connect_amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let names = env.names();
+    let ex = names.work_exchange();
+    let t = Duration::from_secs(10);
+    amqp::publish_confirmed(&ch, &ex, "default", b"this is not json", BasicProperties::default(), t)
+        .await
+        .unwrap();
+    let missing = br#"{"v":1,"job":"count"}"#;
+    amqp::publish_confirmed(&ch, &ex, "default", missing, BasicProperties::default(), t).await.unwrap();
+    let ghost = Envelope::new(
+        "ghost",
+        "default",
+        adhoc_key("ghost", "1"),
+        serde_json::json!(1),
+        None,
+        3,
+        Source::Adhoc,
+    );
+    amqp::publish_confirmed(&ch, &ex, "default", &ghost.encode(), ghost.properties(), t).await.unwrap();
+
+    let w = &worker;
+    wait_until("three dead letters", Duration::from_secs(20), || async { w.dead_lettered() == 3 }).await;
+    let dead = drain_dlq(&names.dlq("default"), 3).await;
+    let reasons: Vec<&str> = dead.iter().map(|(_, h)| h["x-chime-reason"].as_str()).collect();
+    assert_eq!(reasons, ["malformed", "malformed", "unknown_job"]);
+    assert_eq!(dead[0].0, b"this is not json", "body unchanged");
+    assert_eq!(dead[2].0, ghost.encode(), "body unchanged");
+    assert!(dead[1].1["x-chime-error"].contains("missing field"), "{:?}", dead[1].1);
+    for (_, h) in &dead {
+        assert!(h.contains_key("x-chime-failed-at") && h.contains_key("x-chime-worker"), "{h:?}");
+    }
+    assert_eq!(ledger.total(), 0);
+    worker.stop().await;
+    let _ = conn.close(200, "".into()).await;
+}
+
+#[tokio::test]
+async fn failing_handlers_are_dead_lettered_with_reason_and_worker_survives() {
+    let env = TestEnv::new("failing");
+    let jobs = "[[jobs]]\nname = \"perm\"\nhandler = \"perm\"\n\
+                [[jobs]]\nname = \"boom\"\nhandler = \"boom\"\n\
+                [[jobs]]\nname = \"slow\"\nhandler = \"slow\"\ntimeout = \"1s\"\n";
+    let config = env.config("quorum", "", "", jobs);
+    let mut reg = Registry::new();
+    reg.register("perm", raw_handler_fn(|_, _| async { Err(JobError::permanent("bad input")) }));
+    reg.register("boom", raw_handler_fn(|_, _| async { panic!("handler exploded") }));
+    reg.register(
+        "slow",
+        raw_handler_fn(|_, _| async {
+            tokio::time::sleep(Duration::from_secs(600)).await;
+            Ok(())
+        }),
+    );
+    let worker = Running::start(config.clone(), reg, 4).await;
+    let client = chime_producer::EnqueueClient::connect(std::sync::Arc::new(config)).await.unwrap();
+    for job in ["perm", "boom", "slow"] {
+        client.enqueue(chime_producer::EnqueueRequest::new(job)).await.unwrap();
+    }
+    let w = &worker;
+    wait_until("three dead letters", Duration::from_secs(30), || async { w.dead_lettered() == 3 }).await;
+    let mut dead = drain_dlq(&env.names().dlq("default"), 3).await;
+    dead.sort_by(|a, b| a.1["x-chime-reason"].cmp(&b.1["x-chime-reason"]));
+    let got: Vec<(&str, &str)> =
+        dead.iter().map(|(_, h)| (h["x-chime-reason"].as_str(), h["x-chime-attempts"].as_str())).collect();
+    assert_eq!(got, [("panic", "1"), ("permanent", "1"), ("timeout", "1")]);
+    assert!(dead[0].1["x-chime-error"].contains("handler exploded"));
+    assert!(dead[1].1["x-chime-error"].contains("bad input"));
+    assert!(worker.health.ready(), "worker still ready after a panic");
+    worker.stop().await;
+}

@@ -1,0 +1,11 @@
+//! chime's integration tests: one binary, real RabbitMQ and Redis, a prefix per test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod cli;
+mod common;
+mod dead_letters;
+mod pipeline;
+mod processes;
+mod project;
+mod redis_outage;
+mod topology;

@@ -1,0 +1,164 @@
+//! Real `chime-worker` processes: SIGKILL mid-job, SIGTERM drain, exec hygiene.
+
+use chime_producer::{EnqueueClient, EnqueueRequest};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::common::*;
+
+/// An exec job that logs `start KEY FENCE`, sleeps, then logs `done KEY FENCE`.
+fn ledger_job(ledger: &Path, sleep_s: f32) -> String {
+    format!(
+        "[[jobs]]\nname = \"work\"\nhandler = \"exec\"\ntimeout = \"60s\"\n\
+         command = ['sh', '-c', 'echo start $CHIME_KEY $CHIME_FENCE >> {l}; sleep {sleep_s}; echo done $CHIME_KEY $CHIME_FENCE >> {l}']\n",
+        l = ledger.display()
+    )
+}
+
+async fn exit_code(child: &mut Child, within: Duration) -> i32 {
+    match tokio::time::timeout(within, child.child.wait()).await {
+        Ok(Ok(status)) => status.code().unwrap_or(-1),
+        Ok(Err(e)) => panic!("waiting for the worker: {e}"),
+        Err(_) => panic!("worker did not exit within {within:?}; log:\n{}", child.log_text()),
+    }
+}
+
+#[tokio::test]
+async fn worker_killed_mid_job_completes_elsewhere_after_the_lease_once() {
+    let env = TestEnv::new("killed");
+    let ledger = env.dir.join("ledger");
+    let text = env.config_text("quorum", "lease = \"3s\"", "", &ledger_job(&ledger, 2.0));
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+
+    let mut a = Child::worker(&env.dir, &path, &[], "a");
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let job = client.enqueue(EnqueueRequest::new("work")).await.unwrap();
+    let key = job.key.to_string();
+    let l = ledger.clone();
+    wait_until("worker A started the job", Duration::from_secs(20), || {
+        let l = l.clone();
+        async move { !ledger_lines(&l).is_empty() }
+    })
+    .await;
+    a.signal(9);
+    let _ = a.child.wait().await;
+
+    let b = Child::worker(&env.dir, &path, &[], "b");
+    let k = key.clone();
+    let l = ledger.clone();
+    wait_until("the job completed on worker B", Duration::from_secs(30), || {
+        let (l, k) = (l.clone(), k.clone());
+        async move { ledger_lines(&l).iter().any(|x| x.starts_with(&format!("done {k}"))) }
+    })
+    .await;
+    let lines = ledger_lines(&ledger);
+    assert_eq!(
+        lines,
+        vec![format!("start {key} 1"), format!("start {key} 2"), format!("done {key} 2")],
+        "B ran it once, with the next fence; A's child never finished:\n{}",
+        b.log_text()
+    );
+    assert!(b.log_text().contains("job succeeded"), "{}", b.log_text());
+}
+
+fn ledger_lines(path: &Path) -> Vec<String> {
+    ledger(path)
+}
+
+#[tokio::test]
+async fn sigterm_drains_in_flight_jobs_and_exits_zero() {
+    let env = TestEnv::new("sigterm");
+    let ledger = env.dir.join("ledger");
+    let text = env.config_text("classic", "", "shutdown_timeout = \"30s\"", &ledger_job(&ledger, 1.0));
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let mut w = Child::worker(&env.dir, &path, &["--concurrency", "2"], "w");
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let job = client.enqueue(EnqueueRequest::new("work")).await.unwrap();
+    let l = ledger.clone();
+    wait_until("job started", Duration::from_secs(20), || {
+        let l = l.clone();
+        async move { !ledger_lines(&l).is_empty() }
+    })
+    .await;
+    w.signal(15);
+    assert_eq!(exit_code(&mut w, Duration::from_secs(30)).await, 0, "{}", w.log_text());
+    assert_eq!(ledger_lines(&ledger), vec![format!("start {} 1", job.key), format!("done {} 1", job.key)]);
+    assert_eq!(depth(&env.names().work_queue("default")).await, 0, "acked before exit:\n{}", w.log_text());
+    let mut r = connect_redis(&env.redis_url).await;
+    let state: Option<String> = redis::cmd("HGET")
+        .arg(env.names().idem_key(&job.key.to_string()))
+        .arg("s")
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    assert_eq!(state.as_deref(), Some("done"));
+}
+
+#[tokio::test]
+async fn drain_deadline_stops_the_job_kills_its_process_group_and_requeues() {
+    let env = TestEnv::new("deadline");
+    let ledger = env.dir.join("ledger");
+    let text = env.config_text("quorum", "", "shutdown_timeout = \"1s\"", &ledger_job(&ledger, 30.0));
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let mut w = Child::worker(&env.dir, &path, &[], "w");
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let job = client.enqueue(EnqueueRequest::new("work")).await.unwrap();
+    let l = ledger.clone();
+    wait_until("job started", Duration::from_secs(20), || {
+        let l = l.clone();
+        async move { !ledger_lines(&l).is_empty() }
+    })
+    .await;
+    w.signal(15);
+    assert_eq!(exit_code(&mut w, Duration::from_secs(30)).await, 0, "{}", w.log_text());
+    // The job's `sleep 30` was killed with its group, and the message is back in the queue
+    // with its claim released, so the next worker can run it at once.
+    let key = job.key.to_string();
+    let pgrep =
+        std::process::Command::new("pgrep").args(["-f", &ledger.display().to_string()]).output().unwrap();
+    assert!(pgrep.stdout.is_empty(), "the job's processes outlived the worker");
+    let q = env.names().work_queue("default");
+    let qq = q.clone();
+    wait_until("message requeued", Duration::from_secs(10), || {
+        let qq = qq.clone();
+        async move { depth(&qq).await == 1 }
+    })
+    .await;
+    let mut r = connect_redis(&env.redis_url).await;
+    let state: Option<String> =
+        redis::cmd("HGET").arg(env.names().idem_key(&key)).arg("s").query_async(&mut r).await.unwrap();
+    assert_eq!(state.as_deref(), Some("free"));
+    assert_eq!(ledger_lines(&ledger), vec![format!("start {key} 1")]);
+}
+
+#[tokio::test]
+async fn exec_gets_payload_on_stdin_and_facts_in_env() {
+    let env = TestEnv::new("execenv");
+    let out = env.dir.join("out");
+    let jobs = format!(
+        "[[jobs]]\nname = \"show\"\nhandler = \"exec\"\n\
+         command = ['sh', '-c', 'cat > {o}.stdin; echo \"$CHIME_JOB|$CHIME_KEY|$CHIME_ATTEMPT|$CHIME_SLOT|$CHIME_FENCE\" > {o}.env']\n",
+        o = out.display()
+    );
+    let config = env.config("classic", "", "", &jobs);
+    let worker = Running::start(config.clone(), chime_worker::Registry::new(), 1).await;
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let job = client
+        .enqueue(EnqueueRequest::new("show").payload(serde_json::json!({"greeting": "hi"})).key("k-1"))
+        .await
+        .unwrap();
+    let w = &worker;
+    wait_until("exec job done", Duration::from_secs(20), || async { w.succeeded() == 1 }).await;
+    let stdin = std::fs::read_to_string(out.with_extension("stdin")).unwrap();
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&stdin).unwrap(),
+        serde_json::json!({"greeting": "hi"})
+    );
+    let envs = std::fs::read_to_string(out.with_extension("env")).unwrap();
+    assert_eq!(envs.trim(), format!("show|{}|1||1", job.key));
+    worker.stop().await;
+}

@@ -1,0 +1,57 @@
+//! Declaration is idempotent; a mismatching existing queue is named with its argument.
+
+use chime_shared::topology::{self, TopologyError};
+use lapin::options::QueueDeclareOptions;
+use lapin::types::{AMQPValue, FieldTable};
+
+use crate::common::*;
+
+#[tokio::test]
+async fn declaring_twice_is_fine_and_a_mismatch_names_queue_and_argument() {
+    let env = TestEnv::new("topo");
+    let conn = connect_amqp().await;
+    let quorum = env.config("quorum", "", "", "");
+    topology::declare(&conn, &quorum, &["default".into()]).await.unwrap();
+    topology::declare(&conn, &quorum, &["default".into()]).await.unwrap();
+
+    // Only the delivery limit differs: the error names exactly that argument.
+    let mut limit = quorum.clone();
+    limit.amqp.delivery_limit = 7;
+    let err = topology::declare(&conn, &limit, &["default".into()]).await.unwrap_err();
+    match &err {
+        TopologyError::Inequivalent { queue, argument, .. } => {
+            assert_eq!(queue, &env.names().work_queue("default"));
+            assert_eq!(argument, "x-delivery-limit");
+        }
+        other => panic!("expected Inequivalent, got {other}"),
+    }
+    let text = err.to_string();
+    assert!(text.contains(&env.names().work_queue("default")) && text.contains("x-delivery-limit"), "{text}");
+    assert!(!err.is_transient());
+
+    // Classic against quorum: RabbitMQ reports the first differing argument it checks.
+    let classic = env.config("classic", "", "", "");
+    let err = topology::declare(&conn, &classic, &["default".into()]).await.unwrap_err();
+    assert!(
+        matches!(&err, TopologyError::Inequivalent { argument, .. } if argument.starts_with("x-")),
+        "{err}"
+    );
+
+    // A queue someone declared by hand without our dead-letter exchange.
+    let ch = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    let mut env2 = TestEnv::new("topo2");
+    env2.queues = vec!["other".into()];
+    let name = env2.names().work_queue("other");
+    ch.queue_declare(name.as_str().into(), QueueDeclareOptions { durable: true, ..Default::default() }, args)
+        .await
+        .unwrap();
+    let cfg2 = env2.config("quorum", "", "", "");
+    let err = topology::declare(&conn, &cfg2, &["other".into()]).await.unwrap_err();
+    assert!(
+        matches!(&err, TopologyError::Inequivalent { argument, .. } if argument.starts_with("x-")),
+        "{err}"
+    );
+    let _ = conn.close(200, "".into()).await;
+}

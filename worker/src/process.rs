@@ -1,0 +1,331 @@
+//! One delivery, one exhaustive decision, ack last. This is the only module that acks.
+//!
+//! decode → handler lookup → Redis claim → run (timeout, lease renewal, panic capture) →
+//! record the outcome → publish to the DLQ if needed (confirmed) → ack. When Redis cannot
+//! be reached before a decision, the delivery is requeued, never acked.
+
+use chime_shared::amqp;
+use chime_shared::envelope::{Envelope, put_header};
+use chime_shared::idempotency::{Claim, Final, IdemError};
+use chime_shared::telemetry::{self, outcome};
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, error, info, info_span, warn};
+use uuid::Uuid;
+
+use crate::handler::{JobContext, JobError};
+use crate::runtime::{Shared, Stats};
+
+/// Longest `x-chime-error` header kept.
+const MAX_ERROR_LEN: usize = 1000;
+
+/// Why a message went to its DLQ (`x-chime-reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadReason {
+    Malformed,
+    UnknownJob,
+    Permanent,
+    Exhausted,
+    Timeout,
+    Panic,
+}
+
+impl DeadReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadReason::Malformed => "malformed",
+            DeadReason::UnknownJob => "unknown_job",
+            DeadReason::Permanent => "permanent",
+            DeadReason::Exhausted => "exhausted",
+            DeadReason::Timeout => "timeout",
+            DeadReason::Panic => "panic",
+        }
+    }
+}
+
+/// What happened to a run.
+#[derive(Debug)]
+enum RunResult {
+    Ok,
+    Failed(DeadReason, String),
+    /// Another owner took the key over while we ran (our lease lapsed).
+    LostLease,
+    /// Stopped by the shutdown deadline.
+    Aborted,
+}
+
+/// What to do with the delivery.
+#[derive(Debug)]
+enum Disposition {
+    Ack,
+    Requeue,
+    DeadLetter { reason: DeadReason, error: String, attempts: u32 },
+}
+
+/// Processes one delivery from `queue` and settles it (ack, requeue, or DLQ then ack).
+pub(crate) async fn handle(shared: &Shared, publish: &lapin::Channel, queue: &str, delivery: Delivery) {
+    let started = Instant::now();
+    let (job_label, disposition) = match Envelope::decode(&delivery.data) {
+        Err(e) => {
+            warn!(queue, error = %e, "malformed message");
+            (
+                telemetry::UNKNOWN_JOB_LABEL.to_string(),
+                Disposition::DeadLetter { reason: DeadReason::Malformed, error: e.to_string(), attempts: 0 },
+            )
+        }
+        Ok(env) => {
+            let span = info_span!("job", job = %env.job, key = %env.key, attempt = env.attempt);
+            let label =
+                if shared.knows(&env.job) { env.job.clone() } else { telemetry::UNKNOWN_JOB_LABEL.into() };
+            (label, decide(shared, env).instrument(span).await)
+        }
+    };
+    settle(shared, publish, queue, delivery, &job_label, disposition, started).await;
+}
+
+async fn decide(shared: &Shared, env: Envelope) -> Disposition {
+    let Some(spec) = shared.job(&env.job) else {
+        warn!("no handler for this job");
+        return Disposition::DeadLetter {
+            reason: DeadReason::UnknownJob,
+            error: format!("no handler for job {:?} on this worker", env.job),
+            attempts: env.attempt.saturating_sub(1),
+        };
+    };
+    let key = env.key.to_string();
+    let owner = format!("{}/{}", shared.worker_id, Uuid::new_v4());
+    let busy_deadline = Instant::now() + shared.store.lease() * 2;
+    let fence = loop {
+        match shared.store.claim(&key, &owner).await {
+            Err(e) => return redis_down(shared, e),
+            Ok(Claim::Claimed { fence }) => break fence,
+            Ok(Claim::Done { .. } | Claim::Dead { .. }) => {
+                debug!("duplicate absorbed");
+                Stats::bump(&shared.stats.duplicates);
+                metrics::counter!(telemetry::JOBS_COMPLETED, "job" => env.job.clone(), "outcome" => outcome::DUPLICATE)
+                    .increment(1);
+                return Disposition::Ack;
+            }
+            Ok(Claim::Busy { remaining, .. }) => {
+                // Another live owner runs this key. Never drop the copy (the owner may die):
+                // wait for its lease, then look again; past two leases, requeue.
+                if Instant::now() >= busy_deadline {
+                    return Disposition::Requeue;
+                }
+                let nap = (remaining + Duration::from_millis(20)).min(Duration::from_secs(1));
+                tokio::select! {
+                    _ = tokio::time::sleep(nap) => {}
+                    _ = shared.intake_stopped.cancelled() => return Disposition::Requeue,
+                }
+            }
+        }
+    };
+
+    let lag_from = env.slot.unwrap_or(env.enqueued_at);
+    let lag = (chrono::Utc::now() - lag_from).num_milliseconds().max(0) as f64 / 1000.0;
+    metrics::histogram!(telemetry::JOB_LAG, "job" => env.job.clone()).record(lag);
+
+    let run_started = Instant::now();
+    let result = run(shared, &spec, &env, &key, &owner, fence).await;
+    metrics::histogram!(telemetry::JOB_DURATION, "job" => env.job.clone())
+        .record(run_started.elapsed().as_secs_f64());
+
+    match result {
+        RunResult::Ok => {
+            record(shared, &key, &owner, fence, Final::Done).await;
+            metrics::counter!(telemetry::JOBS_COMPLETED, "job" => env.job.clone(), "outcome" => outcome::SUCCEEDED)
+                .increment(1);
+            info!(elapsed_ms = run_started.elapsed().as_millis() as u64, "job succeeded");
+            Stats::bump(&shared.stats.succeeded);
+            Disposition::Ack
+        }
+        RunResult::LostLease => {
+            warn!("lease lost while running; the new owner settles this key");
+            Stats::bump(&shared.stats.lost_lease);
+            Disposition::Ack
+        }
+        RunResult::Aborted => {
+            record(shared, &key, &owner, fence, Final::Free).await;
+            info!("job stopped by the shutdown deadline; requeued");
+            Disposition::Requeue
+        }
+        RunResult::Failed(reason, error) => {
+            // Until delayed retries exist, every failure is final: record it as dead so that
+            // later duplicates count as duplicates, then dead-letter with the reason.
+            warn!(reason = reason.as_str(), %error, "job failed");
+            record(shared, &key, &owner, fence, Final::Dead).await;
+            Disposition::DeadLetter { reason, error, attempts: env.attempt }
+        }
+    }
+}
+
+fn redis_down(shared: &Shared, e: IdemError) -> Disposition {
+    warn!(error = %e, "redis unreachable: requeueing without a decision");
+    shared.redis_failed();
+    Disposition::Requeue
+}
+
+/// Records an outcome, retrying a few times across a Redis blip. The outcome is already
+/// decided, so a record that cannot be written is logged and the delivery still settles.
+async fn record(shared: &Shared, key: &str, owner: &str, fence: u64, state: Final) {
+    for attempt in 0..5u32 {
+        match shared.store.finish(key, owner, fence, state).await {
+            Ok(true) => return,
+            Ok(false) => {
+                warn!(?state, "key was taken over by another owner; not recording");
+                return;
+            }
+            Err(e) => {
+                warn!(error = %e, attempt, "cannot record the outcome in redis yet");
+                shared.redis_failed();
+                tokio::time::sleep(Duration::from_millis(200 * 2u64.pow(attempt))).await;
+            }
+        }
+    }
+    error!(?state, "outcome not recorded in redis; a later duplicate of this key may run again");
+}
+
+/// Runs the handler in its own task (so a panic is caught) under the timeout, renewing
+/// the lease every third of it.
+async fn run(
+    shared: &Shared,
+    spec: &crate::runtime::JobSpec,
+    env: &Envelope,
+    key: &str,
+    owner: &str,
+    fence: u64,
+) -> RunResult {
+    let cancel = CancellationToken::new();
+    let ctx = JobContext {
+        job: env.job.clone(),
+        queue: env.queue.clone(),
+        key: env.key,
+        id: env.id,
+        attempt: env.attempt,
+        max_attempts: env.max_attempts,
+        slot: env.slot,
+        fence,
+        timeout: spec.timeout,
+        cancel: cancel.clone(),
+    };
+    let fut = spec.handler.call(ctx, env.payload.clone());
+    let mut task = tokio::spawn(fut);
+    let lease = shared.store.lease();
+    let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + lease / 3, lease / 3);
+    let timeout = tokio::time::sleep(spec.timeout);
+    tokio::pin!(timeout);
+    let result = loop {
+        tokio::select! {
+            joined = &mut task => break match joined {
+                Ok(Ok(())) => RunResult::Ok,
+                Ok(Err(JobError::Permanent(m))) => RunResult::Failed(DeadReason::Permanent, m),
+                Ok(Err(JobError::Transient(m))) => RunResult::Failed(DeadReason::Exhausted, m),
+                Err(e) if e.is_panic() => RunResult::Failed(DeadReason::Panic, panic_message(e)),
+                Err(e) => RunResult::Failed(DeadReason::Panic, e.to_string()),
+            },
+            _ = &mut timeout => {
+                break RunResult::Failed(DeadReason::Timeout, format!("no result within {:?}", spec.timeout));
+            }
+            _ = renew.tick() => match shared.store.renew(key, owner, fence).await {
+                Ok(true) => {}
+                Ok(false) => break RunResult::LostLease,
+                Err(e) => {
+                    warn!(error = %e, "lease renewal failed; the job keeps running");
+                    shared.redis_failed();
+                }
+            },
+            _ = shared.hard_stop.cancelled() => break RunResult::Aborted,
+        }
+    };
+    if !matches!(result, RunResult::Ok) || !task.is_finished() {
+        // Dropping an exec handler's future kills its process group.
+        cancel.cancel();
+        task.abort();
+    }
+    result
+}
+
+fn panic_message(e: tokio::task::JoinError) -> String {
+    match e.try_into_panic() {
+        Ok(p) => p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic".into()),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// Applies the disposition. Dead letters are published (confirmed) before the ack, so a
+/// crash between the two leaves a duplicate in the DLQ, never a loss.
+async fn settle(
+    shared: &Shared,
+    publish: &lapin::Channel,
+    queue: &str,
+    delivery: Delivery,
+    job_label: &str,
+    disposition: Disposition,
+    started: Instant,
+) {
+    let result = match disposition {
+        Disposition::Ack => delivery.acker.ack(BasicAckOptions::default()).await,
+        Disposition::Requeue => {
+            Stats::bump(&shared.stats.requeued);
+            delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
+        }
+        Disposition::DeadLetter { reason, error, attempts } => {
+            let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+            put_header(&mut headers, "x-chime-reason", reason.as_str());
+            put_header(&mut headers, "x-chime-error", truncate(&error, MAX_ERROR_LEN));
+            put_header(&mut headers, "x-chime-attempts", &attempts.to_string());
+            put_header(&mut headers, "x-chime-failed-at", &chrono::Utc::now().to_rfc3339());
+            put_header(&mut headers, "x-chime-worker", &shared.worker_id);
+            put_header(&mut headers, "x-chime-queue", queue);
+            let props = delivery.properties.clone().with_headers(headers);
+            let exchange = shared.names.dead_exchange();
+            match amqp::publish_confirmed(
+                publish,
+                &exchange,
+                queue,
+                &delivery.data,
+                props,
+                shared.config.amqp.publish_timeout,
+            )
+            .await
+            {
+                Ok(()) => {
+                    metrics::counter!(telemetry::JOBS_COMPLETED, "job" => job_label.to_string(), "outcome" => outcome::DEAD_LETTERED)
+                        .increment(1);
+                    info!(reason = reason.as_str(), queue, "dead-lettered");
+                    Stats::bump(&shared.stats.dead_lettered);
+                    delivery.acker.ack(BasicAckOptions::default()).await
+                }
+                Err(e) => {
+                    error!(error = %e, "cannot publish to the DLQ; requeueing");
+                    delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
+                }
+            }
+        }
+    };
+    match result {
+        Ok(true) => {}
+        // lapin answers Ok(false) when the acker is poisoned (its channel closed) or used.
+        Ok(false) => warn!("delivery could not be settled (channel closed); it will be redelivered"),
+        // The channel is gone: the broker redelivers, and the Redis record absorbs it.
+        Err(e) => warn!(error = %e, "settling the delivery failed; it will be redelivered"),
+    }
+    debug!(elapsed_us = started.elapsed().as_micros() as u64, "delivery settled");
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}

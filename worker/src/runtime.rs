@@ -1,0 +1,506 @@
+//! The worker runtime: connection supervision, consumers, bounded concurrency, Redis
+//! gating and graceful shutdown. Takes a `CancellationToken`; installs no signal handler.
+//!
+//! Lifecycle: connect (URLs in turn, backoff) → declare → consume every queue on its own
+//! channel with a prefetch → for each delivery take a concurrency permit and spawn
+//! [`process::handle`]. While Redis is unreachable, consumers are cancelled (intake stops)
+//! and `/readyz` fails; they resume when Redis answers. A lost connection is rebuilt.
+//! On shutdown: cancel consumers, requeue what was prefetched, drain in-flight jobs up to
+//! `worker.shutdown_timeout`, then stop what is left (requeued, claim released) and close.
+
+use chime_shared::amqp;
+use chime_shared::config::{Config, ConfigError};
+use chime_shared::health::Health;
+use chime_shared::idempotency::IdemStore;
+use chime_shared::topology::{self, Names, TopologyError};
+use futures_util::StreamExt;
+use futures_util::stream::SelectAll;
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, ConfirmSelectOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::{Semaphore, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{error, info, warn};
+
+use crate::builtin;
+use crate::handler::{Handler, Registry};
+use crate::process;
+
+/// A job this worker can run.
+#[derive(Clone)]
+pub(crate) struct JobSpec {
+    pub handler: Arc<dyn Handler>,
+    pub timeout: Duration,
+}
+
+/// Settled deliveries of this worker, by outcome (for tests, `status` and benchmarks).
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub succeeded: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub requeued: AtomicU64,
+    pub lost_lease: AtomicU64,
+}
+
+impl Stats {
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// State shared by every delivery task.
+pub(crate) struct Shared {
+    pub config: Arc<Config>,
+    pub names: Names,
+    pub store: IdemStore,
+    pub worker_id: String,
+    pub stats: Arc<Stats>,
+    jobs: HashMap<String, JobSpec>,
+    registry: Registry,
+    redis_ok: watch::Sender<bool>,
+    /// Cancelled when shutdown begins: no new work, stop waiting on busy keys.
+    pub intake_stopped: CancellationToken,
+    /// Cancelled at the drain deadline: stop running handlers.
+    pub hard_stop: CancellationToken,
+}
+
+impl Shared {
+    pub fn job(&self, name: &str) -> Option<JobSpec> {
+        self.jobs.get(name).cloned().or_else(|| {
+            self.registry
+                .get(name)
+                .map(|handler| JobSpec { handler, timeout: self.config.worker.default_timeout })
+        })
+    }
+
+    pub fn knows(&self, name: &str) -> bool {
+        self.jobs.contains_key(name) || self.registry.contains(name)
+    }
+
+    /// Called on any Redis error: pauses intake until the monitor sees Redis again.
+    pub fn redis_failed(&self) {
+        self.redis_ok.send_replace(false);
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Topology(#[from] TopologyError),
+    #[error("redis: {0}")]
+    Redis(#[from] chime_shared::idempotency::IdemError),
+}
+
+impl WorkerError {
+    /// Usage/config problems (exit code 2) as opposed to run-time failures.
+    pub fn is_config(&self) -> bool {
+        matches!(self, WorkerError::Config(_) | WorkerError::Topology(TopologyError::Inequivalent { .. }))
+    }
+}
+
+/// A configured worker, ready to [`run`](Worker::run).
+pub struct Worker {
+    shared: Arc<Shared>,
+    queues: Vec<String>,
+    concurrency: usize,
+    prefetch: u16,
+    health: Health,
+    redis_rx: watch::Receiver<bool>,
+}
+
+/// Builds a [`Worker`] from config plus Rust-registered handlers.
+pub struct WorkerBuilder {
+    config: Config,
+    registry: Registry,
+    queues: Option<Vec<String>>,
+    concurrency: Option<usize>,
+    worker_id: Option<String>,
+    health: Option<Health>,
+}
+
+impl WorkerBuilder {
+    pub fn new(config: Config) -> Self {
+        Self {
+            config,
+            registry: Registry::new(),
+            queues: None,
+            concurrency: None,
+            worker_id: None,
+            health: None,
+        }
+    }
+    /// Handlers referenced by name from `[[jobs]] handler = "…"` (or by job name).
+    pub fn registry(mut self, registry: Registry) -> Self {
+        self.registry = registry;
+        self
+    }
+    pub fn queues(mut self, queues: Vec<String>) -> Self {
+        self.queues = Some(queues);
+        self
+    }
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = Some(n);
+        self
+    }
+    pub fn worker_id(mut self, id: impl Into<String>) -> Self {
+        self.worker_id = Some(id.into());
+        self
+    }
+    /// Health checks to update (share them with the `/readyz` server).
+    pub fn health(mut self, health: Health) -> Self {
+        self.health = Some(health);
+        self
+    }
+
+    /// Resolves every job of the consumed queues to a handler; a job whose handler this
+    /// worker does not have is a config error naming the job.
+    pub fn build(self) -> Result<Worker, WorkerError> {
+        let config = Arc::new(self.config);
+        let queues = self.queues.unwrap_or_else(|| config.worker_queues());
+        let concurrency = self.concurrency.unwrap_or(config.worker.concurrency);
+        if concurrency == 0 {
+            return Err(ConfigError::Invalid {
+                key: "--concurrency".into(),
+                message: "must be at least 1".into(),
+            }
+            .into());
+        }
+        for (i, q) in queues.iter().enumerate() {
+            if !chime_shared::config::valid_name(q) {
+                return Err(ConfigError::Invalid {
+                    key: format!("--queues[{i}]"),
+                    message: format!("{q:?} must be 1-100 letters, digits, '-', '_' or '.'"),
+                }
+                .into());
+            }
+        }
+        let mut jobs = HashMap::new();
+        for (i, job) in config.jobs.iter().enumerate() {
+            let handler = builtin::for_job(job).or_else(|| self.registry.get(&job.handler));
+            match handler {
+                Some(handler) => {
+                    let timeout = job.timeout.unwrap_or(config.worker.default_timeout);
+                    jobs.insert(job.name.clone(), JobSpec { handler, timeout });
+                }
+                None if queues.iter().any(|q| q == job.queue()) => {
+                    return Err(ConfigError::Invalid {
+                        key: format!("jobs[{i}] ({}).handler", job.name),
+                        message: format!(
+                            "{:?} is neither a built-in handler ({}) nor registered in this worker",
+                            job.handler,
+                            builtin::BUILTINS.join(", ")
+                        ),
+                    }
+                    .into());
+                }
+                None => {}
+            }
+        }
+        let names = Names::new(&config.prefix);
+        let store = IdemStore::connect(&config.redis, names.clone())?;
+        let worker_id = self.worker_id.unwrap_or_else(default_worker_id);
+        let (redis_ok, redis_rx) = watch::channel(false);
+        let prefetch =
+            config.worker.prefetch.unwrap_or_else(|| u16::try_from(concurrency).unwrap_or(u16::MAX));
+        let health = self.health.unwrap_or_default();
+        for c in ["amqp", "redis", "consuming"] {
+            health.set(c, false);
+        }
+        let shared = Arc::new(Shared {
+            config,
+            names,
+            store,
+            worker_id,
+            stats: Arc::new(Stats::default()),
+            jobs,
+            registry: self.registry,
+            redis_ok,
+            intake_stopped: CancellationToken::new(),
+            hard_stop: CancellationToken::new(),
+        });
+        Ok(Worker { shared, queues, concurrency, prefetch, health, redis_rx })
+    }
+}
+
+fn default_worker_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "host".into());
+    format!("{}:{}", host.trim(), std::process::id())
+}
+
+/// Why a session ended.
+enum SessionEnd {
+    Shutdown,
+    ConnectionLost(String),
+}
+
+impl Worker {
+    pub fn builder(config: Config) -> WorkerBuilder {
+        WorkerBuilder::new(config)
+    }
+
+    pub fn health(&self) -> Health {
+        self.health.clone()
+    }
+
+    /// Outcome counters of this worker.
+    pub fn stats(&self) -> Arc<Stats> {
+        self.shared.stats.clone()
+    }
+
+    pub fn queues(&self) -> &[String] {
+        &self.queues
+    }
+
+    /// Runs until `shutdown` is cancelled, then drains. Returns an error only for problems
+    /// a restart cannot fix (a queue declared with other arguments).
+    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+        let tracker = TaskTracker::new();
+        let semaphore = Arc::new(Semaphore::new(self.concurrency));
+        let monitor = tokio::spawn(redis_monitor(self.shared.clone(), self.health.clone(), shutdown.clone()));
+        info!(worker = %self.shared.worker_id, queues = ?self.queues, concurrency = self.concurrency,
+            prefetch = self.prefetch, "worker starting");
+
+        let mut backoff = Duration::from_millis(200);
+        let mut result = Ok(());
+        while !shutdown.is_cancelled() {
+            let conn_name = format!("chime-worker {}", self.shared.worker_id);
+            let conn = tokio::select! {
+                c = amqp::connect(&self.shared.config.amqp, &conn_name) => c,
+                _ = shutdown.cancelled() => break,
+            };
+            let conn = match conn {
+                Ok(c) => c,
+                Err(e) => {
+                    warn!(error = %e, retry_in = ?backoff, "cannot connect to RabbitMQ");
+                    self.health.set("amqp", false);
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = shutdown.cancelled() => break,
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                    continue;
+                }
+            };
+            match self.session(&conn, &tracker, &semaphore, &shutdown).await {
+                Ok(SessionEnd::Shutdown) => {
+                    let _ = conn.close(200, "shutdown".into()).await;
+                    break;
+                }
+                Ok(SessionEnd::ConnectionLost(why)) => {
+                    self.health.set("amqp", false);
+                    self.health.set("consuming", false);
+                    warn!(reason = %why, "RabbitMQ connection lost; reconnecting");
+                    backoff = Duration::from_millis(200);
+                }
+                Err(e) if e.is_transient() => {
+                    self.health.set("amqp", false);
+                    warn!(error = %e, "declaring topology failed; reconnecting");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                }
+                Err(e) => {
+                    error!(error = %e, "cannot declare topology");
+                    result = Err(e.into());
+                    break;
+                }
+            }
+        }
+        if !tracker.is_closed() {
+            self.drain(&tracker).await;
+        }
+        monitor.abort();
+        self.health.set("consuming", false);
+        info!("worker stopped");
+        result
+    }
+
+    /// Waits for in-flight jobs up to the drain deadline, then stops the rest.
+    async fn drain(&self, tracker: &TaskTracker) {
+        self.shared.intake_stopped.cancel();
+        tracker.close();
+        let deadline = self.shared.config.worker.shutdown_timeout;
+        if tokio::time::timeout(deadline, tracker.wait()).await.is_err() {
+            warn!(in_flight = tracker.len(), ?deadline, "drain deadline passed; stopping the remaining jobs");
+            self.shared.hard_stop.cancel();
+            let _ = tokio::time::timeout(Duration::from_secs(10), tracker.wait()).await;
+        }
+    }
+
+    async fn session(
+        &mut self,
+        conn: &Connection,
+        tracker: &TaskTracker,
+        semaphore: &Arc<Semaphore>,
+        shutdown: &CancellationToken,
+    ) -> Result<SessionEnd, TopologyError> {
+        topology::declare(conn, &self.shared.config, &self.queues).await?;
+        let lost = |e: lapin::Error| Ok(SessionEnd::ConnectionLost(e.to_string()));
+        let publish = match conn.create_channel().await {
+            Ok(c) => c,
+            Err(e) => return lost(e),
+        };
+        if let Err(e) = publish.confirm_select(ConfirmSelectOptions::default()).await {
+            return lost(e);
+        }
+        self.health.set("amqp", true);
+        info!("connected to RabbitMQ");
+
+        // One channel per queue for the whole session: a pause cancels the consumer but
+        // keeps the channel, so in-flight deliveries on it can still be settled.
+        let mut channels = Vec::new();
+        for q in &self.queues {
+            let ch = match conn.create_channel().await {
+                Ok(c) => c,
+                Err(e) => return lost(e),
+            };
+            if let Err(e) = ch.basic_qos(self.prefetch, BasicQosOptions::default()).await {
+                return lost(e);
+            }
+            channels.push((q.clone(), ch));
+        }
+
+        loop {
+            // Intake only while Redis answers: without it no delivery can be decided.
+            let redis_ok = *self.redis_rx.borrow();
+            if !redis_ok {
+                self.health.set("consuming", false);
+                info!("waiting for redis before consuming");
+                tokio::select! {
+                    alive = redis_becomes(&mut self.redis_rx, true) => if !alive { return Ok(SessionEnd::Shutdown); },
+                    _ = shutdown.cancelled() => return Ok(SessionEnd::Shutdown),
+                }
+            }
+            let mut tags = Vec::new();
+            let mut streams = SelectAll::new();
+            for (q, ch) in &channels {
+                match self.consume(ch, q).await {
+                    Ok(consumer) => {
+                        let queue = q.clone();
+                        tags.push((ch.clone(), consumer.tag()));
+                        streams.push(consumer.map(move |d| (queue.clone(), d)).boxed());
+                    }
+                    Err(e) => return lost(e),
+                }
+            }
+            self.health.set("consuming", true);
+            let pause = loop {
+                tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => break Pause::Shutdown,
+                    _ = redis_becomes(&mut self.redis_rx, false) => break Pause::Redis,
+                    next = streams.next() => match next {
+                        Some((queue, Ok(delivery))) => {
+                            let permit = tokio::select! {
+                                p = semaphore.clone().acquire_owned() => p,
+                                _ = shutdown.cancelled() => {
+                                    let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
+                                    break Pause::Shutdown;
+                                }
+                            };
+                            let Ok(permit) = permit else { break Pause::Shutdown };
+                            let shared = self.shared.clone();
+                            let publish = publish.clone();
+                            tracker.spawn(async move {
+                                process::handle(&shared, &publish, &queue, delivery).await;
+                                drop(permit);
+                            });
+                        }
+                        Some((queue, Err(e))) => break Pause::Lost(format!("consumer of {queue}: {e}")),
+                        None => break Pause::Lost("consumers ended (cancelled by the broker?)".into()),
+                    },
+                }
+            };
+            self.health.set("consuming", false);
+            if let Pause::Lost(why) = pause {
+                return Ok(SessionEnd::ConnectionLost(why));
+            }
+            // Stop intake, then give back whatever was prefetched but not started.
+            for (ch, tag) in &tags {
+                let _ = ch.basic_cancel(tag.clone(), BasicCancelOptions::default()).await;
+            }
+            let requeue = async {
+                while let Some((_, Ok(d))) = streams.next().await {
+                    let _ = d.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
+                }
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(2), requeue).await;
+            if matches!(pause, Pause::Shutdown) {
+                info!("intake stopped; draining in-flight jobs");
+                self.drain(tracker).await;
+                // A graceful channel close waits for close-ok, and AMQP orders frames per
+                // channel, so every ack sent before it has reached the broker. Closing the
+                // connection alone can overtake the last acks (they would be redelivered).
+                for (_, ch) in &channels {
+                    let _ = ch.close(200, "shutdown".into()).await;
+                }
+                let _ = publish.close(200, "shutdown".into()).await;
+                return Ok(SessionEnd::Shutdown);
+            }
+            warn!("redis unreachable: intake paused until it answers");
+        }
+    }
+
+    async fn consume(&self, ch: &Channel, queue: &str) -> Result<lapin::Consumer, lapin::Error> {
+        let tag = format!("{}/{}/{}", self.shared.worker_id, queue, uuid::Uuid::new_v4().simple());
+        let consumer = ch
+            .basic_consume(
+                self.shared.names.work_queue(queue).into(),
+                tag.into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        Ok(consumer)
+    }
+}
+
+/// Waits until the Redis flag equals `want`; `false` if the sender is gone.
+async fn redis_becomes(rx: &mut watch::Receiver<bool>, want: bool) -> bool {
+    rx.wait_for(|ok| *ok == want).await.is_ok()
+}
+
+enum Pause {
+    Shutdown,
+    Redis,
+    Lost(String),
+}
+
+/// Pings Redis every second (every 250 ms while it is down) and publishes the result.
+async fn redis_monitor(shared: Arc<Shared>, health: Health, shutdown: CancellationToken) {
+    let mut was_ok = None;
+    loop {
+        let ok = shared.store.ping().await.is_ok();
+        if was_ok != Some(ok) {
+            if ok {
+                info!("redis reachable");
+            } else {
+                warn!("redis unreachable");
+            }
+            was_ok = Some(ok);
+        }
+        health.set("redis", ok);
+        shared.redis_ok.send_if_modified(|v| {
+            let changed = *v != ok;
+            *v = ok;
+            changed
+        });
+        let period = if ok { Duration::from_secs(1) } else { Duration::from_millis(250) };
+        tokio::select! {
+            _ = tokio::time::sleep(period) => {}
+            _ = shutdown.cancelled() => return,
+        }
+    }
+}
