@@ -273,7 +273,7 @@ impl Worker {
         info!(worker = %self.shared.worker_id, queues = ?self.queues, concurrency = self.concurrency,
             prefetch = self.prefetch, "worker starting");
 
-        let mut backoff = Duration::from_millis(200);
+        let mut delays = reconnect_delays();
         let mut result = Ok(());
         while !shutdown.is_cancelled() {
             let conn_name = format!("chime-worker {}", self.shared.worker_id);
@@ -284,13 +284,13 @@ impl Worker {
             let conn = match conn {
                 Ok(c) => c,
                 Err(e) => {
-                    warn!(error = %e, retry_in = ?backoff, "cannot connect to RabbitMQ");
+                    let delay = delays.next().unwrap_or(MAX_RECONNECT_DELAY);
+                    warn!(error = %e, retry_in = ?delay, "cannot connect to RabbitMQ");
                     self.health.set("amqp", false);
                     tokio::select! {
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tokio::time::sleep(delay) => {}
                         _ = shutdown.cancelled() => break,
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(10));
                     continue;
                 }
             };
@@ -303,13 +303,12 @@ impl Worker {
                     self.health.set("amqp", false);
                     self.health.set("consuming", false);
                     warn!(reason = %why, "RabbitMQ connection lost; reconnecting");
-                    backoff = Duration::from_millis(200);
+                    delays = reconnect_delays();
                 }
                 Err(e) if e.is_transient() => {
                     self.health.set("amqp", false);
                     warn!(error = %e, "declaring topology failed; reconnecting");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                    tokio::time::sleep(delays.next().unwrap_or(MAX_RECONNECT_DELAY)).await;
                 }
                 Err(e) => {
                     error!(error = %e, "cannot declare topology");
@@ -465,6 +464,19 @@ impl Worker {
             .await?;
         Ok(consumer)
     }
+}
+
+const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(10);
+
+/// Reconnect delays: exponential from 200 ms to 10 s with jitter, never giving up.
+fn reconnect_delays() -> impl Iterator<Item = Duration> {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(200))
+        .with_max_delay(MAX_RECONNECT_DELAY)
+        .with_jitter()
+        .without_max_times()
+        .build()
 }
 
 /// Waits until the Redis flag equals `want`; `false` if the sender is gone.
