@@ -71,6 +71,7 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 pub struct TestEnv {
     pub prefix: String,
     pub queues: Vec<String>,
+    pub amqp_url: String,
     pub redis_url: String,
     pub dir: PathBuf,
 }
@@ -86,7 +87,7 @@ impl TestEnv {
         );
         let dir = std::env::temp_dir().join(&prefix);
         std::fs::create_dir_all(&dir).unwrap();
-        Self { prefix, queues: vec!["default".into()], redis_url: redis_url(), dir }
+        Self { prefix, queues: vec!["default".into()], amqp_url: amqp_url(), redis_url: redis_url(), dir }
     }
 
     pub fn names(&self) -> Names {
@@ -98,9 +99,7 @@ impl TestEnv {
     pub fn config_text(&self, queue_type: &str, redis: &str, worker: &str, jobs: &str) -> String {
         format!(
             "prefix = \"{}\"\n[amqp]\nurl = \"{}\"\nqueue_type = \"{queue_type}\"\n[redis]\nurl = \"{}\"\n{redis}\n[worker]\n{worker}\n{jobs}\n",
-            self.prefix,
-            amqp_url(),
-            self.redis_url
+            self.prefix, self.amqp_url, self.redis_url
         )
     }
 
@@ -117,7 +116,7 @@ impl TestEnv {
     }
 
     async fn cleanup(&self) {
-        let Ok(conn) = Connection::connect(&amqp_url(), ConnectionProperties::default()).await else {
+        let Ok(conn) = Connection::connect(&self.amqp_url, ConnectionProperties::default()).await else {
             return;
         };
         let names = self.names();
@@ -153,6 +152,7 @@ impl Drop for TestEnv {
         let env = TestEnv {
             prefix: self.prefix.clone(),
             queues: self.queues.clone(),
+            amqp_url: self.amqp_url.clone(),
             redis_url: self.redis_url.clone(),
             dir: self.dir.clone(),
         };
@@ -310,4 +310,92 @@ pub fn ledger(path: &Path) -> Vec<String> {
 /// Counts of lines equal to `line` in a ledger.
 pub fn count(lines: &[String], line: &str) -> usize {
     lines.iter().filter(|l| l.as_str() == line).count()
+}
+
+/// A single-node RabbitMQ owned by one test, on spare ports, with its own data directory.
+/// `kill` SIGKILLs the node (its durable queues and confirmed messages survive on disk);
+/// `restart` boots it again on the same ports and data.
+pub struct PrivateRabbit {
+    pub port: u16,
+    dist_port: u16,
+    dir: PathBuf,
+}
+
+impl PrivateRabbit {
+    pub async fn start() -> Self {
+        let port = free_port();
+        let dist_port = free_port();
+        let dir = std::env::temp_dir().join(format!("chime-rabbit-{port}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        // rabbitmq-server drops privileges to the `rabbitmq` user when started as root.
+        let _ = std::process::Command::new("chown").args(["-R", "rabbitmq:rabbitmq"]).arg(&dir).status();
+        let r = Self { port, dist_port, dir };
+        r.spawn().await;
+        r
+    }
+
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    async fn spawn(&self) {
+        let d = &self.dir;
+        std::process::Command::new("rabbitmq-server")
+            .env("RABBITMQ_NODENAME", format!("chime-test-{}@localhost", self.port))
+            .env("RABBITMQ_NODE_PORT", self.port.to_string())
+            .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
+            .env("RABBITMQ_MNESIA_BASE", d.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", d.join("log"))
+            .env("RABBITMQ_PID_FILE", d.join("pid"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", d.join("plugins"))
+            .env("RABBITMQ_ENABLED_PLUGINS", "")
+            .env("RABBITMQ_CONFIG_FILE", d.join("rabbitmq"))
+            .current_dir(d)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start rabbitmq-server (is it installed?): {e}"));
+        let url = self.url();
+        wait_until("private RabbitMQ accepts AMQP connections", Duration::from_secs(90), || {
+            let url = url.clone();
+            async move {
+                match Connection::connect(&url, ConnectionProperties::default()).await {
+                    Ok(c) => {
+                        let _ = c.close(200, "probe".into()).await;
+                        true
+                    }
+                    Err(_) => false,
+                }
+            }
+        })
+        .await;
+    }
+
+    /// SIGKILLs the node and waits until its port is closed.
+    pub async fn kill(&self) {
+        if let Ok(pid) = std::fs::read_to_string(self.dir.join("pid")) {
+            let _ =
+                std::process::Command::new("kill").args(["-9", pid.trim()]).stderr(Stdio::null()).status();
+        }
+        let port = self.port;
+        wait_until("private RabbitMQ port closed", Duration::from_secs(20), || async move {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
+        })
+        .await;
+    }
+
+    pub async fn restart(&self) {
+        self.kill().await;
+        self.spawn().await;
+    }
+}
+
+impl Drop for PrivateRabbit {
+    fn drop(&mut self) {
+        if let Ok(pid) = std::fs::read_to_string(self.dir.join("pid")) {
+            let _ =
+                std::process::Command::new("kill").args(["-9", pid.trim()]).stderr(Stdio::null()).status();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }

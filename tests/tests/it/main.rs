@@ -1,6 +1,7 @@
 //! chime's integration tests: one binary, real RabbitMQ and Redis, a prefix per test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod broker_restart;
 mod cli;
 mod common;
 mod dead_letters;
@@ -8,4 +9,5 @@ mod pipeline;
 mod processes;
 mod project;
 mod redis_outage;
+mod runtime;
 mod topology;

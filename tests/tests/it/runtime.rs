@@ -1,0 +1,159 @@
+//! Worker behaviour: bounded concurrency, lease renewal, HTTP endpoints, the http handler.
+
+use axum::Router;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use chime_producer::{EnqueueClient, EnqueueRequest};
+use chime_worker::{JobError, Registry, raw_handler_fn};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_is_bounded_per_process() {
+    let env = TestEnv::new("bounded");
+    let config =
+        env.config("classic", "", "prefetch = 10", "[[jobs]]\nname = \"gauge\"\nhandler = \"gauge\"\n");
+    let current = Arc::new(AtomicUsize::new(0));
+    let max = Arc::new(AtomicUsize::new(0));
+    let mut reg = Registry::new();
+    let (c, m) = (current.clone(), max.clone());
+    reg.register(
+        "gauge",
+        raw_handler_fn(move |_, _| {
+            let (c, m) = (c.clone(), m.clone());
+            async move {
+                let now = c.fetch_add(1, Ordering::SeqCst) + 1;
+                m.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                c.fetch_sub(1, Ordering::SeqCst);
+                Ok::<_, JobError>(())
+            }
+        }),
+    );
+    let worker = Running::start(config.clone(), reg, 3).await;
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let reqs: Vec<_> = (0..20).map(|_| EnqueueRequest::new("gauge")).collect();
+    client.enqueue_batch(&reqs).await.unwrap();
+    let w = &worker;
+    wait_until("20 jobs done", Duration::from_secs(30), || async { w.succeeded() == 20 }).await;
+    assert_eq!(max.load(Ordering::SeqCst), 3, "at most (and, with a backlog, exactly) 3 at once");
+    worker.stop().await;
+}
+
+#[tokio::test]
+async fn lease_is_renewed_while_a_long_handler_runs() {
+    // Lease 1 s, handler 2.5 s: without renewal the second copy would claim the key after
+    // 1 s and run the job again.
+    let env = TestEnv::new("renew");
+    let config = env.config("quorum", "lease = \"1s\"\ndone_retention = \"1h\"", "", COUNT_JOB);
+    let ledger = Ledger::default();
+    let worker = Running::start(config.clone(), counting_registry(&ledger), 2).await;
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let req = EnqueueRequest::new("count").payload(serde_json::json!({"n": 1, "sleep_ms": 2500})).key("long");
+    client.enqueue(req.clone()).await.unwrap();
+    client.enqueue(req).await.unwrap();
+    let w = &worker;
+    wait_until("one run, one duplicate", Duration::from_secs(30), || async {
+        w.succeeded() == 1 && w.duplicates() == 1
+    })
+    .await;
+    assert_eq!(ledger.get(1), 1);
+    worker.stop().await;
+}
+
+#[derive(Default)]
+struct Seen {
+    calls: Vec<(String, String, String)>,
+}
+
+#[tokio::test]
+async fn http_handler_maps_statuses_and_sends_the_key() {
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let record = |status: StatusCode, seen: Arc<Mutex<Seen>>| {
+        move |headers: HeaderMap, body: String| async move {
+            let h = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+            seen.lock().unwrap().calls.push((h("idempotency-key"), h("x-chime-attempt"), body));
+            status
+        }
+    };
+    let app = Router::new()
+        .route("/ok", post(record(StatusCode::NO_CONTENT, seen.clone())))
+        .route("/bad", post(record(StatusCode::UNPROCESSABLE_ENTITY, seen.clone())))
+        .route("/busy", post(record(StatusCode::SERVICE_UNAVAILABLE, seen.clone())));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let env = TestEnv::new("httph");
+    let jobs: String = ["ok", "bad", "busy"]
+        .iter()
+        .map(|p| format!("[[jobs]]\nname = \"h-{p}\"\nhandler = \"http\"\nurl = \"http://{addr}/{p}\"\n"))
+        .collect();
+    let config = env.config("classic", "", "", &jobs);
+    let worker = Running::start(config.clone(), Registry::new(), 3).await;
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let ok = client.enqueue(EnqueueRequest::new("h-ok").payload(serde_json::json!({"x": 1}))).await.unwrap();
+    client.enqueue(EnqueueRequest::new("h-bad")).await.unwrap();
+    client.enqueue(EnqueueRequest::new("h-busy")).await.unwrap();
+    let w = &worker;
+    wait_until("1 success, 2 dead letters", Duration::from_secs(30), || async {
+        w.succeeded() == 1 && w.dead_lettered() == 2
+    })
+    .await;
+    let calls = seen.lock().unwrap().calls.clone();
+    assert!(calls.contains(&(ok.key.to_string(), "1".into(), "{\"x\":1}".into())), "{calls:?}");
+    worker.stop().await;
+}
+
+#[tokio::test]
+async fn worker_process_serves_livez_readyz_and_metrics() {
+    let env = TestEnv::new("endpoints");
+    let port = free_port();
+    let text = env.config_text(
+        "classic",
+        "",
+        &format!("listen = \"127.0.0.1:{port}\""),
+        "[[jobs]]\nname = \"n\"\nhandler = \"noop\"\n",
+    );
+    let path = env.write_config(&text);
+    let mut w = Child::worker(&env.dir, &path, &[], "w");
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    let get = |path: &'static str| {
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            match http.get(format!("{base}{path}")).send().await {
+                Ok(r) => Some((r.status().as_u16(), r.text().await.unwrap_or_default())),
+                Err(_) => None,
+            }
+        }
+    };
+    wait_until("/readyz answers 200", Duration::from_secs(20), || async {
+        get("/readyz").await.is_some_and(|(s, _)| s == 200)
+    })
+    .await;
+    let (_, ready) = get("/readyz").await.unwrap();
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&ready).unwrap(),
+        serde_json::json!({"amqp": true, "consuming": true, "redis": true})
+    );
+    assert_eq!(get("/livez").await.unwrap().0, 200);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    client.enqueue(EnqueueRequest::new("n")).await.unwrap();
+    wait_until("metrics count the job", Duration::from_secs(20), || async {
+        get("/metrics")
+            .await
+            .is_some_and(|(_, m)| m.contains("chime_jobs_completed_total{job=\"n\",outcome=\"succeeded\"} 1"))
+    })
+    .await;
+    let (_, metrics) = get("/metrics").await.unwrap();
+    assert!(metrics.contains("chime_job_duration_seconds_bucket{job=\"n\""), "histograms have buckets");
+    assert!(metrics.contains("chime_up{dependency=\"redis\"} 1"));
+    w.signal(15);
+    let status = tokio::time::timeout(Duration::from_secs(30), w.child.wait()).await.unwrap().unwrap();
+    assert_eq!(status.code(), Some(0));
+}
