@@ -319,6 +319,8 @@ pub struct PrivateRabbit {
     pub port: u16,
     dist_port: u16,
     dir: PathBuf,
+    /// The `rabbitmq-server` wrapper process (the node itself runs as user `rabbitmq`).
+    wrapper: std::sync::Mutex<Option<std::process::Child>>,
 }
 
 impl PrivateRabbit {
@@ -329,7 +331,7 @@ impl PrivateRabbit {
         std::fs::create_dir_all(&dir).unwrap();
         // rabbitmq-server drops privileges to the `rabbitmq` user when started as root.
         let _ = std::process::Command::new("chown").args(["-R", "rabbitmq:rabbitmq"]).arg(&dir).status();
-        let r = Self { port, dist_port, dir };
+        let r = Self { port, dist_port, dir, wrapper: std::sync::Mutex::new(None) };
         r.spawn().await;
         r
     }
@@ -340,7 +342,7 @@ impl PrivateRabbit {
 
     async fn spawn(&self) {
         let d = &self.dir;
-        std::process::Command::new("rabbitmq-server")
+        let child = std::process::Command::new("rabbitmq-server")
             .env("RABBITMQ_NODENAME", format!("chime-test-{}@localhost", self.port))
             .env("RABBITMQ_NODE_PORT", self.port.to_string())
             .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
@@ -355,6 +357,7 @@ impl PrivateRabbit {
             .stderr(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start rabbitmq-server (is it installed?): {e}"));
+        *self.wrapper.lock().unwrap() = Some(child);
         let url = self.url();
         wait_until("private RabbitMQ accepts AMQP connections", Duration::from_secs(90), || {
             let url = url.clone();
@@ -382,6 +385,14 @@ impl PrivateRabbit {
             std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
         })
         .await;
+        self.reap();
+    }
+
+    fn reap(&self) {
+        if let Some(mut c) = self.wrapper.lock().unwrap().take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 
     pub async fn restart(&self) {
