@@ -108,3 +108,9 @@ pub async fn depth(queue: &str) -> u32 {
     let _ = conn.close(200, "".into()).await;
     d
 }
+
+/// State (`run`, `done`, `dead`, `free`) of an idempotency key in Redis.
+pub async fn idem_state(env: &TestEnv, key: &str) -> Option<String> {
+    let mut r = connect_redis(&env.redis_url).await;
+    redis::cmd("HGET").arg(env.names().idem_key(key)).arg("s").query_async(&mut r).await.unwrap()
+}

@@ -20,14 +20,7 @@ async fn enqueue_runs_once(queue_type: &str) {
     assert_eq!(ledger.get(7), 1);
     assert_eq!(depth(&env.names().work_queue("default")).await, 0);
     // The key is recorded as done in Redis.
-    let mut r = connect_redis(&env.redis_url).await;
-    let state: Option<String> = redis::cmd("HGET")
-        .arg(env.names().idem_key(&done.key.to_string()))
-        .arg("s")
-        .query_async(&mut r)
-        .await
-        .unwrap();
-    assert_eq!(state.as_deref(), Some("done"));
+    assert_eq!(idem_state(&env, &done.key.to_string()).await.as_deref(), Some("done"));
     worker.stop().await;
 }
 

@@ -36,12 +36,7 @@ async fn worker_killed_mid_job_completes_elsewhere_after_the_lease_once() {
     let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
     let job = client.enqueue(EnqueueRequest::new("work")).await.unwrap();
     let key = job.key.to_string();
-    let l = ledger.clone();
-    wait_until("worker A started the job", Duration::from_secs(20), || {
-        let l = l.clone();
-        async move { !ledger_lines(&l).is_empty() }
-    })
-    .await;
+    wait_started(&ledger).await;
     a.signal(9);
     let _ = a.child.wait().await;
 
@@ -67,6 +62,16 @@ fn ledger_lines(path: &Path) -> Vec<String> {
     ledger(path)
 }
 
+/// Waits until the exec job wrote its first ledger line.
+async fn wait_started(path: &Path) {
+    let l = path.to_path_buf();
+    wait_until("the job started", Duration::from_secs(20), || {
+        let l = l.clone();
+        async move { !ledger_lines(&l).is_empty() }
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn sigterm_drains_in_flight_jobs_and_exits_zero() {
     let env = TestEnv::new("sigterm");
@@ -77,24 +82,12 @@ async fn sigterm_drains_in_flight_jobs_and_exits_zero() {
     let mut w = Child::worker(&env.dir, &path, &["--concurrency", "2"], "w");
     let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
     let job = client.enqueue(EnqueueRequest::new("work")).await.unwrap();
-    let l = ledger.clone();
-    wait_until("job started", Duration::from_secs(20), || {
-        let l = l.clone();
-        async move { !ledger_lines(&l).is_empty() }
-    })
-    .await;
+    wait_started(&ledger).await;
     w.signal(15);
     assert_eq!(exit_code(&mut w, Duration::from_secs(30)).await, 0, "{}", w.log_text());
     assert_eq!(ledger_lines(&ledger), vec![format!("start {} 1", job.key), format!("done {} 1", job.key)]);
     assert_eq!(depth(&env.names().work_queue("default")).await, 0, "acked before exit:\n{}", w.log_text());
-    let mut r = connect_redis(&env.redis_url).await;
-    let state: Option<String> = redis::cmd("HGET")
-        .arg(env.names().idem_key(&job.key.to_string()))
-        .arg("s")
-        .query_async(&mut r)
-        .await
-        .unwrap();
-    assert_eq!(state.as_deref(), Some("done"));
+    assert_eq!(idem_state(&env, &job.key.to_string()).await.as_deref(), Some("done"));
 }
 
 #[tokio::test]
@@ -107,12 +100,7 @@ async fn drain_deadline_stops_the_job_kills_its_process_group_and_requeues() {
     let mut w = Child::worker(&env.dir, &path, &[], "w");
     let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
     let job = client.enqueue(EnqueueRequest::new("work")).await.unwrap();
-    let l = ledger.clone();
-    wait_until("job started", Duration::from_secs(20), || {
-        let l = l.clone();
-        async move { !ledger_lines(&l).is_empty() }
-    })
-    .await;
+    wait_started(&ledger).await;
     w.signal(15);
     assert_eq!(exit_code(&mut w, Duration::from_secs(30)).await, 0, "{}", w.log_text());
     // The job's `sleep 30` was killed with its group, and the message is back in the queue
@@ -128,10 +116,7 @@ async fn drain_deadline_stops_the_job_kills_its_process_group_and_requeues() {
         async move { depth(&qq).await == 1 }
     })
     .await;
-    let mut r = connect_redis(&env.redis_url).await;
-    let state: Option<String> =
-        redis::cmd("HGET").arg(env.names().idem_key(&key)).arg("s").query_async(&mut r).await.unwrap();
-    assert_eq!(state.as_deref(), Some("free"));
+    assert_eq!(idem_state(&env, &key).await.as_deref(), Some("free"));
     assert_eq!(ledger_lines(&ledger), vec![format!("start {key} 1")]);
 }
 
