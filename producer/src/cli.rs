@@ -47,6 +47,12 @@ pub struct EnqueueArgs {
     /// Attempts before the job is dead-lettered (default: the job's max_attempts)
     #[arg(long)]
     pub max_attempts: Option<u32>,
+    /// Deliver after this long ("90s", "2h", "30d"; 1 s granularity)
+    #[arg(long, value_name = "DUR", conflicts_with = "at")]
+    pub delay: Option<String>,
+    /// Deliver at this time (RFC 3339; a past time runs now)
+    #[arg(long, value_name = "RFC3339")]
+    pub at: Option<String>,
     /// JSON lines, one job each ({"payload":…,"key":…} or a bare payload); `-` = stdin
     #[arg(long, value_name = "PATH|-")]
     pub batch: Option<String>,
@@ -110,12 +116,32 @@ fn read_source(path: &str) -> Result<String, Failure> {
     }
 }
 
+/// Parses `--delay` and `--at` into the request.
+fn timing(
+    args: &EnqueueArgs,
+) -> Result<(Option<std::time::Duration>, Option<chrono::DateTime<chrono::Utc>>), Failure> {
+    let delay = args
+        .delay
+        .as_deref()
+        .map(chime_shared::duration::parse)
+        .transpose()
+        .map_err(|e| usage(anyhow::anyhow!("--delay: {e}")))?;
+    let at = args
+        .at
+        .as_deref()
+        .map(|t| chrono::DateTime::parse_from_rfc3339(t).map(|d| d.with_timezone(&chrono::Utc)))
+        .transpose()
+        .map_err(|e| usage(anyhow::anyhow!("--at: {e} (expected RFC 3339, e.g. 2026-12-01T02:30:00Z)")))?;
+    Ok((delay, at))
+}
+
 async fn enqueue(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> {
     if config.job(&args.job).is_none() {
         return Err(usage(EnqueueError::UnknownJob(args.job)));
     }
+    let (delay, at) = timing(&args)?;
     if let Some(batch) = &args.batch {
-        return enqueue_batch(config, &args, batch).await;
+        return enqueue_batch(config, &args, batch, delay, at).await;
     }
     let payload_text = match (&args.payload, &args.payload_file) {
         (Some(p), _) => Some(p.clone()),
@@ -133,6 +159,8 @@ async fn enqueue(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> 
         key: args.key.clone(),
         queue: args.queue.clone(),
         max_attempts: args.max_attempts,
+        delay,
+        at,
     };
     // Validate before connecting, so a bad request never touches the broker.
     prepare(&config, &req).map_err(from_enqueue)?;
@@ -152,7 +180,13 @@ async fn enqueue(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> 
     Ok(())
 }
 
-async fn enqueue_batch(config: Arc<Config>, args: &EnqueueArgs, source: &str) -> Result<(), Failure> {
+async fn enqueue_batch(
+    config: Arc<Config>,
+    args: &EnqueueArgs,
+    source: &str,
+    delay: Option<std::time::Duration>,
+    at: Option<chrono::DateTime<chrono::Utc>>,
+) -> Result<(), Failure> {
     let reader: Box<dyn BufRead> = if source == "-" {
         Box::new(std::io::BufReader::new(std::io::stdin()))
     } else {
@@ -173,6 +207,8 @@ async fn enqueue_batch(config: Arc<Config>, args: &EnqueueArgs, source: &str) ->
         if req.max_attempts.is_none() {
             req.max_attempts = args.max_attempts;
         }
+        req.delay = delay;
+        req.at = at;
         reqs.push(req);
     }
     for (i, r) in reqs.iter().enumerate() {

@@ -6,13 +6,16 @@
 
 use chime_shared::amqp::{self, AmqpError};
 use chime_shared::config::{Config, valid_name};
+use chime_shared::delay;
 use chime_shared::envelope::{self, Envelope, Source};
 use chime_shared::telemetry;
 use chime_shared::topology::{self, Names, TopologyError};
+use chrono::{DateTime, Utc};
 use lapin::options::ConfirmSelectOptions;
 use lapin::{Channel, Connection};
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 use uuid::Uuid;
 
 /// One ad-hoc job to push.
@@ -32,6 +35,12 @@ pub struct EnqueueRequest {
     pub queue: Option<String>,
     #[serde(default)]
     pub max_attempts: Option<u32>,
+    /// Deliver after this long (1 s granularity, rounded up).
+    #[serde(skip)]
+    pub delay: Option<Duration>,
+    /// Deliver at this instant (a past instant means now).
+    #[serde(skip)]
+    pub at: Option<DateTime<Utc>>,
 }
 
 impl EnqueueRequest {
@@ -50,6 +59,21 @@ impl EnqueueRequest {
         self.queue = Some(queue.into());
         self
     }
+    pub fn delay(mut self, delay: Duration) -> Self {
+        self.delay = Some(delay);
+        self
+    }
+    pub fn at(mut self, at: DateTime<Utc>) -> Self {
+        self.at = Some(at);
+        self
+    }
+}
+
+/// An envelope ready to publish, with its delivery delay.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub envelope: Envelope,
+    pub delay: Duration,
 }
 
 /// A confirmed job.
@@ -131,24 +155,24 @@ impl EnqueueClient {
     }
 
     /// Builds and validates the envelope for `req` without publishing.
-    pub fn prepare(&self, req: &EnqueueRequest) -> Result<Envelope, EnqueueError> {
+    pub fn prepare(&self, req: &EnqueueRequest) -> Result<Prepared, EnqueueError> {
         prepare(&self.config, req)
     }
 
     /// Publishes one job and waits for its confirm.
     pub async fn enqueue(&self, req: EnqueueRequest) -> Result<Enqueued, EnqueueError> {
-        let env = self.prepare(&req)?;
-        self.publish(&env).await?;
-        Ok(enqueued(&env))
+        let p = self.prepare(&req)?;
+        self.publish(&p.envelope, p.delay).await?;
+        Ok(enqueued(&p.envelope))
     }
 
-    /// Publishes a prepared envelope and waits for its confirm.
-    pub async fn publish(&self, env: &Envelope) -> Result<(), EnqueueError> {
-        let exchange = self.names.work_exchange();
+    /// Publishes an envelope for delivery after `delay` and waits for its confirm.
+    pub async fn publish(&self, env: &Envelope, delay: Duration) -> Result<(), EnqueueError> {
+        let (exchange, routing_key) = delay::target(&self.names, &env.queue, delay);
         amqp::publish_confirmed(
             &self.channel,
             &exchange,
-            &env.queue,
+            &routing_key,
             &env.encode(),
             env.properties(),
             self.config.amqp.publish_timeout,
@@ -182,17 +206,17 @@ impl EnqueueClient {
     }
 
     /// Pipelined publish of prepared envelopes.
-    pub async fn publish_batch(&self, envs: &[Envelope]) -> BatchReport {
-        let exchange = self.names.work_exchange();
+    pub async fn publish_batch(&self, envs: &[Prepared]) -> BatchReport {
         let timeout = self.config.amqp.publish_timeout;
-        let mut pending = VecDeque::with_capacity(BATCH_WINDOW);
+        let mut pending: VecDeque<(lapin::PublisherConfirm, String, String)> =
+            VecDeque::with_capacity(BATCH_WINDOW);
         let mut confirmed = 0usize;
         let mut error = None;
-        for env in envs {
+        for Prepared { envelope: env, delay } in envs {
             if pending.len() >= BATCH_WINDOW
-                && let Some((p, rk)) = pending.pop_front()
+                && let Some((p, exchange, rk)) = pending.pop_front()
             {
-                match amqp::check_confirm(p, &exchange, rk, timeout).await {
+                match amqp::check_confirm(p, &exchange, &rk, timeout).await {
                     Ok(()) => confirmed += 1,
                     Err(e) => {
                         error = Some(e.into());
@@ -200,16 +224,17 @@ impl EnqueueClient {
                     }
                 }
             }
-            match amqp::publish(&self.channel, &exchange, &env.queue, &env.encode(), env.properties()).await {
-                Ok(p) => pending.push_back((p, env.queue.as_str())),
+            let (exchange, rk) = delay::target(&self.names, &env.queue, *delay);
+            match amqp::publish(&self.channel, &exchange, &rk, &env.encode(), env.properties()).await {
+                Ok(p) => pending.push_back((p, exchange, rk)),
                 Err(e) => {
                     error = Some(e.into());
                     break;
                 }
             }
         }
-        for (p, rk) in pending {
-            match amqp::check_confirm(p, &exchange, rk, timeout).await {
+        for (p, exchange, rk) in pending {
+            match amqp::check_confirm(p, &exchange, &rk, timeout).await {
                 Ok(()) => confirmed += 1,
                 Err(e) => {
                     error.get_or_insert(e.into());
@@ -217,7 +242,7 @@ impl EnqueueClient {
             }
         }
         if let Some(first) = envs.first() {
-            metrics::counter!(telemetry::JOBS_PUBLISHED, "job" => first.job.clone(), "source" => "adhoc")
+            metrics::counter!(telemetry::JOBS_PUBLISHED, "job" => first.envelope.job.clone(), "source" => "adhoc")
                 .increment(confirmed as u64);
         }
         BatchReport { total: envs.len(), confirmed, error }
@@ -226,7 +251,7 @@ impl EnqueueClient {
 
 /// Builds the envelope of `req` under `config`: the job must exist, the queue name and the
 /// attempt count must be valid, and the envelope must fit `amqp.max_message_bytes`.
-pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Envelope, EnqueueError> {
+pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, EnqueueError> {
     let job = config.job(&req.job).ok_or_else(|| EnqueueError::UnknownJob(req.job.clone()))?;
     let queue = req.queue.as_deref().unwrap_or(job.queue());
     if !valid_name(queue) {
@@ -249,6 +274,28 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Envelope, Enqueu
         Some(k) => envelope::adhoc_key(&job.name, k),
         None => envelope::random_key(),
     };
+    let delay = match (req.delay, req.at) {
+        (Some(_), Some(_)) => {
+            return Err(EnqueueError::Invalid {
+                field: "delay".into(),
+                message: "give a delay or a time, not both".into(),
+            });
+        }
+        (Some(d), None) => d,
+        // A time in the past means "now".
+        (None, Some(at)) => (at - Utc::now()).to_std().unwrap_or(Duration::ZERO),
+        (None, None) => Duration::ZERO,
+    };
+    if delay > delay::MAX_DELAY {
+        return Err(EnqueueError::Invalid {
+            field: if req.at.is_some() { "at".into() } else { "delay".into() },
+            message: format!(
+                "{} is beyond the longest delay chime can hold ({})",
+                chime_shared::duration::format(delay),
+                chime_shared::duration::format(delay::MAX_DELAY)
+            ),
+        });
+    }
     let payload = req.payload.clone().or_else(|| job.payload.clone()).unwrap_or(serde_json::Value::Null);
     let env = Envelope::new(&job.name, queue, key, payload, None, max_attempts, Source::Adhoc);
     let size = env.encode().len();
@@ -259,7 +306,7 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Envelope, Enqueu
             max: config.amqp.max_message_bytes,
         });
     }
-    Ok(env)
+    Ok(Prepared { envelope: env, delay })
 }
 
 fn enqueued(env: &Envelope) -> Enqueued {
@@ -306,10 +353,17 @@ mod tests {
             prepare(&c, &EnqueueRequest::new("j").payload(big)),
             Err(EnqueueError::TooLarge { .. })
         ));
-        let a = prepare(&c, &EnqueueRequest::new("j").key("k")).unwrap();
-        let b = prepare(&c, &EnqueueRequest::new("j").key("k")).unwrap();
+        let a = prepare(&c, &EnqueueRequest::new("j").key("k")).unwrap().envelope;
+        let b = prepare(&c, &EnqueueRequest::new("j").key("k")).unwrap().envelope;
         assert_eq!(a.key, b.key);
         assert_ne!(a.id, b.id);
         assert!(prepare(&c, &EnqueueRequest::new("j").queue("bad queue")).is_err());
+        let past =
+            prepare(&c, &EnqueueRequest::new("j").at(Utc::now() - chrono::Duration::hours(1))).unwrap();
+        assert_eq!(past.delay, Duration::ZERO);
+        let year = prepare(&c, &EnqueueRequest::new("j").delay(Duration::from_secs(366 * 86_400))).unwrap();
+        assert_eq!(year.delay.as_secs(), 366 * 86_400);
+        let absurd = EnqueueRequest::new("j").at(Utc::now() + chrono::Duration::days(365 * 20));
+        assert!(matches!(prepare(&c, &absurd), Err(EnqueueError::Invalid { field, .. }) if field == "at"));
     }
 }

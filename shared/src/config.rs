@@ -115,9 +115,18 @@ pub struct AmqpConfig {
     /// How long a publish may wait for its confirm before it counts as failed.
     #[serde(default = "default_publish_timeout", deserialize_with = "duration::de")]
     pub publish_timeout: Duration,
-    /// Largest envelope chime publishes; larger payloads are rejected before publishing.
+    /// Largest envelope chime publishes; larger payloads are rejected before publishing,
+    /// and larger deliveries are dead-lettered as `too_large`.
     #[serde(default = "default_max_message_bytes")]
     pub max_message_bytes: usize,
+    /// The broker's `consumer_timeout` (RabbitMQ default 30 min): workers warn at startup
+    /// when a job's timeout is not safely below it.
+    #[serde(default = "default_consumer_timeout", deserialize_with = "duration::de")]
+    pub consumer_timeout: Duration,
+}
+
+fn default_consumer_timeout() -> Duration {
+    Duration::from_secs(1800)
 }
 
 fn default_amqp_url() -> Urls {
@@ -148,6 +157,7 @@ impl Default for AmqpConfig {
             heartbeat: default_heartbeat(),
             publish_timeout: default_publish_timeout(),
             max_message_bytes: default_max_message_bytes(),
+            consumer_timeout: default_consumer_timeout(),
         }
     }
 }

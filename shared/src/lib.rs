@@ -6,6 +6,7 @@
 
 pub mod amqp;
 pub mod config;
+pub mod delay;
 pub mod duration;
 pub mod envelope;
 pub mod health;

@@ -3,6 +3,7 @@
 //!
 //! - `<p>.work` (direct) → `<p>.q.<queue>`, routing key `<queue>`.
 //! - `<p>.dead` (direct) → `<p>.dlq.<queue>`, routing key `<queue>`.
+//! - `<p>.delay.27` … `<p>.delay.0` → `<p>.delay.deliver` → `<p>.q.<queue>` (see `delay`).
 //!
 //! Work queues dead-letter to `<p>.dead` as a safety net for broker-side rejections
 //! (quorum `x-delivery-limit`, always explicit and positive). Declaring is idempotent; a
@@ -39,6 +40,17 @@ impl Names {
     }
     pub fn dlq(&self, queue: &str) -> String {
         format!("{}.dlq.{queue}", self.prefix)
+    }
+    /// Level `level` of the delay chain (exchange and queue share the name).
+    pub fn delay_exchange(&self, level: u32) -> String {
+        format!("{}.delay.{level}", self.prefix)
+    }
+    pub fn delay_queue(&self, level: u32) -> String {
+        self.delay_exchange(level)
+    }
+    /// Where the delay chain hands messages to work queues.
+    pub fn delay_deliver_exchange(&self) -> String {
+        format!("{}.delay.deliver", self.prefix)
     }
     /// Redis key of the idempotency record of `key`.
     pub fn idem_key(&self, key: &str) -> String {
@@ -113,6 +125,9 @@ pub async fn declare(conn: &Connection, config: &Config, queues: &[String]) -> R
             .await
             .map_err(|e| classify(&ex, e))?;
     }
+    crate::delay::declare_levels(&ch, &names, config.amqp.queue_type)
+        .await
+        .map_err(|(what, e)| classify(&what, e))?;
     let qopts = QueueDeclareOptions { durable: true, ..Default::default() };
     for q in queues {
         let wq = names.work_queue(q);
@@ -127,6 +142,7 @@ pub async fn declare(conn: &Connection, config: &Config, queues: &[String]) -> R
         )
         .await
         .map_err(amqp(format!("binding of {wq}")))?;
+        crate::delay::bind_queue(&ch, &names, q).await.map_err(amqp(format!("delay binding of {wq}")))?;
         let dlq = names.dlq(q);
         ch.queue_declare(dlq.as_str().into(), qopts, dlq_args(config.amqp.queue_type))
             .await

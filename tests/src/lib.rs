@@ -127,7 +127,17 @@ impl TestEnv {
                 }
             }
         }
-        for ex in [names.work_exchange(), names.dead_exchange()] {
+        for level in 0..chime_shared::delay::LEVELS {
+            if let Ok(ch) = conn.create_channel().await {
+                let _ = ch
+                    .queue_delete(names.delay_queue(level).as_str().into(), QueueDeleteOptions::default())
+                    .await;
+            }
+        }
+        let mut exchanges =
+            vec![names.work_exchange(), names.dead_exchange(), names.delay_deliver_exchange()];
+        exchanges.extend((0..chime_shared::delay::LEVELS).map(|l| names.delay_exchange(l)));
+        for ex in exchanges {
             if let Ok(ch) = conn.create_channel().await {
                 let _ = ch.exchange_delete(ex.as_str().into(), ExchangeDeleteOptions::default()).await;
             }

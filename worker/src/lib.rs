@@ -19,8 +19,9 @@
 pub mod builtin;
 pub mod handler;
 mod process;
+pub mod retry;
 pub mod runtime;
 
 pub use handler::{Handler, JobContext, JobError, Registry, handler_fn, raw_handler_fn};
-pub use process::DeadReason;
+pub use retry::DeadReason;
 pub use runtime::{Stats, Worker, WorkerBuilder, WorkerError};

@@ -5,6 +5,7 @@
 //! be reached before a decision, the delivery is requeued, never acked.
 
 use chime_shared::amqp;
+use chime_shared::delay;
 use chime_shared::envelope::{Envelope, put_header};
 use chime_shared::idempotency::{Claim, Final, IdemError};
 use chime_shared::telemetry::{self, outcome};
@@ -16,40 +17,17 @@ use tracing::{Instrument, debug, error, info, info_span, warn};
 use uuid::Uuid;
 
 use crate::handler::{JobContext, JobError};
+use crate::retry::{self, DeadReason, Decision, Failure};
 use crate::runtime::{Shared, Stats};
 
 /// Longest `x-chime-error` header kept.
 const MAX_ERROR_LEN: usize = 1000;
 
-/// Why a message went to its DLQ (`x-chime-reason`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeadReason {
-    Malformed,
-    UnknownJob,
-    Permanent,
-    Exhausted,
-    Timeout,
-    Panic,
-}
-
-impl DeadReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeadReason::Malformed => "malformed",
-            DeadReason::UnknownJob => "unknown_job",
-            DeadReason::Permanent => "permanent",
-            DeadReason::Exhausted => "exhausted",
-            DeadReason::Timeout => "timeout",
-            DeadReason::Panic => "panic",
-        }
-    }
-}
-
 /// What happened to a run.
 #[derive(Debug)]
 enum RunResult {
     Ok,
-    Failed(DeadReason, String),
+    Failed(Failure, String),
     /// Another owner took the key over while we ran (our lease lapsed).
     LostLease,
     /// Stopped by the shutdown deadline.
@@ -61,12 +39,33 @@ enum RunResult {
 enum Disposition {
     Ack,
     Requeue,
-    DeadLetter { reason: DeadReason, error: String, attempts: u32 },
+    /// Publish this envelope for delivery after `delay` (confirmed), then ack.
+    Republish {
+        envelope: Box<Envelope>,
+        delay: Duration,
+        retry: bool,
+    },
+    DeadLetter {
+        reason: DeadReason,
+        error: String,
+        attempts: u32,
+    },
 }
 
 /// Processes one delivery from `queue` and settles it (ack, requeue, or DLQ then ack).
 pub(crate) async fn handle(shared: &Shared, publish: &lapin::Channel, queue: &str, delivery: Delivery) {
     let started = Instant::now();
+    let max = shared.config.amqp.max_message_bytes;
+    if delivery.data.len() > max {
+        warn!(queue, size = delivery.data.len(), max, "message too large");
+        let d = Disposition::DeadLetter {
+            reason: DeadReason::TooLarge,
+            error: format!("{} bytes, above amqp.max_message_bytes ({max})", delivery.data.len()),
+            attempts: 0,
+        };
+        settle(shared, publish, queue, delivery, telemetry::UNKNOWN_JOB_LABEL, d, started).await;
+        return;
+    }
     let (job_label, disposition) = match Envelope::decode(&delivery.data) {
         Err(e) => {
             warn!(queue, error = %e, "malformed message");
@@ -96,30 +95,22 @@ async fn decide(shared: &Shared, env: Envelope) -> Disposition {
     };
     let key = env.key.to_string();
     let owner = format!("{}/{}", shared.worker_id, Uuid::new_v4());
-    let busy_deadline = Instant::now() + shared.store.lease() * 2;
-    let fence = loop {
-        match shared.store.claim(&key, &owner).await {
-            Err(e) => return redis_down(shared, e),
-            Ok(Claim::Claimed { fence }) => break fence,
-            Ok(Claim::Done { .. } | Claim::Dead { .. }) => {
-                debug!("duplicate absorbed");
-                Stats::bump(&shared.stats.duplicates);
-                metrics::counter!(telemetry::JOBS_COMPLETED, "job" => env.job.clone(), "outcome" => outcome::DUPLICATE)
+    let fence = match shared.store.claim(&key, &owner).await {
+        Err(e) => return redis_down(shared, e),
+        Ok(Claim::Claimed { fence }) => fence,
+        Ok(Claim::Done { .. } | Claim::Dead { .. }) => {
+            debug!("duplicate absorbed");
+            Stats::bump(&shared.stats.duplicates);
+            metrics::counter!(telemetry::JOBS_COMPLETED, "job" => env.job.clone(), "outcome" => outcome::DUPLICATE)
                     .increment(1);
-                return Disposition::Ack;
-            }
-            Ok(Claim::Busy { remaining, .. }) => {
-                // Another live owner runs this key. Never drop the copy (the owner may die):
-                // wait for its lease, then look again; past two leases, requeue.
-                if Instant::now() >= busy_deadline {
-                    return Disposition::Requeue;
-                }
-                let nap = (remaining + Duration::from_millis(20)).min(Duration::from_secs(1));
-                tokio::select! {
-                    _ = tokio::time::sleep(nap) => {}
-                    _ = shared.intake_stopped.cancelled() => return Disposition::Requeue,
-                }
-            }
+            return Disposition::Ack;
+        }
+        Ok(Claim::Busy { remaining, .. }) => {
+            // Another live owner runs this key. Never drop the copy (the owner may die):
+            // send it round again after the owner's remaining lease.
+            debug!(?remaining, "key busy; re-delaying this copy");
+            let delay = remaining.max(Duration::from_secs(1));
+            return Disposition::Republish { envelope: Box::new(env), delay, retry: false };
         }
     };
 
@@ -151,12 +142,24 @@ async fn decide(shared: &Shared, env: Envelope) -> Disposition {
             info!("job stopped by the shutdown deadline; requeued");
             Disposition::Requeue
         }
-        RunResult::Failed(reason, error) => {
-            // Until delayed retries exist, every failure is final: record it as dead so that
-            // later duplicates count as duplicates, then dead-letter with the reason.
-            warn!(reason = reason.as_str(), %error, "job failed");
-            record(shared, &key, &owner, fence, Final::Dead).await;
-            Disposition::DeadLetter { reason, error, attempts: env.attempt }
+        RunResult::Failed(failure, error) => {
+            match retry::decide(env.attempt, env.max_attempts, failure, &spec.backoff, env.key) {
+                Decision::Retry(delay) => {
+                    warn!(?failure, %error, retry_in = ?delay, "job failed; retrying");
+                    // Free the key first: the retry must be able to claim it.
+                    record(shared, &key, &owner, fence, Final::Free).await;
+                    let mut next = env;
+                    next.attempt += 1;
+                    next.id = Uuid::now_v7();
+                    Disposition::Republish { envelope: Box::new(next), delay, retry: true }
+                }
+                Decision::Dead(reason) => {
+                    // Recorded as dead, so later duplicates count as duplicates, not reruns.
+                    warn!(reason = reason.as_str(), %error, "job failed for good");
+                    record(shared, &key, &owner, fence, Final::Dead).await;
+                    Disposition::DeadLetter { reason, error, attempts: env.attempt }
+                }
+            }
         }
     }
 }
@@ -220,13 +223,13 @@ async fn run(
         tokio::select! {
             joined = &mut task => break match joined {
                 Ok(Ok(())) => RunResult::Ok,
-                Ok(Err(JobError::Permanent(m))) => RunResult::Failed(DeadReason::Permanent, m),
-                Ok(Err(JobError::Transient(m))) => RunResult::Failed(DeadReason::Exhausted, m),
-                Err(e) if e.is_panic() => RunResult::Failed(DeadReason::Panic, panic_message(e)),
-                Err(e) => RunResult::Failed(DeadReason::Panic, e.to_string()),
+                Ok(Err(JobError::Permanent(m))) => RunResult::Failed(Failure::Permanent, m),
+                Ok(Err(JobError::Transient(m))) => RunResult::Failed(Failure::Transient, m),
+                Err(e) if e.is_panic() => RunResult::Failed(Failure::Panic, format!("panic: {}", panic_message(e))),
+                Err(e) => RunResult::Failed(Failure::Panic, e.to_string()),
             },
             _ = &mut timeout => {
-                break RunResult::Failed(DeadReason::Timeout, format!("no result within {:?}", spec.timeout));
+                break RunResult::Failed(Failure::Timeout, format!("timeout: no result within {:?}", spec.timeout));
             }
             _ = renew.tick() => match shared.store.renew(key, owner, fence).await {
                 Ok(true) => {}
@@ -275,6 +278,35 @@ async fn settle(
             Stats::bump(&shared.stats.requeued);
             delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
         }
+        Disposition::Republish { envelope, delay, retry } => {
+            let (exchange, routing_key) = delay::target(&shared.names, queue, delay);
+            let sent = amqp::publish_confirmed(
+                publish,
+                &exchange,
+                &routing_key,
+                &envelope.encode(),
+                envelope.properties(),
+                shared.config.amqp.publish_timeout,
+            )
+            .await;
+            match sent {
+                Ok(()) => {
+                    if retry {
+                        Stats::bump(&shared.stats.retried);
+                        metrics::counter!(telemetry::JOBS_COMPLETED, "job" => job_label.to_string(), "outcome" => outcome::RETRIED)
+                            .increment(1);
+                    } else {
+                        Stats::bump(&shared.stats.redelayed);
+                    }
+                    delivery.acker.ack(BasicAckOptions::default()).await
+                }
+                Err(e) => {
+                    error!(error = %e, "cannot publish the delayed copy; requeueing");
+                    Stats::bump(&shared.stats.requeued);
+                    delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
+                }
+            }
+        }
         Disposition::DeadLetter { reason, error, attempts } => {
             let mut headers = delivery.properties.headers().clone().unwrap_or_default();
             put_header(&mut headers, "x-chime-reason", reason.as_str());
@@ -283,6 +315,7 @@ async fn settle(
             put_header(&mut headers, "x-chime-failed-at", &chrono::Utc::now().to_rfc3339());
             put_header(&mut headers, "x-chime-worker", &shared.worker_id);
             put_header(&mut headers, "x-chime-queue", queue);
+            put_header(&mut headers, "x-chime-dead-id", &Uuid::now_v7().to_string());
             let props = delivery.properties.clone().with_headers(headers);
             let exchange = shared.names.dead_exchange();
             match amqp::publish_confirmed(

@@ -9,7 +9,7 @@
 //! `worker.shutdown_timeout`, then stop what is left (requeued, claim released) and close.
 
 use chime_shared::amqp;
-use chime_shared::config::{Config, ConfigError};
+use chime_shared::config::{BackoffConfig, Config, ConfigError};
 use chime_shared::health::Health;
 use chime_shared::idempotency::IdemStore;
 use chime_shared::topology::{self, Names, TopologyError};
@@ -38,6 +38,7 @@ use crate::process;
 pub(crate) struct JobSpec {
     pub handler: Arc<dyn Handler>,
     pub timeout: Duration,
+    pub backoff: BackoffConfig,
 }
 
 /// Settled deliveries of this worker, by outcome (for tests, `status` and benchmarks).
@@ -48,6 +49,10 @@ pub struct Stats {
     pub dead_lettered: AtomicU64,
     pub requeued: AtomicU64,
     pub lost_lease: AtomicU64,
+    /// Failed attempts sent round for another attempt.
+    pub retried: AtomicU64,
+    /// Copies of a busy key sent round again.
+    pub redelayed: AtomicU64,
 }
 
 impl Stats {
@@ -78,9 +83,11 @@ pub(crate) struct Shared {
 impl Shared {
     pub fn job(&self, name: &str) -> Option<JobSpec> {
         self.jobs.get(name).cloned().or_else(|| {
-            self.registry
-                .get(name)
-                .map(|handler| JobSpec { handler, timeout: self.config.worker.default_timeout })
+            self.registry.get(name).map(|handler| JobSpec {
+                handler,
+                timeout: self.config.worker.default_timeout,
+                backoff: BackoffConfig::default(),
+            })
         })
     }
 
@@ -193,7 +200,15 @@ impl WorkerBuilder {
             match handler {
                 Some(handler) => {
                     let timeout = job.timeout.unwrap_or(config.worker.default_timeout);
-                    jobs.insert(job.name.clone(), JobSpec { handler, timeout });
+                    let limit = config.amqp.consumer_timeout.saturating_sub(Duration::from_secs(60));
+                    if timeout >= limit {
+                        warn!(job = %job.name, ?timeout, consumer_timeout = ?config.amqp.consumer_timeout,
+                            "job timeout is not safely below RabbitMQ's consumer_timeout (minus its 1 min check \
+                             interval): a run that long makes the broker close the channel and requeue every \
+                             unacked delivery on it; raise consumer_timeout on the broker and amqp.consumer_timeout");
+                    }
+                    let backoff = job.backoff.clone().unwrap_or_default();
+                    jobs.insert(job.name.clone(), JobSpec { handler, timeout, backoff });
                 }
                 None if queues.iter().any(|q| q == job.queue()) => {
                     return Err(ConfigError::Invalid {

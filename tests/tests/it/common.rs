@@ -65,6 +65,9 @@ pub struct Running {
 
 impl Running {
     pub async fn start(config: Config, registry: Registry, concurrency: usize) -> Self {
+        if std::env::var_os("RUST_LOG").is_some() {
+            chime_shared::telemetry::init_tracing();
+        }
         let health = Health::default();
         let worker = Worker::builder(config)
             .registry(registry)

@@ -2,16 +2,18 @@
 
 use chime_shared::amqp;
 use chime_shared::envelope::{Envelope, Source, adhoc_key, header_str};
+use chime_worker::Stats;
 use chime_worker::{JobError, Registry, raw_handler_fn};
 use lapin::BasicProperties;
 use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions};
+use serde_json::json;
 use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::common::*;
 
 /// Takes every message from `dlq` (acking it), as (body, headers by name).
-async fn drain_dlq(dlq: &str, expect: usize) -> Vec<(Vec<u8>, HashMap<String, String>)> {
+pub async fn drain_dlq(dlq: &str, expect: usize) -> Vec<(Vec<u8>, HashMap<String, String>)> {
     let conn = connect_amqp().await;
     let ch = conn.create_channel().await.unwrap();
     let mut out = Vec::new();
@@ -48,9 +50,10 @@ async fn drain_dlq(dlq: &str, expect: usize) -> Vec<(Vec<u8>, HashMap<String, St
 }
 
 #[tokio::test]
-async fn malformed_and_unknown_jobs_go_to_the_dlq_with_their_reason() {
+async fn malformed_unknown_and_oversized_messages_go_to_the_dlq_without_retries() {
     let env = TestEnv::new("malformed");
-    let config = env.config("classic", "", "", COUNT_JOB);
+    let mut config = env.config("classic", "", "", COUNT_JOB);
+    config.amqp.max_message_bytes = 4096;
     let ledger = Ledger::default();
     let worker = Running::start(config.clone(), counting_registry(&ledger), 2).await;
     let conn = connect_amqp().await;
@@ -74,12 +77,23 @@ async fn malformed_and_unknown_jobs_go_to_the_dlq_with_their_reason() {
         Source::Adhoc,
     );
     amqp::publish_confirmed(&ch, &ex, "default", &ghost.encode(), ghost.properties(), t).await.unwrap();
+    let big = Envelope::new(
+        "count",
+        "default",
+        adhoc_key("count", "big"),
+        json!("x".repeat(8000)),
+        None,
+        3,
+        Source::Adhoc,
+    );
+    amqp::publish_confirmed(&ch, &ex, "default", &big.encode(), big.properties(), t).await.unwrap();
 
     let w = &worker;
-    wait_until("three dead letters", Duration::from_secs(20), || async { w.dead_lettered() == 3 }).await;
-    let dead = drain_dlq(&names.dlq("default"), 3).await;
+    wait_until("four dead letters", Duration::from_secs(20), || async { w.dead_lettered() == 4 }).await;
+    let dead = drain_dlq(&names.dlq("default"), 4).await;
     let reasons: Vec<&str> = dead.iter().map(|(_, h)| h["x-chime-reason"].as_str()).collect();
-    assert_eq!(reasons, ["malformed", "malformed", "unknown_job"]);
+    assert_eq!(reasons, ["malformed", "malformed", "unknown_job", "too_large"]);
+    assert_eq!(Stats::get(&worker.stats.retried), 0, "none of these is retried");
     assert_eq!(dead[0].0, b"this is not json", "body unchanged");
     assert_eq!(dead[2].0, ghost.encode(), "body unchanged");
     assert!(dead[1].1["x-chime-error"].contains("missing field"), "{:?}", dead[1].1);
@@ -91,21 +105,43 @@ async fn malformed_and_unknown_jobs_go_to_the_dlq_with_their_reason() {
     let _ = conn.close(200, "".into()).await;
 }
 
-#[tokio::test]
-async fn failing_handlers_are_dead_lettered_with_reason_and_worker_survives() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permanent_errors_die_at_once_while_panics_and_timeouts_retry_then_die() {
     let env = TestEnv::new("failing");
-    let jobs = "[[jobs]]\nname = \"perm\"\nhandler = \"perm\"\n\
-                [[jobs]]\nname = \"boom\"\nhandler = \"boom\"\n\
-                [[jobs]]\nname = \"slow\"\nhandler = \"slow\"\ntimeout = \"1s\"\n";
-    let config = env.config("quorum", "", "", jobs);
+    let fast = "max_attempts = 2\nbackoff = { initial = \"1s\", factor = 1.0, max = \"1s\" }\n";
+    let jobs = format!(
+        "[[jobs]]\nname = \"perm\"\nhandler = \"perm\"\n{fast}\
+         [[jobs]]\nname = \"boom\"\nhandler = \"boom\"\n{fast}\
+         [[jobs]]\nname = \"slow\"\nhandler = \"slow\"\ntimeout = \"1s\"\n{fast}"
+    );
+    let config = env.config("quorum", "", "", &jobs);
+    let calls = Ledger::default();
     let mut reg = Registry::new();
-    reg.register("perm", raw_handler_fn(|_, _| async { Err(JobError::permanent("bad input")) }));
-    reg.register("boom", raw_handler_fn(|_, _| async { panic!("handler exploded") }));
+    let c = calls.clone();
+    reg.register(
+        "perm",
+        raw_handler_fn(move |_, _| {
+            c.record(1);
+            async { Err(JobError::permanent("bad input")) }
+        }),
+    );
+    let c = calls.clone();
+    reg.register(
+        "boom",
+        raw_handler_fn(move |_, _| {
+            c.record(2);
+            async { panic!("handler exploded") }
+        }),
+    );
+    let c = calls.clone();
     reg.register(
         "slow",
-        raw_handler_fn(|_, _| async {
-            tokio::time::sleep(Duration::from_secs(600)).await;
-            Ok(())
+        raw_handler_fn(move |_, _| {
+            c.record(3);
+            async {
+                tokio::time::sleep(Duration::from_secs(600)).await;
+                Ok(())
+            }
         }),
     );
     let worker = Running::start(config.clone(), reg, 4).await;
@@ -119,9 +155,15 @@ async fn failing_handlers_are_dead_lettered_with_reason_and_worker_survives() {
     dead.sort_by(|a, b| a.1["x-chime-reason"].cmp(&b.1["x-chime-reason"]));
     let got: Vec<(&str, &str)> =
         dead.iter().map(|(_, h)| (h["x-chime-reason"].as_str(), h["x-chime-attempts"].as_str())).collect();
-    assert_eq!(got, [("panic", "1"), ("permanent", "1"), ("timeout", "1")]);
+    assert_eq!(got, [("panic", "2"), ("permanent", "1"), ("timeout", "2")]);
     assert!(dead[0].1["x-chime-error"].contains("handler exploded"));
     assert!(dead[1].1["x-chime-error"].contains("bad input"));
+    assert_eq!(
+        (calls.get(1), calls.get(2), calls.get(3)),
+        (1, 2, 2),
+        "permanent once; panic and timeout twice"
+    );
+    assert_eq!(Stats::get(&worker.stats.retried), 2);
     assert!(worker.health.ready(), "worker still ready after a panic");
     worker.stop().await;
 }

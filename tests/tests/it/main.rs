@@ -9,5 +9,6 @@ mod pipeline;
 mod processes;
 mod project;
 mod redis_outage;
+mod retries;
 mod runtime;
 mod topology;

@@ -90,7 +90,12 @@ async fn http_handler_maps_statuses_and_sends_the_key() {
     let env = TestEnv::new("httph");
     let jobs: String = ["ok", "bad", "busy"]
         .iter()
-        .map(|p| format!("[[jobs]]\nname = \"h-{p}\"\nhandler = \"http\"\nurl = \"http://{addr}/{p}\"\n"))
+        .map(|p| {
+            format!(
+                "[[jobs]]\nname = \"h-{p}\"\nhandler = \"http\"\nurl = \"http://{addr}/{p}\"\nmax_attempts = 2\n\
+                 backoff = {{ initial = \"1s\", factor = 1.0, max = \"1s\" }}\n"
+            )
+        })
         .collect();
     let config = env.config("classic", "", "", &jobs);
     let worker = Running::start(config.clone(), Registry::new(), 3).await;
@@ -105,6 +110,13 @@ async fn http_handler_maps_statuses_and_sends_the_key() {
     .await;
     let calls = seen.lock().unwrap().calls.clone();
     assert!(calls.contains(&(ok.key.to_string(), "1".into(), "{\"x\":1}".into())), "{calls:?}");
+    // 2xx once; 422 (permanent) once; 503 (transient) twice, attempts 1 and 2.
+    assert_eq!(calls.len(), 4, "{calls:?}");
+    let mut dead = crate::dead_letters::drain_dlq(&env.names().dlq("default"), 2).await;
+    dead.sort_by(|a, b| a.1["x-chime-reason"].cmp(&b.1["x-chime-reason"]));
+    let reasons: Vec<(&str, &str)> =
+        dead.iter().map(|(_, h)| (h["x-chime-reason"].as_str(), h["x-chime-error"].as_str())).collect();
+    assert_eq!(reasons, [("exhausted", "HTTP 503"), ("permanent", "HTTP 422")]);
     worker.stop().await;
 }
 
