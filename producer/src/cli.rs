@@ -20,6 +20,8 @@ pub struct Cli {
     pub command: Command,
 }
 
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Push an ad-hoc job (returns after the broker confirmed it)
