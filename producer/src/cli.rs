@@ -28,6 +28,15 @@ pub enum Command {
     Enqueue(EnqueueArgs),
     /// Validate the config and exit (0 = valid, 2 = invalid)
     CheckConfig,
+    /// Inspect, replay and purge dead letters (over AMQP; no plugin needed)
+    #[command(subcommand)]
+    Dlq(crate::cli_dlq::DlqCommand),
+    /// Watch DLQ depths and raise alerts (log and webhook); until SIGTERM/SIGINT
+    Watch {
+        /// Serve /metrics, /livez and /readyz here
+        #[arg(long, value_name = "ADDR")]
+        listen: Option<String>,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -70,10 +79,10 @@ pub struct Failure {
     pub error: anyhow::Error,
 }
 
-fn usage(error: impl Into<anyhow::Error>) -> Failure {
+pub(crate) fn usage(error: impl Into<anyhow::Error>) -> Failure {
     Failure { code: 2, error: error.into() }
 }
-fn runtime(error: impl Into<anyhow::Error>) -> Failure {
+pub(crate) fn runtime(error: impl Into<anyhow::Error>) -> Failure {
     Failure { code: 1, error: error.into() }
 }
 fn from_enqueue(e: EnqueueError) -> Failure {
@@ -105,7 +114,35 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
         Command::Enqueue(args) => enqueue(Arc::new(config), args).await,
+        Command::Dlq(cmd) => crate::cli_dlq::run(config, cmd).await,
+        Command::Watch { listen } => watch(config, listen).await,
     }
+}
+
+async fn watch(config: Config, listen: Option<String>) -> Result<(), Failure> {
+    use chime_shared::health::{self, Health};
+    let health = Health::new(&["amqp"]);
+    let token = tokio_util::sync::CancellationToken::new();
+    if let Some(addr) = listen {
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))
+            .map_err(usage)?;
+        let recorder = chime_shared::telemetry::install_recorder().ok();
+        tokio::spawn(health::serve(listener, health.clone(), recorder, token.clone()));
+    }
+    let t = token.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let (Ok(mut term), Ok(mut int)) =
+            (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+        {
+            tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        }
+        t.cancel();
+    });
+    crate::monitor::run(Arc::new(config), health, token).await;
+    Ok(())
 }
 
 fn read_source(path: &str) -> Result<String, Failure> {

@@ -2,6 +2,9 @@
 //! and the `chime` operations CLI built on it. The ticker lands here too.
 
 pub mod cli;
+mod cli_dlq;
+pub mod dlq;
 pub mod enqueue;
+pub mod monitor;
 
 pub use enqueue::{BatchReport, EnqueueClient, EnqueueError, EnqueueRequest, Enqueued};

@@ -15,7 +15,7 @@ pub enum AmqpError {
     #[error("cannot connect to RabbitMQ ({urls}): {last}")]
     Connect { urls: String, last: String },
     #[error("publish to {exchange}/{routing_key} failed: {source}")]
-    Publish { exchange: String, routing_key: String, source: lapin::Error },
+    Publish { exchange: String, routing_key: String, source: Box<lapin::Error> },
     #[error(
         "broker returned the message to {exchange}/{routing_key} as unroutable ({reply}): no queue is bound"
     )]
@@ -91,7 +91,7 @@ pub async fn publish(
         .map_err(|source| AmqpError::Publish {
             exchange: exchange.to_string(),
             routing_key: routing_key.to_string(),
-            source,
+            source: Box::new(source),
         })
 }
 
@@ -109,7 +109,7 @@ pub async fn check_confirm(
         .map_err(|source| AmqpError::Publish {
             exchange: exchange.to_string(),
             routing_key: routing_key.to_string(),
-            source,
+            source: Box::new(source),
         })?;
     match confirmation {
         Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),

@@ -282,12 +282,19 @@ pub struct AlertsConfig {
     pub dlq_threshold: u64,
     #[serde(default = "default_for", deserialize_with = "duration::de", rename = "for")]
     pub for_: Duration,
+    /// Alertmanager-compatible webhook URL (log only when unset).
     #[serde(default)]
     pub webhook: Option<String>,
+    /// How often DLQ depths are read.
+    #[serde(default = "default_alert_interval", deserialize_with = "duration::de")]
+    pub interval: Duration,
 }
 
 fn default_threshold() -> u64 {
     1
+}
+fn default_alert_interval() -> Duration {
+    Duration::from_secs(15)
 }
 fn default_for() -> Duration {
     Duration::from_secs(60)
@@ -295,7 +302,12 @@ fn default_for() -> Duration {
 
 impl Default for AlertsConfig {
     fn default() -> Self {
-        Self { dlq_threshold: default_threshold(), for_: default_for(), webhook: None }
+        Self {
+            dlq_threshold: default_threshold(),
+            for_: default_for(),
+            webhook: None,
+            interval: default_alert_interval(),
+        }
     }
 }
 
@@ -505,6 +517,17 @@ impl Config {
         }
         if self.redis.done_retention < self.redis.lease {
             return Err(ConfigError::invalid("redis.done_retention", "must not be shorter than redis.lease"));
+        }
+        if self.alerts.dlq_threshold == 0 {
+            return Err(ConfigError::invalid("alerts.dlq_threshold", "must be at least 1"));
+        }
+        if self.alerts.interval < Duration::from_millis(100) {
+            return Err(ConfigError::invalid("alerts.interval", "must be at least 100ms"));
+        }
+        if let Some(w) = &self.alerts.webhook
+            && !(w.starts_with("http://") || w.starts_with("https://"))
+        {
+            return Err(ConfigError::invalid("alerts.webhook", "must be an http:// or https:// URL"));
         }
         if self.worker.concurrency == 0 || self.worker.concurrency > 10_000 {
             return Err(ConfigError::invalid("worker.concurrency", "must be between 1 and 10000"));

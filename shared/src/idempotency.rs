@@ -57,6 +57,15 @@ return 1",
     )
 });
 
+/// KEYS[1]. A dead key becomes free again (DLQ replay); 1 = revived, 0 = was not dead.
+static REVIVE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"if redis.call('HGET', KEYS[1], 's') ~= 'dead' then return 0 end
+redis.call('HSET', KEYS[1], 's', 'free', 'u', 0)
+return 1",
+    )
+});
+
 /// Result of a claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Claim {
@@ -172,6 +181,14 @@ impl IdemStore {
             .arg(Self::ms(self.retention))
             .invoke_async(&mut conn)
             .await?;
+        Ok(n == 1)
+    }
+
+    /// Makes a dead key claimable again (the fence history is kept). `Ok(false)` if it was
+    /// not dead (never seen, expired, or already revived).
+    pub async fn revive(&self, key: &str) -> Result<bool, IdemError> {
+        let mut conn = self.conn.clone();
+        let n: i64 = REVIVE.key(self.names.idem_key(key)).invoke_async(&mut conn).await?;
         Ok(n == 1)
     }
 

@@ -66,7 +66,7 @@ pub enum TopologyError {
     )]
     Inequivalent { queue: String, argument: String, detail: String },
     #[error("declaring {what} failed: {source}")]
-    Amqp { what: String, source: lapin::Error },
+    Amqp { what: String, source: Box<lapin::Error> },
 }
 
 impl TopologyError {
@@ -103,12 +103,22 @@ pub fn work_queue_args(names: &Names, queue_type: QueueType, delivery_limit: u32
     t
 }
 
+/// Delivery limit of quorum DLQs: RabbitMQ 4.x gives every quorum queue a default limit of
+/// 20, and a DLQ has nowhere to dead-letter to, so a message returned 20 times (say, by
+/// crashed operator sessions) would be dropped. This explicit, very high limit prevents that.
+pub const DLQ_DELIVERY_LIMIT: i64 = 1_000_000;
+
 /// Arguments of a dead-letter queue: nothing expires, nothing dead-letters onward.
 pub fn dlq_args(queue_type: QueueType) -> FieldTable {
     let mut t = FieldTable::default();
     t.insert(ShortString::from("x-queue-type"), long(queue_type.as_str()));
-    if queue_type == QueueType::Classic {
-        t.insert(ShortString::from("x-queue-version"), AMQPValue::LongLongInt(2));
+    match queue_type {
+        QueueType::Quorum => {
+            t.insert(ShortString::from("x-delivery-limit"), AMQPValue::LongLongInt(DLQ_DELIVERY_LIMIT));
+        }
+        QueueType::Classic => {
+            t.insert(ShortString::from("x-queue-version"), AMQPValue::LongLongInt(2));
+        }
     }
     t
 }
@@ -117,7 +127,9 @@ pub fn dlq_args(queue_type: QueueType) -> FieldTable {
 /// closes the channel it happens on).
 pub async fn declare(conn: &Connection, config: &Config, queues: &[String]) -> Result<(), TopologyError> {
     let names = Names::new(&config.prefix);
-    let amqp = |what: String| move |source: lapin::Error| TopologyError::Amqp { what: what.clone(), source };
+    let amqp = |what: String| {
+        move |source: lapin::Error| TopologyError::Amqp { what: what.clone(), source: Box::new(source) }
+    };
     let ch = conn.create_channel().await.map_err(amqp("a channel".into()))?;
     let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
     for ex in [names.work_exchange(), names.dead_exchange()] {
@@ -176,7 +188,7 @@ fn classify(entity: &str, err: lapin::Error) -> TopologyError {
             };
         }
     }
-    TopologyError::Amqp { what: entity.to_string(), source: err }
+    TopologyError::Amqp { what: entity.to_string(), source: Box::new(err) }
 }
 
 /// Ready-message and consumer counts of a queue, by passive declare (no plugin needed).

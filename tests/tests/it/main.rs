@@ -5,6 +5,7 @@ mod broker_restart;
 mod cli;
 mod common;
 mod dead_letters;
+mod dlq_ops;
 mod pipeline;
 mod processes;
 mod project;

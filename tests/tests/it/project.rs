@@ -45,3 +45,18 @@ fn readme_has_the_two_commands() {
     let ci = std::fs::read_to_string(root().join(".ci/run")).unwrap();
     assert!(ci.contains("scripts/test"), ".ci/run runs the README's test command");
 }
+
+#[test]
+fn prometheus_rules_are_valid_yaml_and_use_chime_metrics() {
+    use yaml_rust2::YamlLoader;
+    let text = std::fs::read_to_string(root().join("deploy/prometheus/chime-rules.yml")).unwrap();
+    let docs = YamlLoader::load_from_str(&text).unwrap();
+    let rules = docs[0]["groups"][0]["rules"].as_vec().unwrap();
+    assert!(rules.len() >= 3);
+    for r in rules {
+        let expr = r["expr"].as_str().unwrap();
+        assert!(expr.contains("chime_"), "{expr}");
+        assert!(r["alert"].as_str().is_some());
+    }
+    assert!(text.contains("chime_dlq_messages"));
+}

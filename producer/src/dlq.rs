@@ -1,0 +1,289 @@
+//! Dead-letter operations over AMQP alone (no management plugin).
+//!
+//! Every operation is one *pass* over a DLQ: take exactly as many messages as the queue
+//! held when the pass began (`basic.get`, manual ack), and for each either
+//! - keep it: publish an identical copy to the tail of the same DLQ, wait for the confirm,
+//!   then ack the original (a full pass leaves the order unchanged);
+//! - drop it (purge): ack it;
+//! - replay it: make its key claimable again in Redis, publish a fresh envelope (attempt 1,
+//!   `source = replay`) to the work queue, wait for the confirm, then ack the DLQ copy.
+//!
+//! Nothing is ever requeued, so quorum delivery counters never move. A crash between a
+//! publish and its ack leaves a duplicate, never a loss. Two operators running at once each
+//! take distinct messages, so nothing is replayed twice.
+
+use chime_shared::amqp::{self, AmqpError};
+use chime_shared::config::Config;
+use chime_shared::envelope::{Envelope, Source, header_str};
+use chime_shared::idempotency::{IdemError, IdemStore};
+use chime_shared::topology::{self, Names, TopologyError};
+use chrono::{DateTime, Utc};
+use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions};
+use lapin::types::AMQPValue;
+use lapin::{Channel, Connection};
+use std::sync::Arc;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// One dead letter, as read from a DLQ.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DeadLetter {
+    /// `x-chime-dead-id`, else the envelope id, else the AMQP message id.
+    pub id: String,
+    pub queue: String,
+    pub job: Option<String>,
+    pub key: Option<Uuid>,
+    /// `x-chime-reason`, else the broker's `x-first-death-reason` (e.g. `delivery_limit`).
+    pub reason: String,
+    pub error: Option<String>,
+    pub attempts: Option<u32>,
+    pub failed_at: Option<DateTime<Utc>>,
+    pub worker: Option<String>,
+    #[serde(skip)]
+    pub body: Vec<u8>,
+    #[serde(skip)]
+    pub envelope: Option<Envelope>,
+}
+
+impl DeadLetter {
+    fn read(queue: &str, delivery: &lapin::message::Delivery) -> Self {
+        let props = &delivery.properties;
+        let envelope = Envelope::decode(&delivery.data).ok();
+        let id = header_str(props, "x-chime-dead-id")
+            .or_else(|| envelope.as_ref().map(|e| e.id.to_string()))
+            .or_else(|| props.message_id().as_ref().map(|m| m.as_str().to_string()))
+            .unwrap_or_else(|| "-".into());
+        let reason = header_str(props, "x-chime-reason")
+            .or_else(|| header_str(props, "x-first-death-reason"))
+            .unwrap_or_else(|| "unknown".into());
+        let failed_at = header_str(props, "x-chime-failed-at")
+            .and_then(|t| DateTime::parse_from_rfc3339(&t).ok())
+            .map(|t| t.with_timezone(&Utc))
+            .or_else(|| death_time(props))
+            .or_else(|| props.timestamp().and_then(|t| DateTime::from_timestamp(i64::try_from(t).ok()?, 0)));
+        Self {
+            id,
+            queue: queue.to_string(),
+            job: envelope
+                .as_ref()
+                .map(|e| e.job.clone())
+                .or_else(|| props.kind().as_ref().map(|k| k.to_string())),
+            key: envelope.as_ref().map(|e| e.key),
+            reason,
+            error: header_str(props, "x-chime-error"),
+            attempts: header_str(props, "x-chime-attempts").and_then(|a| a.parse().ok()),
+            failed_at,
+            worker: header_str(props, "x-chime-worker"),
+            body: delivery.data.clone(),
+            envelope,
+        }
+    }
+}
+
+/// Time of the broker's first dead-lettering (`x-death[0].time`), for broker-made dead letters.
+fn death_time(props: &lapin::BasicProperties) -> Option<DateTime<Utc>> {
+    let headers = props.headers().as_ref()?;
+    let AMQPValue::FieldArray(deaths) = headers.inner().get("x-death")? else { return None };
+    let AMQPValue::FieldTable(first) = deaths.as_slice().first()? else { return None };
+    match first.inner().get("time")? {
+        AMQPValue::Timestamp(t) => DateTime::from_timestamp(i64::try_from(*t).ok()?, 0),
+        _ => None,
+    }
+}
+
+/// Which dead letters an operation applies to.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// Ids (or unique prefixes of at least 8 characters); empty = every id.
+    pub ids: Vec<String>,
+    pub job: Option<String>,
+    /// Only dead letters that failed at least this long ago.
+    pub older_than: Option<Duration>,
+}
+
+impl Filter {
+    pub fn matches(&self, d: &DeadLetter, now: DateTime<Utc>) -> bool {
+        let id_ok = self.ids.is_empty()
+            || self.ids.iter().any(|i| *i == d.id || (i.len() >= 8 && d.id.starts_with(i.as_str())));
+        let job_ok = self.job.as_ref().is_none_or(|j| d.job.as_deref() == Some(j.as_str()));
+        let age_ok = self
+            .older_than
+            .is_none_or(|min| d.failed_at.is_some_and(|t| (now - t).to_std().is_ok_and(|age| age >= min)));
+        id_ok && job_ok && age_ok
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DlqError {
+    #[error(transparent)]
+    Amqp(#[from] AmqpError),
+    #[error("RabbitMQ: {0}")]
+    Lapin(#[from] Box<lapin::Error>),
+    #[error(transparent)]
+    Topology(#[from] TopologyError),
+    #[error("redis: {0}")]
+    Redis(#[from] IdemError),
+    #[error("unknown queue {0:?} (not in the config)")]
+    UnknownQueue(String),
+}
+
+impl From<lapin::Error> for DlqError {
+    fn from(e: lapin::Error) -> Self {
+        Self::Lapin(Box::new(e))
+    }
+}
+
+/// What a pass does with one dead letter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Keep,
+    Drop,
+    Replay,
+}
+
+/// Counts of one pass.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct PassReport {
+    pub seen: usize,
+    pub kept: usize,
+    pub dropped: usize,
+    pub replayed: usize,
+    /// Matched a replay but could not be replayed (not a valid envelope); kept.
+    pub unreplayable: usize,
+}
+
+/// DLQ operations on one connection.
+pub struct DlqClient {
+    conn: Connection,
+    channel: Channel,
+    config: Arc<Config>,
+    names: Names,
+    store: IdemStore,
+}
+
+impl DlqClient {
+    pub async fn connect(config: Arc<Config>) -> Result<Self, DlqError> {
+        let conn = amqp::connect(&config.amqp, "chime-dlq").await?;
+        topology::declare(&conn, &config, &config.all_queues()).await?;
+        let channel = conn.create_channel().await?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        let names = Names::new(&config.prefix);
+        let store = IdemStore::connect(&config.redis, names.clone())?;
+        Ok(Self { conn, channel, config, names, store })
+    }
+
+    /// `Some(q)` if configured, else every configured queue.
+    pub fn queues(&self, only: Option<&str>) -> Result<Vec<String>, DlqError> {
+        let all = self.config.all_queues();
+        match only {
+            None => Ok(all),
+            Some(q) if all.iter().any(|a| a == q) => Ok(vec![q.to_string()]),
+            Some(q) => Err(DlqError::UnknownQueue(q.to_string())),
+        }
+    }
+
+    /// Ready messages in the DLQ of `queue`.
+    pub async fn depth(&self, queue: &str) -> Result<u32, DlqError> {
+        Ok(topology::depth(&self.conn, &self.names.dlq(queue)).await?.0)
+    }
+
+    /// Every dead letter of `queue` matching `filter`, in queue order. The DLQ is unchanged.
+    pub async fn list(&self, queue: &str, filter: &Filter) -> Result<Vec<DeadLetter>, DlqError> {
+        let mut out = Vec::new();
+        let now = Utc::now();
+        self.pass(queue, |d| {
+            if filter.matches(d, now) {
+                out.push(d.clone());
+            }
+            Action::Keep
+        })
+        .await?;
+        Ok(out)
+    }
+
+    /// Replays matching dead letters into their work queue.
+    pub async fn replay(&self, queue: &str, filter: &Filter) -> Result<PassReport, DlqError> {
+        let now = Utc::now();
+        self.pass(queue, |d| if filter.matches(d, now) { Action::Replay } else { Action::Keep }).await
+    }
+
+    /// Deletes matching dead letters.
+    pub async fn purge(&self, queue: &str, filter: &Filter) -> Result<PassReport, DlqError> {
+        let now = Utc::now();
+        self.pass(queue, |d| if filter.matches(d, now) { Action::Drop } else { Action::Keep }).await
+    }
+
+    async fn pass(
+        &self,
+        queue: &str,
+        mut decide: impl FnMut(&DeadLetter) -> Action,
+    ) -> Result<PassReport, DlqError> {
+        let dlq = self.names.dlq(queue);
+        let n = self.depth(queue).await?;
+        let timeout = self.config.amqp.publish_timeout;
+        let mut report = PassReport::default();
+        for _ in 0..n {
+            let Some(msg) = self.channel.basic_get(dlq.as_str().into(), BasicGetOptions::default()).await?
+            else {
+                break; // another operator took the rest
+            };
+            let delivery = msg.delivery;
+            report.seen += 1;
+            let dead = DeadLetter::read(queue, &delivery);
+            let mut action = decide(&dead);
+            if action == Action::Replay && dead.envelope.is_none() {
+                report.unreplayable += 1;
+                action = Action::Keep;
+            }
+            match action {
+                Action::Keep => {
+                    amqp::publish_confirmed(
+                        &self.channel,
+                        "",
+                        &dlq,
+                        &delivery.data,
+                        delivery.properties.clone(),
+                        timeout,
+                    )
+                    .await?;
+                    report.kept += 1;
+                }
+                Action::Drop => report.dropped += 1,
+                Action::Replay => {
+                    let Some(old) = dead.envelope else { continue };
+                    let mut env = Envelope::new(
+                        &old.job,
+                        queue,
+                        old.key,
+                        old.payload,
+                        old.slot,
+                        old.max_attempts,
+                        Source::Replay,
+                    );
+                    env.trace_id = old.trace_id;
+                    // Dead keys absorb duplicates; replay is the explicit override.
+                    self.store.revive(&env.key.to_string()).await?;
+                    amqp::publish_confirmed(
+                        &self.channel,
+                        &self.names.work_exchange(),
+                        queue,
+                        &env.encode(),
+                        env.properties(),
+                        timeout,
+                    )
+                    .await?;
+                    metrics::counter!(chime_shared::telemetry::JOBS_PUBLISHED, "job" => env.job.clone(), "source" => "replay")
+                        .increment(1);
+                    report.replayed += 1;
+                }
+            }
+            delivery.acker.ack(BasicAckOptions::default()).await?;
+        }
+        Ok(report)
+    }
+
+    pub async fn close(self) {
+        let _ = self.channel.close(200, "done".into()).await;
+        let _ = self.conn.close(200, "done".into()).await;
+    }
+}

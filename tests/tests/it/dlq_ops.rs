@@ -1,0 +1,225 @@
+//! `chime dlq` round trips and DLQ alerts.
+
+use axum::Router;
+use axum::routing::post;
+use chime_producer::dlq::{DlqClient, Filter};
+use chime_producer::{EnqueueClient, EnqueueRequest};
+use chime_shared::amqp;
+use chime_shared::envelope::put_header;
+use chime_worker::{JobContext, JobError, Registry, raw_handler_fn};
+use lapin::BasicProperties;
+use lapin::options::ConfirmSelectOptions;
+use lapin::types::FieldTable;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+use crate::common::*;
+
+async fn chime_cli(config: &std::path::Path, args: &[&str]) -> (i32, String, String) {
+    let out = tokio::process::Command::new(bin("chime"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn ids(json: &str) -> Vec<String> {
+    let v: Vec<serde_json::Value> = serde_json::from_str(json).unwrap();
+    v.iter().map(|d| d["id"].as_str().unwrap().to_string()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_dead_letters_listed_then_replayed_by_two_operators_at_once() {
+    let env = TestEnv::new("dlqtrip");
+    let text = env.config_text(
+        "quorum",
+        "",
+        "",
+        COUNT_JOB.replace("handler = \"count\"", "handler = \"gate\"").as_str(),
+    );
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let open = Arc::new(AtomicBool::new(false));
+    let ledger = Ledger::default();
+    let attempts = Ledger::default();
+    let mut reg = Registry::new();
+    let (o, l, a) = (open.clone(), ledger.clone(), attempts.clone());
+    reg.register(
+        "gate",
+        raw_handler_fn(move |ctx: JobContext, p: serde_json::Value| {
+            let ok = o.load(Ordering::SeqCst);
+            if ok {
+                l.record(p["n"].as_u64().unwrap());
+                a.record(u64::from(ctx.attempt));
+            }
+            async move { if ok { Ok(()) } else { Err(JobError::permanent("gate closed")) } }
+        }),
+    );
+    let worker = Running::start(config.clone(), reg, 8).await;
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let reqs: Vec<_> =
+        (0..100u64).map(|n| EnqueueRequest::new("count").payload(serde_json::json!({"n": n}))).collect();
+    client.enqueue_batch(&reqs).await.unwrap();
+    let w = &worker;
+    wait_until("100 dead letters", Duration::from_secs(60), || async { w.dead_lettered() == 100 }).await;
+
+    let (code, first, err) = chime_cli(&path, &["dlq", "list", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    let first = ids(&first);
+    assert_eq!(first.len(), 100);
+    let (_, second, _) = chime_cli(&path, &["dlq", "list", "--json"]).await;
+    assert_eq!(ids(&second), first, "listing neither loses nor reorders");
+    let (code, table, _) = chime_cli(&path, &["dlq", "list", "--limit", "2"]).await;
+    assert_eq!(code, 0);
+    assert!(table.contains("permanent") && table.contains("gate closed"), "{table}");
+    let (code, shown, err) = chime_cli(&path, &["dlq", "show", &first[7]]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(shown.contains(&format!("id:        {}", first[7])) && shown.contains("\"n\": "), "{shown}");
+
+    open.store(true, Ordering::SeqCst);
+    let (a, b) = tokio::join!(
+        chime_cli(&path, &["dlq", "replay", "--all", "--json"]),
+        chime_cli(&path, &["dlq", "replay", "--all", "--json"])
+    );
+    assert_eq!((a.0, b.0), (0, 0), "{} {}", a.2, b.2);
+    let replayed =
+        |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap()["replayed"].as_u64().unwrap();
+    assert_eq!(replayed(&a.1) + replayed(&b.1), 100, "two operators together replayed each dead letter once");
+    let l = &ledger;
+    wait_until("100 replayed jobs ran", Duration::from_secs(60), || async { l.distinct() == 100 }).await;
+    assert_eq!(ledger.total(), 100, "no duplicates");
+    assert_eq!(attempts.get(1), 100, "replays restart at attempt 1");
+    let dlq = env.names().dlq("default");
+    assert_eq!(depth(&dlq).await, 0);
+    worker.stop().await;
+}
+
+async fn publish_dead(env: &TestEnv, n: usize, failed_at: chrono::DateTime<chrono::Utc>) {
+    let conn = connect_amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    for i in 0..n {
+        let e = chime_shared::Envelope::new(
+            "count",
+            "default",
+            chime_shared::envelope::random_key(),
+            serde_json::json!({"n": i}),
+            None,
+            3,
+            chime_shared::Source::Adhoc,
+        );
+        let mut h = FieldTable::default();
+        put_header(&mut h, "x-chime-reason", "exhausted");
+        put_header(&mut h, "x-chime-failed-at", &failed_at.to_rfc3339());
+        put_header(&mut h, "x-chime-dead-id", &uuid::Uuid::now_v7().to_string());
+        let props: BasicProperties = e.properties().with_headers(h);
+        amqp::publish_confirmed(
+            &ch,
+            "",
+            &env.names().dlq("default"),
+            &e.encode(),
+            props,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    }
+    let _ = conn.close(200, "".into()).await;
+}
+
+#[tokio::test]
+async fn purge_by_age_and_by_id() {
+    let env = TestEnv::new("purge");
+    let text = env.config_text("classic", "", "", COUNT_JOB);
+    let path = env.write_config(&text);
+    let config = Arc::new(chime_shared::Config::from_toml_str(&text).unwrap());
+    let client = DlqClient::connect(config).await.unwrap(); // declares the topology
+    publish_dead(&env, 2, chrono::Utc::now() - chrono::Duration::days(10)).await;
+    publish_dead(&env, 2, chrono::Utc::now()).await;
+    let (code, out, err) = chime_cli(&path, &["dlq", "purge", "--all", "--older-than", "7d", "--yes"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("purged 2 dead letter(s); 2 left in place"), "{out}");
+    let left = client.list("default", &Filter::default()).await.unwrap();
+    assert_eq!(left.len(), 2);
+    let (code, out, _) = chime_cli(&path, &["dlq", "purge", &left[0].id]).await;
+    assert_eq!(code, 0);
+    assert!(out.starts_with("purged 1"), "{out}");
+    let (code, _, err) = chime_cli(&path, &["dlq", "purge"]).await;
+    assert_eq!(code, 2, "neither ids nor --all is a usage error");
+    assert!(err.contains("--all"), "{err}");
+    let remaining = client.list("default", &Filter::default()).await.unwrap();
+    assert_eq!(remaining.iter().map(|d| d.id.clone()).collect::<Vec<_>>(), vec![left[1].id.clone()]);
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_alert_fires_then_resolves_once_each() {
+    let bodies = Arc::new(Mutex::new(Vec::<serde_json::Value>::new()));
+    let b = bodies.clone();
+    let app = Router::new().route(
+        "/alerts",
+        post(move |body: String| {
+            let b = b.clone();
+            async move {
+                b.lock().unwrap().push(serde_json::from_str(&body).unwrap());
+                "ok"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let env = TestEnv::new("alerts");
+    let mut config = env.config("classic", "", "", COUNT_JOB);
+    config.alerts.webhook = Some(format!("http://{addr}/alerts"));
+    config.alerts.interval = Duration::from_millis(100);
+    config.alerts.for_ = Duration::from_millis(500);
+    config.alerts.dlq_threshold = 2;
+    let config = Arc::new(config);
+    let health = chime_shared::health::Health::default();
+    let token = CancellationToken::new();
+    let monitor = tokio::spawn(chime_producer::monitor::run(config.clone(), health.clone(), token.clone()));
+    let h = health.clone();
+    wait_until("monitor connected", Duration::from_secs(10), || {
+        let h = h.clone();
+        async move { h.get("amqp") }
+    })
+    .await;
+    publish_dead(&env, 1, chrono::Utc::now()).await; // below the threshold of 2
+    publish_dead(&env, 2, chrono::Utc::now()).await;
+    let got = bodies.clone();
+    wait_until("firing notification", Duration::from_secs(20), || {
+        let got = got.clone();
+        async move { got.lock().unwrap().len() == 1 }
+    })
+    .await;
+    let client = DlqClient::connect(config).await.unwrap();
+    client.purge("default", &Filter::default()).await.unwrap();
+    wait_until("resolved notification", Duration::from_secs(20), || {
+        let got = got.clone();
+        async move { got.lock().unwrap().len() >= 2 }
+    })
+    .await;
+    token.cancel();
+    monitor.await.unwrap();
+    client.close().await;
+    let all = bodies.lock().unwrap().clone();
+    let statuses: Vec<&str> = all.iter().map(|b| b["status"].as_str().unwrap()).collect();
+    assert_eq!(statuses, ["firing", "resolved"], "exactly one of each");
+    assert_eq!(all[0]["version"], "4");
+    assert_eq!(all[0]["alerts"][0]["labels"]["queue"], "default");
+    assert_eq!(all[1]["alerts"][0]["status"], "resolved");
+    assert_ne!(all[1]["alerts"][0]["endsAt"], "0001-01-01T00:00:00Z");
+}
