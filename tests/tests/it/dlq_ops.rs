@@ -223,3 +223,41 @@ async fn dlq_alert_fires_then_resolves_once_each() {
     assert_eq!(all[1]["alerts"][0]["status"], "resolved");
     assert_ne!(all[1]["alerts"][0]["endsAt"], "0001-01-01T00:00:00Z");
 }
+
+/// Runs `chime … dlq purge --all` on a pseudo-terminal (util-linux `script`), answering `answer`.
+async fn purge_on_a_tty(config: &std::path::Path, answer: &str) -> String {
+    use tokio::io::AsyncWriteExt;
+    let cmd = format!("{} --config {} dlq purge --all", bin("chime").display(), config.display());
+    let mut child = tokio::process::Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("util-linux `script` runs the command on a pseudo-terminal");
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(format!("{answer}\n").as_bytes()).await.unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output()).await.unwrap().unwrap();
+    drop(stdin);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn purge_asks_on_a_terminal() {
+    let env = TestEnv::new("purgetty");
+    let text = env.config_text("classic", "", "", COUNT_JOB);
+    let path = env.write_config(&text);
+    let client =
+        DlqClient::connect(Arc::new(chime_shared::Config::from_toml_str(&text).unwrap())).await.unwrap();
+    publish_dead(&env, 3, chrono::Utc::now()).await;
+    let out = purge_on_a_tty(&path, "n").await;
+    assert!(
+        out.contains("purge 3 dead letter(s) from default? [y/N]") && out.contains("nothing purged"),
+        "{out}"
+    );
+    assert_eq!(client.list("default", &Filter::default()).await.unwrap().len(), 3);
+    let out = purge_on_a_tty(&path, "y").await;
+    assert!(out.contains("purged 3 dead letter(s)"), "{out}");
+    assert_eq!(client.depth("default").await.unwrap(), 0);
+    client.close().await;
+}

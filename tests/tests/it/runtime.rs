@@ -128,7 +128,7 @@ async fn worker_process_serves_livez_readyz_and_metrics() {
         "classic",
         "",
         &format!("listen = \"127.0.0.1:{port}\""),
-        "[[jobs]]\nname = \"n\"\nhandler = \"noop\"\n",
+        "[[jobs]]\nname = \"n\"\nhandler = \"noop\"\n[[jobs]]\nname = \"long\"\nhandler = \"noop\"\ntimeout = \"40m\"\n",
     );
     let path = env.write_config(&text);
     let mut w = Child::worker(&env.dir, &path, &[], "w");
@@ -168,4 +168,10 @@ async fn worker_process_serves_livez_readyz_and_metrics() {
     w.signal(15);
     let status = tokio::time::timeout(Duration::from_secs(30), w.child.wait()).await.unwrap().unwrap();
     assert_eq!(status.code(), Some(0));
+    let log = w.log_text();
+    assert!(
+        log.contains("job timeout is not safely below RabbitMQ's consumer_timeout")
+            && log.contains("job=long"),
+        "{log}"
+    );
 }
