@@ -28,6 +28,21 @@ pub enum Command {
     Enqueue(EnqueueArgs),
     /// Validate the config and exit (0 = valid, 2 = invalid)
     CheckConfig,
+    /// The ticker daemon: publishes scheduled slots (one leader among replicas) and, on the
+    /// leader, watches DLQ depths
+    Tick {
+        /// Serve /metrics, /livez and /readyz here (default: ticker.listen)
+        #[arg(long, value_name = "ADDR")]
+        listen: Option<String>,
+    },
+    /// Scheduled jobs and their upcoming slots
+    #[command(subcommand)]
+    Jobs(crate::cli_ops::JobsCommand),
+    /// Queue depths, consumers, DLQ depths, the leader and per-job slots
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
     /// Inspect, replay and purge dead letters (over AMQP; no plugin needed)
     #[command(subcommand)]
     Dlq(crate::cli_dlq::DlqCommand),
@@ -101,7 +116,8 @@ pub async fn main_exit_code(cli: Cli) -> i32 {
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
-    let config = Config::load(cli.config.as_deref()).map_err(usage)?;
+    let path = Config::resolve_path(cli.config.as_deref());
+    let config = Config::load(Some(&path)).map_err(usage)?;
     match cli.command {
         Command::CheckConfig => {
             println!(
@@ -116,6 +132,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Enqueue(args) => enqueue(Arc::new(config), args).await,
         Command::Dlq(cmd) => crate::cli_dlq::run(config, cmd).await,
         Command::Watch { listen } => watch(config, listen).await,
+        Command::Tick { listen } => crate::cli_ops::tick(config, path, listen).await,
+        Command::Jobs(cmd) => crate::cli_ops::jobs(&config, cmd),
+        Command::Status { json } => crate::cli_ops::status(config, json).await,
     }
 }
 

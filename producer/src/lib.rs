@@ -3,8 +3,11 @@
 
 pub mod cli;
 mod cli_dlq;
+mod cli_ops;
 pub mod dlq;
 pub mod enqueue;
+pub mod lease;
 pub mod monitor;
+pub mod ticker;
 
 pub use enqueue::{BatchReport, EnqueueClient, EnqueueError, EnqueueRequest, Enqueued};

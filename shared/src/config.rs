@@ -421,12 +421,7 @@ impl Config {
     /// Resolves the path (`--config` > `$CHIME_CONFIG` > `./chime.toml`), reads, parses,
     /// applies environment overrides and validates.
     pub fn load(explicit: Option<&Path>) -> Result<Self, ConfigError> {
-        let path = match explicit {
-            Some(p) => p.to_path_buf(),
-            None => std::env::var_os("CHIME_CONFIG")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from(DEFAULT_PATH)),
-        };
+        let path = Self::resolve_path(explicit);
         let text = match std::fs::read_to_string(&path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -438,6 +433,16 @@ impl Config {
         config.apply_env(|k| std::env::var(k).ok())?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// The config path: `explicit`, else `$CHIME_CONFIG`, else `./chime.toml`.
+    pub fn resolve_path(explicit: Option<&Path>) -> PathBuf {
+        match explicit {
+            Some(p) => p.to_path_buf(),
+            None => std::env::var_os("CHIME_CONFIG")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_PATH)),
+        }
     }
 
     /// Parses TOML text without env overrides or validation (`origin` names it in errors).

@@ -93,6 +93,16 @@ async fn decide(shared: &Shared, env: Envelope) -> Disposition {
             attempts: env.attempt.saturating_sub(1),
         };
     };
+    if let (Some(slot), Some(deadline)) = (env.slot, spec.deadline) {
+        let late = (chrono::Utc::now() - slot).to_std().unwrap_or(Duration::ZERO);
+        if late > deadline {
+            warn!(%slot, late_ms = late.as_millis() as u64, "slot picked up past its deadline; skipped as expired");
+            Stats::bump(&shared.stats.expired);
+            metrics::counter!(telemetry::JOBS_COMPLETED, "job" => env.job.clone(), "outcome" => outcome::EXPIRED)
+                .increment(1);
+            return Disposition::Ack;
+        }
+    }
     let key = env.key.to_string();
     let owner = format!("{}/{}", shared.worker_id, Uuid::new_v4());
     let fence = match shared.store.claim(&key, &owner).await {

@@ -39,6 +39,8 @@ pub(crate) struct JobSpec {
     pub handler: Arc<dyn Handler>,
     pub timeout: Duration,
     pub backoff: BackoffConfig,
+    /// A scheduled slot started later than slot + deadline is skipped as expired.
+    pub deadline: Option<Duration>,
 }
 
 /// Settled deliveries of this worker, by outcome (for tests, `status` and benchmarks).
@@ -53,6 +55,8 @@ pub struct Stats {
     pub retried: AtomicU64,
     /// Copies of a busy key sent round again.
     pub redelayed: AtomicU64,
+    /// Scheduled slots skipped because they started past their deadline.
+    pub expired: AtomicU64,
 }
 
 impl Stats {
@@ -87,6 +91,7 @@ impl Shared {
                 handler,
                 timeout: self.config.worker.default_timeout,
                 backoff: BackoffConfig::default(),
+                deadline: None,
             })
         })
     }
@@ -208,7 +213,10 @@ impl WorkerBuilder {
                              unacked delivery on it; raise consumer_timeout on the broker and amqp.consumer_timeout");
                     }
                     let backoff = job.backoff.clone().unwrap_or_default();
-                    jobs.insert(job.name.clone(), JobSpec { handler, timeout, backoff });
+                    jobs.insert(
+                        job.name.clone(),
+                        JobSpec { handler, timeout, backoff, deadline: job.deadline },
+                    );
                 }
                 None if queues.iter().any(|q| q == job.queue()) => {
                     return Err(ConfigError::Invalid {

@@ -1,0 +1,264 @@
+//! `chime tick`, `chime jobs list|next`, `chime status`.
+
+use chime_shared::config::Config;
+use chime_shared::delay;
+use chime_shared::health::{self, Health};
+use chime_shared::schedule::Schedule;
+use chime_shared::topology::{self, Names};
+use chrono::{DateTime, Utc};
+use clap::Subcommand;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::cli::{Failure, runtime, usage};
+use crate::lease::TickerStore;
+use crate::ticker::{Ticker, scheduled_jobs};
+
+#[derive(Debug, Subcommand)]
+pub enum JobsCommand {
+    /// Scheduled jobs with their next run (local time and UTC)
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Upcoming slots of a job, UTC RFC 3339, one a line
+    Next {
+        name: String,
+        /// Start after this instant (default: now)
+        #[arg(long, value_name = "RFC3339")]
+        after: Option<String>,
+        #[arg(long, default_value_t = 5)]
+        count: usize,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn schedule_of(config: &Config, name: &str) -> Result<Schedule, Failure> {
+    let job = config
+        .job(name)
+        .ok_or_else(|| usage(anyhow::anyhow!("unknown job {name:?} (not in the config's [[jobs]])")))?;
+    Schedule::of(job)
+        .map_err(|e| usage(anyhow::anyhow!("job {name}: {e}")))?
+        .ok_or_else(|| usage(anyhow::anyhow!("job {name} has no schedule (it runs ad hoc only)")))
+}
+
+pub fn jobs(config: &Config, cmd: JobsCommand) -> Result<(), Failure> {
+    match cmd {
+        JobsCommand::List { json } => {
+            let now = Utc::now();
+            let mut rows = Vec::new();
+            for job in config.jobs.iter().filter(|j| j.schedule.is_some()) {
+                let s = schedule_of(config, &job.name)?;
+                let next = s.next_after(now);
+                rows.push(serde_json::json!({
+                    "name": job.name,
+                    "schedule": s.expr(),
+                    "timezone": s.zone().name(),
+                    "queue": job.queue(),
+                    "next_local": next.map(|n| n.with_timezone(&s.zone()).to_rfc3339()),
+                    "next_utc": next.map(|n| n.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+                }));
+            }
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows).unwrap_or_default());
+                return Ok(());
+            }
+            println!(
+                "{:<20}  {:<16}  {:<18}  {:<10}  {:<26}  NEXT (UTC)",
+                "NAME", "SCHEDULE", "ZONE", "QUEUE", "NEXT (LOCAL)"
+            );
+            for r in rows {
+                let s = |k: &str| r[k].as_str().unwrap_or("-").to_string();
+                println!(
+                    "{:<20}  {:<16}  {:<18}  {:<10}  {:<26}  {}",
+                    s("name"),
+                    s("schedule"),
+                    s("timezone"),
+                    s("queue"),
+                    s("next_local"),
+                    s("next_utc")
+                );
+            }
+            Ok(())
+        }
+        JobsCommand::Next { name, after, count, json } => {
+            let s = schedule_of(config, &name)?;
+            let after = match after {
+                Some(a) => DateTime::parse_from_rfc3339(&a)
+                    .map_err(|e| usage(anyhow::anyhow!("--after: {e} (expected RFC 3339)")))?
+                    .with_timezone(&Utc),
+                None => Utc::now(),
+            };
+            let slots: Vec<String> = s
+                .upcoming(after, count)
+                .into_iter()
+                .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+                .collect();
+            if json {
+                println!("{}", serde_json::to_string(&slots).unwrap_or_default());
+            } else {
+                for t in slots {
+                    println!("{t}");
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// `chime tick`: the ticker daemon. SIGHUP, or a change of the config file, reloads the
+/// schedules; SIGTERM/SIGINT gives the lease up and exits.
+pub async fn tick(config: Config, path: PathBuf, listen: Option<String>) -> Result<(), Failure> {
+    scheduled_jobs(&config).map_err(|(job, e)| usage(anyhow::anyhow!("job {job}: {e}")))?;
+    let listen = listen.or_else(|| config.ticker.listen.clone());
+    let health = Health::new(&["redis"]);
+    let token = CancellationToken::new();
+    if let Some(addr) = listen {
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|e| usage(anyhow::anyhow!("cannot listen on {addr}: {e}")))?;
+        let recorder = chime_shared::telemetry::install_recorder().ok();
+        info!(%addr, "serving /metrics, /livez, /readyz");
+        tokio::spawn(health::serve(listener, health.clone(), recorder, token.clone()));
+    }
+    let (tx, rx) = watch::channel(Arc::new(config));
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "host".into());
+    let id =
+        format!("{}:{}:{}", host.trim(), std::process::id(), &uuid::Uuid::new_v4().simple().to_string()[..6]);
+    let ticker = Ticker::new(rx, id, health).map_err(runtime)?;
+    tokio::spawn(reloads(path, tx, token.clone()));
+    ticker.run(token).await;
+    Ok(())
+}
+
+/// Signals and config-file changes.
+async fn reloads(path: PathBuf, tx: watch::Sender<Arc<Config>>, token: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) =
+        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
+    else {
+        warn!("cannot install signal handlers");
+        return;
+    };
+    let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut seen = mtime(&path);
+    let mut poll = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        let reload = tokio::select! {
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            _ = hup.recv() => true,
+            _ = poll.tick() => {
+                let now = mtime(&path);
+                let changed = now != seen;
+                seen = now;
+                changed
+            }
+        };
+        if reload {
+            match Config::load(Some(&path)).and_then(|c| {
+                scheduled_jobs(&c).map_err(|(job, e)| chime_shared::ConfigError::Invalid {
+                    key: format!("jobs ({job}).schedule"),
+                    message: e.to_string(),
+                })?;
+                Ok(c)
+            }) {
+                Ok(c) => {
+                    info!(path = %path.display(), "config reloaded");
+                    tx.send_replace(Arc::new(c));
+                }
+                Err(e) => warn!(error = %e, "config reload rejected; keeping the running config"),
+            }
+        }
+    }
+    info!("shutdown requested");
+    token.cancel();
+}
+
+#[derive(serde::Serialize)]
+struct QueueRow {
+    queue: String,
+    ready: u32,
+    consumers: u32,
+    dlq: u32,
+}
+
+#[derive(serde::Serialize)]
+struct JobRow {
+    job: String,
+    last_published: Option<String>,
+    next_due: Option<String>,
+}
+
+/// `chime status`: depths, consumers, the leader and per-job slots.
+pub async fn status(config: Config, json: bool) -> Result<(), Failure> {
+    let conn = chime_shared::amqp::connect(&config.amqp, "chime-status").await.map_err(runtime)?;
+    let names = Names::new(&config.prefix);
+    let mut queues = Vec::new();
+    for q in config.all_queues() {
+        let (ready, consumers) = topology::depth(&conn, &names.work_queue(&q)).await.unwrap_or((0, 0));
+        let dlq = topology::depth(&conn, &names.dlq(&q)).await.map(|d| d.0).unwrap_or(0);
+        queues.push(QueueRow { queue: q, ready, consumers, dlq });
+    }
+    let mut delayed = 0u64;
+    for level in 0..delay::LEVELS {
+        delayed +=
+            u64::from(topology::depth(&conn, &names.delay_queue(level)).await.map(|d| d.0).unwrap_or(0));
+    }
+    let _ = conn.close(200, "status".into()).await;
+    let store = TickerStore::connect(&config.redis, &config.prefix).map_err(runtime)?;
+    let leader = store.leader().await.map_err(runtime)?;
+    let marks = store.watermarks().await.map_err(runtime)?;
+    let now = Utc::now();
+    let jobs: Vec<JobRow> = scheduled_jobs(&config)
+        .map_err(|(job, e)| usage(anyhow::anyhow!("job {job}: {e}")))?
+        .into_iter()
+        .map(|j| {
+            let last = marks.get(&j.name).and_then(|s| DateTime::from_timestamp(*s, 0));
+            JobRow {
+                last_published: last.map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+                next_due: j
+                    .schedule
+                    .next_after(now)
+                    .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+                job: j.name,
+            }
+        })
+        .collect();
+    if json {
+        let v = serde_json::json!({"leader": leader, "queues": queues, "delayed": delayed, "jobs": jobs});
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        return Ok(());
+    }
+    match &leader {
+        Some(l) => println!(
+            "leader: {} (lease held {:.1}s, expires in {:.1}s)",
+            l.id,
+            l.lease_age_ms as f64 / 1000.0,
+            l.expires_in_ms as f64 / 1000.0
+        ),
+        None => println!("leader: none (no ticker holds the lease)"),
+    }
+    println!("\n{:<16}  {:>8}  {:>9}  {:>6}", "QUEUE", "READY", "CONSUMERS", "DLQ");
+    for q in &queues {
+        println!("{:<16}  {:>8}  {:>9}  {:>6}", q.queue, q.ready, q.consumers, q.dlq);
+    }
+    println!("delayed (retries and --delay, all levels): {delayed}");
+    if !jobs.is_empty() {
+        println!("\n{:<20}  {:<22}  NEXT DUE (UTC)", "JOB", "LAST PUBLISHED (UTC)");
+        for j in &jobs {
+            println!(
+                "{:<20}  {:<22}  {}",
+                j.job,
+                j.last_published.as_deref().unwrap_or("-"),
+                j.next_due.as_deref().unwrap_or("-")
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,157 @@
+//! The ticker's shared state in Redis: the leader lease and the per-job watermarks.
+//!
+//! - `<p>:ticker:leader` = `"<ticker id>|<acquired at, ms of Redis TIME>"`, with a PX expiry.
+//!   Acquire and renew are one compare-and-extend script: only the holder extends it.
+//! - `<p>:ticker:wm` hash: job → the last slot (Unix seconds) whose publish was confirmed.
+//!   Advanced with a max, so two leaders in a split brain can never move it backwards.
+
+use chime_shared::config::RedisConfig;
+use redis::Script;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use std::collections::HashMap;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+/// KEYS[1] leader key; ARGV id, lease_ms. Returns {held (0/1), acquired_ms, redis_now_ms, holder}.
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local v = redis.call('GET', KEYS[1])
+if not v then
+  redis.call('SET', KEYS[1], ARGV[1] .. '|' .. now, 'PX', ARGV[2])
+  return {1, now, now, ARGV[1]}
+end
+local sep = string.find(v, '|', 1, true)
+local holder = string.sub(v, 1, sep - 1)
+local since = tonumber(string.sub(v, sep + 1))
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, since, now, holder}
+end
+return {0, since, now, holder}",
+    )
+});
+
+/// KEYS[1]; ARGV id. Deletes the lease if we hold it.
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. '|' then
+  return redis.call('DEL', KEYS[1])
+end
+return 0",
+    )
+});
+
+/// KEYS[1] watermark hash; ARGV job1, slot1, job2, slot2, … Sets each to max(current, slot).
+static ADVANCE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"for i = 1, #ARGV, 2 do
+  local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[i]))
+  if not cur or tonumber(ARGV[i + 1]) > cur then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+return 1",
+    )
+});
+
+/// Answer of an acquire/renew attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseState {
+    pub held: bool,
+    pub holder: String,
+    /// When the current holder acquired the lease (ms, Redis clock).
+    pub acquired_ms: i64,
+    /// Redis `TIME` at the call (ms).
+    pub redis_now_ms: i64,
+}
+
+/// Current leader as seen by `chime status`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LeaderInfo {
+    pub id: String,
+    pub lease_age_ms: i64,
+    pub expires_in_ms: i64,
+}
+
+#[derive(Clone)]
+pub struct TickerStore {
+    conn: ConnectionManager,
+    leader_key: String,
+    wm_key: String,
+}
+
+impl TickerStore {
+    pub fn connect(config: &RedisConfig, prefix: &str) -> Result<Self, redis::RedisError> {
+        let client = redis::Client::open(config.url.as_str())?;
+        let cm = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(config.timeout))
+            .set_connection_timeout(Some(config.timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_secs(1));
+        Ok(Self {
+            conn: ConnectionManager::new_lazy_with_config(client, cm)?,
+            leader_key: format!("{prefix}:ticker:leader"),
+            wm_key: format!("{prefix}:ticker:wm"),
+        })
+    }
+
+    /// Acquires the lease, or extends it if `id` holds it.
+    pub async fn acquire(&self, id: &str, lease: Duration) -> Result<LeaseState, redis::RedisError> {
+        let mut c = self.conn.clone();
+        let (held, acquired_ms, redis_now_ms, holder): (i64, i64, i64, String) = ACQUIRE
+            .key(&self.leader_key)
+            .arg(id)
+            .arg(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX))
+            .invoke_async(&mut c)
+            .await?;
+        Ok(LeaseState { held: held == 1, holder, acquired_ms, redis_now_ms })
+    }
+
+    pub async fn release(&self, id: &str) -> Result<(), redis::RedisError> {
+        let mut c = self.conn.clone();
+        let _: i64 = RELEASE.key(&self.leader_key).arg(id).invoke_async(&mut c).await?;
+        Ok(())
+    }
+
+    pub async fn leader(&self) -> Result<Option<LeaderInfo>, redis::RedisError> {
+        let mut c = self.conn.clone();
+        let (v, ttl, time): (Option<String>, i64, (i64, i64)) = redis::pipe()
+            .get(&self.leader_key)
+            .pttl(&self.leader_key)
+            .cmd("TIME")
+            .query_async(&mut c)
+            .await?;
+        let now = time.0 * 1000 + time.1 / 1000;
+        Ok(v.and_then(|v| {
+            let (id, since) = v.split_once('|')?;
+            Some(LeaderInfo {
+                id: id.to_string(),
+                lease_age_ms: now - since.parse::<i64>().ok()?,
+                expires_in_ms: ttl,
+            })
+        }))
+    }
+
+    /// Watermarks (Unix seconds) of every job that has one.
+    pub async fn watermarks(&self) -> Result<HashMap<String, i64>, redis::RedisError> {
+        let mut c = self.conn.clone();
+        redis::cmd("HGETALL").arg(&self.wm_key).query_async(&mut c).await
+    }
+
+    /// Advances watermarks (never backwards), one round trip for the whole batch.
+    pub async fn advance(&self, slots: &[(&str, i64)]) -> Result<(), redis::RedisError> {
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let mut c = self.conn.clone();
+        let mut inv = ADVANCE.key(&self.wm_key);
+        for (job, slot) in slots {
+            inv.arg(*job).arg(*slot);
+        }
+        let _: i64 = inv.invoke_async(&mut c).await?;
+        Ok(())
+    }
+}
