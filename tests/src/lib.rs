@@ -278,13 +278,24 @@ pub struct Child {
 impl Child {
     /// Spawns `chime-worker --config CONFIG args…`, logging to a file in `dir`.
     pub fn worker(dir: &Path, config: &Path, args: &[&str], tag: &str) -> Self {
-        let log = dir.join(format!("worker-{tag}.log"));
+        Self::spawn("chime-worker", dir, config, args, &format!("worker-{tag}"))
+    }
+
+    /// Spawns `chime --config CONFIG tick args…`.
+    pub fn ticker(dir: &Path, config: &Path, args: &[&str], tag: &str) -> Self {
+        let mut all = vec!["tick"];
+        all.extend_from_slice(args);
+        Self::spawn("chime", dir, config, &all, &format!("ticker-{tag}"))
+    }
+
+    fn spawn(program: &str, dir: &Path, config: &Path, args: &[&str], tag: &str) -> Self {
+        let log = dir.join(format!("{tag}.log"));
         let file = std::fs::File::create(&log).unwrap();
-        let child = tokio::process::Command::new(bin("chime-worker"))
+        let child = tokio::process::Command::new(bin(program))
             .arg("--config")
             .arg(config)
             .args(args)
-            .env("RUST_LOG", "info,chime_worker=debug")
+            .env("RUST_LOG", "info,chime_worker=debug,chime_producer=debug")
             .stdout(file.try_clone().unwrap())
             .stderr(file)
             .kill_on_drop(true)

@@ -12,4 +12,5 @@ mod project;
 mod redis_outage;
 mod retries;
 mod runtime;
+mod ticker;
 mod topology;
