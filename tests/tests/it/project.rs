@@ -21,7 +21,7 @@ fn docker_compose_is_valid_yaml_with_the_whole_stack() {
     let text = std::fs::read_to_string(root().join("docker-compose.yml")).unwrap();
     let docs = YamlLoader::load_from_str(&text).unwrap();
     let services = &docs[0]["services"];
-    for s in ["rabbitmq", "redis", "worker"] {
+    for s in ["rabbitmq", "redis", "worker", "worker-2", "ticker", "ticker-2"] {
         assert!(!services[s].is_badvalue(), "service {s} missing");
     }
     assert!(!services["rabbitmq"]["healthcheck"].is_badvalue());
