@@ -16,6 +16,7 @@
 //! # }
 //! ```
 
+mod ack;
 pub mod builtin;
 pub mod handler;
 mod process;

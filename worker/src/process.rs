@@ -10,12 +10,12 @@ use chime_shared::envelope::{Envelope, put_header};
 use chime_shared::idempotency::{Claim, Final, IdemError};
 use chime_shared::telemetry::{self, outcome};
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
 use uuid::Uuid;
 
+use crate::ack::AckBatcher;
 use crate::handler::{JobContext, JobError};
 use crate::retry::{self, DeadReason, Decision, Failure};
 use crate::runtime::{Shared, Stats};
@@ -53,7 +53,13 @@ enum Disposition {
 }
 
 /// Processes one delivery from `queue` and settles it (ack, requeue, or DLQ then ack).
-pub(crate) async fn handle(shared: &Shared, publish: &lapin::Channel, queue: &str, delivery: Delivery) {
+pub(crate) async fn handle(
+    shared: &Shared,
+    publish: &lapin::Channel,
+    acks: &AckBatcher,
+    queue: &str,
+    delivery: Delivery,
+) {
     let started = Instant::now();
     let max = shared.config.amqp.max_message_bytes;
     if delivery.data.len() > max {
@@ -63,7 +69,7 @@ pub(crate) async fn handle(shared: &Shared, publish: &lapin::Channel, queue: &st
             error: format!("{} bytes, above amqp.max_message_bytes ({max})", delivery.data.len()),
             attempts: 0,
         };
-        settle(shared, publish, queue, delivery, telemetry::UNKNOWN_JOB_LABEL, d, started).await;
+        settle(shared, publish, acks, queue, delivery, telemetry::UNKNOWN_JOB_LABEL, d, started).await;
         return;
     }
     let (job_label, disposition) = match Envelope::decode(&delivery.data) {
@@ -81,7 +87,7 @@ pub(crate) async fn handle(shared: &Shared, publish: &lapin::Channel, queue: &st
             (label, decide(shared, env).instrument(span).await)
         }
     };
-    settle(shared, publish, queue, delivery, &job_label, disposition, started).await;
+    settle(shared, publish, acks, queue, delivery, &job_label, disposition, started).await;
 }
 
 async fn decide(shared: &Shared, env: Envelope) -> Disposition {
@@ -273,20 +279,23 @@ fn panic_message(e: tokio::task::JoinError) -> String {
 
 /// Applies the disposition. Dead letters are published (confirmed) before the ack, so a
 /// crash between the two leaves a duplicate in the DLQ, never a loss.
+#[allow(clippy::too_many_arguments)]
 async fn settle(
     shared: &Shared,
     publish: &lapin::Channel,
+    acks: &AckBatcher,
     queue: &str,
     delivery: Delivery,
     job_label: &str,
     disposition: Disposition,
     started: Instant,
 ) {
-    let result = match disposition {
-        Disposition::Ack => delivery.acker.ack(BasicAckOptions::default()).await,
+    let tag = delivery.delivery_tag;
+    match disposition {
+        Disposition::Ack => acks.ack(tag, delivery.acker),
         Disposition::Requeue => {
             Stats::bump(&shared.stats.requeued);
-            delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
+            acks.requeue(tag, delivery.acker);
         }
         Disposition::Republish { envelope, delay, retry } => {
             let (exchange, routing_key) = delay::target(&shared.names, queue, delay);
@@ -308,12 +317,12 @@ async fn settle(
                     } else {
                         Stats::bump(&shared.stats.redelayed);
                     }
-                    delivery.acker.ack(BasicAckOptions::default()).await
+                    acks.ack(tag, delivery.acker);
                 }
                 Err(e) => {
                     error!(error = %e, "cannot publish the delayed copy; requeueing");
                     Stats::bump(&shared.stats.requeued);
-                    delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
+                    acks.requeue(tag, delivery.acker);
                 }
             }
         }
@@ -343,21 +352,14 @@ async fn settle(
                         .increment(1);
                     info!(reason = reason.as_str(), queue, "dead-lettered");
                     Stats::bump(&shared.stats.dead_lettered);
-                    delivery.acker.ack(BasicAckOptions::default()).await
+                    acks.ack(tag, delivery.acker);
                 }
                 Err(e) => {
                     error!(error = %e, "cannot publish to the DLQ; requeueing");
-                    delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
+                    acks.requeue(tag, delivery.acker);
                 }
             }
         }
-    };
-    match result {
-        Ok(true) => {}
-        // lapin answers Ok(false) when the acker is poisoned (its channel closed) or used.
-        Ok(false) => warn!("delivery could not be settled (channel closed); it will be redelivered"),
-        // The channel is gone: the broker redelivers, and the Redis record absorbs it.
-        Err(e) => warn!(error = %e, "settling the delivery failed; it will be redelivered"),
     }
     debug!(elapsed_us = started.elapsed().as_micros() as u64, "delivery settled");
 }

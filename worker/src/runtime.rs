@@ -15,9 +15,7 @@ use chime_shared::idempotency::IdemStore;
 use chime_shared::topology::{self, Names, TopologyError};
 use futures_util::StreamExt;
 use futures_util::stream::SelectAll;
-use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, ConfirmSelectOptions,
-};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use std::collections::HashMap;
@@ -29,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
+use crate::ack::AckBatcher;
 use crate::builtin;
 use crate::handler::{Handler, Registry};
 use crate::process;
@@ -391,8 +390,9 @@ impl Worker {
             if let Err(e) = ch.basic_qos(self.prefetch, BasicQosOptions::default()).await {
                 return lost(e);
             }
-            channels.push((q.clone(), ch));
+            channels.push((q.clone(), ch, AckBatcher::spawn()));
         }
+        let publish = Arc::new(publish);
 
         loop {
             // Intake only while Redis answers: without it no delivery can be decided.
@@ -407,12 +407,12 @@ impl Worker {
             }
             let mut tags = Vec::new();
             let mut streams = SelectAll::new();
-            for (q, ch) in &channels {
+            for (q, ch, acks) in &channels {
                 match self.consume(ch, q).await {
                     Ok(consumer) => {
-                        let queue = q.clone();
+                        let (queue, acks) = (q.clone(), acks.clone());
                         tags.push((ch.clone(), consumer.tag()));
-                        streams.push(consumer.map(move |d| (queue.clone(), d)).boxed());
+                        streams.push(consumer.map(move |d| (queue.clone(), acks.clone(), d)).boxed());
                     }
                     Err(e) => return lost(e),
                 }
@@ -424,11 +424,12 @@ impl Worker {
                     _ = shutdown.cancelled() => break Pause::Shutdown,
                     _ = redis_becomes(&mut self.redis_rx, false) => break Pause::Redis,
                     next = streams.next() => match next {
-                        Some((queue, Ok(delivery))) => {
+                        Some((queue, acks, Ok(delivery))) => {
+                            acks.delivered(delivery.delivery_tag);
                             let permit = tokio::select! {
                                 p = semaphore.clone().acquire_owned() => p,
                                 _ = shutdown.cancelled() => {
-                                    let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
+                                    acks.requeue(delivery.delivery_tag, delivery.acker);
                                     break Pause::Shutdown;
                                 }
                             };
@@ -436,11 +437,11 @@ impl Worker {
                             let shared = self.shared.clone();
                             let publish = publish.clone();
                             tracker.spawn(async move {
-                                process::handle(&shared, &publish, &queue, delivery).await;
+                                process::handle(&shared, &publish, &acks, &queue, delivery).await;
                                 drop(permit);
                             });
                         }
-                        Some((queue, Err(e))) => break Pause::Lost(format!("consumer of {queue}: {e}")),
+                        Some((queue, _, Err(e))) => break Pause::Lost(format!("consumer of {queue}: {e}")),
                         None => break Pause::Lost("consumers ended (cancelled by the broker?)".into()),
                     },
                 }
@@ -454,18 +455,21 @@ impl Worker {
                 let _ = ch.basic_cancel(tag.clone(), BasicCancelOptions::default()).await;
             }
             let requeue = async {
-                while let Some((_, Ok(d))) = streams.next().await {
-                    let _ = d.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
+                while let Some((_, acks, Ok(d))) = streams.next().await {
+                    acks.delivered(d.delivery_tag);
+                    acks.requeue(d.delivery_tag, d.acker);
                 }
             };
             let _ = tokio::time::timeout(Duration::from_secs(2), requeue).await;
             if matches!(pause, Pause::Shutdown) {
                 info!("intake stopped; draining in-flight jobs");
                 self.drain(tracker).await;
-                // A graceful channel close waits for close-ok, and AMQP orders frames per
-                // channel, so every ack sent before it has reached the broker. Closing the
-                // connection alone can overtake the last acks (they would be redelivered).
-                for (_, ch) in &channels {
+                // Hand every batched ack to its channel, then close the channels gracefully:
+                // close waits for close-ok, and AMQP orders frames per channel, so every ack
+                // has reached the broker. Closing the connection alone can overtake the last
+                // acks (they would be redelivered).
+                for (_, ch, acks) in &channels {
+                    acks.flush().await;
                     let _ = ch.close(200, "shutdown".into()).await;
                 }
                 let _ = publish.close(200, "shutdown".into()).await;

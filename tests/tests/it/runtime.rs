@@ -175,3 +175,28 @@ async fn worker_process_serves_livez_readyz_and_metrics() {
         "{log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_job_does_not_hold_back_the_acks_of_finished_ones() {
+    // Prefetch 4: if finished deliveries behind the long one stayed unacked (waiting for a
+    // contiguous batch), the channel would stall after three of them.
+    let env = TestEnv::new("ackhold");
+    let config = env.config("quorum", "", "prefetch = 4", COUNT_JOB);
+    let ledger = Ledger::default();
+    let worker = Running::start(config.clone(), counting_registry(&ledger), 4).await;
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    client
+        .enqueue(EnqueueRequest::new("count").payload(serde_json::json!({"n": 0, "sleep_ms": 30_000})))
+        .await
+        .unwrap();
+    let quick: Vec<_> =
+        (1..=20u64).map(|n| EnqueueRequest::new("count").payload(serde_json::json!({"n": n}))).collect();
+    client.enqueue_batch(&quick).await.unwrap();
+    let l = &ledger;
+    wait_until("20 quick jobs done while the long one runs", Duration::from_secs(20), || async {
+        l.distinct() == 20
+    })
+    .await;
+    assert_eq!(ledger.get(0), 0, "the long job is still running");
+    worker.token.cancel();
+}
