@@ -68,6 +68,8 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 
 /// A test's own namespace on the shared services. Dropping it deletes every queue and
 /// exchange the test declared and every Redis key under its prefix.
+pub mod reliability;
+
 pub struct TestEnv {
     pub prefix: String,
     pub queues: Vec<String>,
@@ -203,6 +205,10 @@ impl PrivateRedis {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
     async fn spawn(&mut self) {
         let child = std::process::Command::new("redis-server")
             .args([
@@ -258,9 +264,14 @@ impl Drop for PrivateRedis {
 
 /// Path of a workspace binary (`chime`, `chime-worker`) next to the test executable.
 pub fn bin(name: &str) -> PathBuf {
+    // Test executables live in target/<profile>/deps, binaries such as chime-reliability in
+    // target/<profile>: look beside the executable, then one level up.
     let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(Path::parent).unwrap();
-    let path = dir.join(name);
+    let here = exe.parent().unwrap();
+    let path = [here.join(name), here.parent().unwrap().join(name)]
+        .into_iter()
+        .find(|p| p.exists())
+        .unwrap_or_else(|| here.join(name));
     assert!(
         path.exists(),
         "{} not found: build the binaries first (`cargo build --workspace --bins`, done by scripts/test)",
@@ -309,13 +320,7 @@ impl Child {
     }
 
     pub fn signal(&self, sig: i32) {
-        // Sends a signal through the `kill` program (the test crate has no unsafe code).
-        let status = std::process::Command::new("kill")
-            .arg(format!("-{sig}"))
-            .arg(self.pid().to_string())
-            .status()
-            .unwrap();
-        assert!(status.success(), "kill -{sig} {} failed", self.pid());
+        signal_pid(u32::try_from(self.pid()).unwrap_or(0), sig);
     }
 
     pub fn log_text(&self) -> String {
@@ -359,6 +364,22 @@ impl PrivateRabbit {
 
     pub fn url(&self) -> String {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// `rabbitmqctl -n <this node> args…` (e.g. `stop_app`, `start_app`).
+    pub fn ctl(&self, args: &[&str]) {
+        let out = std::process::Command::new("rabbitmqctl")
+            .arg("-n")
+            .arg(format!("chime-test-{}@localhost", self.port))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "rabbitmqctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// Pid of the node's Erlang VM.
+    pub fn pid(&self) -> u32 {
+        std::fs::read_to_string(self.dir.join("pid")).ok().and_then(|p| p.trim().parse().ok()).unwrap_or(0)
     }
 
     async fn spawn(&self) {
@@ -430,4 +451,11 @@ impl Drop for PrivateRabbit {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Sends `sig` to `pid` through the `kill` program (the test crate has no unsafe code).
+pub fn signal_pid(pid: u32, sig: i32) {
+    let status =
+        std::process::Command::new("kill").arg(format!("-{sig}")).arg(pid.to_string()).status().unwrap();
+    assert!(status.success(), "kill -{sig} {pid} failed");
 }

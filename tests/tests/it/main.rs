@@ -10,6 +10,7 @@ mod pipeline;
 mod processes;
 mod project;
 mod redis_outage;
+mod reliability;
 mod retries;
 mod runtime;
 mod ticker;

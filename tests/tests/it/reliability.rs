@@ -1,0 +1,65 @@
+//! The fault-injection suite (tests/src/reliability.rs), each scenario a test: lost = 0,
+//! duplicate effects = 0, duplicate executions within the scenario's bound.
+//! `cargo run -p chime-tests --bin chime-reliability` runs them all and prints the table.
+
+use chime_tests::reliability::{self, Outcome, TABLE_HEAD};
+
+fn check(o: Outcome) {
+    println!("{TABLE_HEAD}\n{}", o.row());
+    assert!(o.passed(), "{}", o.row());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_worker_sigkill() {
+    check(reliability::worker_sigkill().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_worker_sigterm() {
+    check(reliability::worker_sigterm().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_leader_sigkill() {
+    check(reliability::leader_sigkill().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_all_tickers_down() {
+    check(reliability::all_tickers_down().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_broker_restart() {
+    check(reliability::broker_restart().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_broker_frozen() {
+    check(reliability::broker_frozen().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_redis_restarted_empty() {
+    check(reliability::redis_restarted_empty().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_redis_frozen() {
+    check(reliability::redis_frozen().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_poison_and_timeouts() {
+    check(reliability::poison_and_timeouts().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_duplicate_publishes() {
+    check(reliability::duplicate_publishes().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_dlq_replay() {
+    check(reliability::dlq_replay().await);
+}
