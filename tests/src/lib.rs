@@ -366,15 +366,35 @@ impl PrivateRabbit {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
     }
 
-    /// `rabbitmqctl -n <this node> args…` (e.g. `stop_app`, `start_app`).
-    pub fn ctl(&self, args: &[&str]) {
-        let out = std::process::Command::new("rabbitmqctl")
-            .arg("-n")
-            .arg(format!("chime-test-{}@localhost", self.port))
-            .args(args)
-            .output()
-            .unwrap();
+    /// Erlang node name.
+    pub fn node(&self) -> String {
+        format!("chime-test-{}@localhost", self.port)
+    }
+
+    /// `rabbitmqctl -n <this node> args…` (e.g. `stop_app`, `start_app`); returns stdout.
+    pub fn ctl(&self, args: &[&str]) -> String {
+        let out =
+            std::process::Command::new("rabbitmqctl").arg("-n").arg(self.node()).args(args).output().unwrap();
         assert!(out.status.success(), "rabbitmqctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Waits until the node accepts AMQP connections again (after `start_app`).
+    pub async fn wait_amqp(&self) {
+        let url = self.url();
+        wait_until("RabbitMQ node accepts AMQP connections", Duration::from_secs(90), || {
+            let url = url.clone();
+            async move {
+                match Connection::connect(&url, ConnectionProperties::default()).await {
+                    Ok(c) => {
+                        let _ = c.close(200, "probe".into()).await;
+                        true
+                    }
+                    Err(_) => false,
+                }
+            }
+        })
+        .await;
     }
 
     /// Pid of the node's Erlang VM.
@@ -458,4 +478,40 @@ pub fn signal_pid(pid: u32, sig: i32) {
     let status =
         std::process::Command::new("kill").arg(format!("-{sig}")).arg(pid.to_string()).status().unwrap();
     assert!(status.success(), "kill -{sig} {pid} failed");
+}
+
+/// A RabbitMQ cluster of private nodes on one machine (same Erlang cookie, loopback ports).
+pub struct PrivateCluster {
+    pub nodes: Vec<PrivateRabbit>,
+}
+
+impl PrivateCluster {
+    pub async fn start(n: usize) -> Self {
+        let mut nodes = vec![PrivateRabbit::start().await];
+        for _ in 1..n {
+            let node = PrivateRabbit::start().await;
+            node.ctl(&["stop_app"]);
+            node.ctl(&["join_cluster", &nodes[0].node()]);
+            node.ctl(&["start_app"]);
+            node.wait_amqp().await;
+            nodes.push(node);
+        }
+        Self { nodes }
+    }
+
+    /// Every node's URL, for `amqp.url = [...]`.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(PrivateRabbit::url).collect()
+    }
+
+    /// The node that leads quorum queue `queue`, asked through `via` (a live node).
+    pub fn leader_of(&self, queue: &str, via: usize) -> String {
+        let out = self.nodes[via].ctl(&["list_queues", "-q", "--no-table-headers", "name", "leader"]);
+        out.lines()
+            .find_map(|l| {
+                let mut f = l.split_whitespace();
+                (f.next() == Some(queue)).then(|| f.next().unwrap_or("").to_string())
+            })
+            .unwrap_or_default()
+    }
 }

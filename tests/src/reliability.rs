@@ -42,6 +42,8 @@ pub struct Outcome {
     pub unexpected: usize,
     pub dlq: BTreeMap<String, usize>,
     pub recover: Option<Duration>,
+    /// From the fault to the last expected job's completion.
+    pub drained: Option<Duration>,
     pub elapsed: Duration,
 }
 
@@ -60,7 +62,7 @@ impl Outcome {
             self.dlq.iter().map(|(r, n)| format!("{r}:{n}")).collect::<Vec<_>>().join(" ")
         };
         format!(
-            "| {} | {} | {} | {} | {} (≤ {}) | {} | {} | {} | {} | {} s | {} |",
+            "| {} | {} | {} | {} | {} (≤ {}) | {} | {} | {} | {} | {} | {} s | {} |",
             self.scenario,
             self.injection,
             self.expected,
@@ -71,13 +73,14 @@ impl Outcome {
             self.prevented,
             dlq,
             self.recover.map(|d| format!("{:.1} s", d.as_secs_f64())).unwrap_or_else(|| "-".into()),
+            self.drained.map(|d| format!("{:.1} s", d.as_secs_f64())).unwrap_or_else(|| "-".into()),
             self.elapsed.as_secs(),
             if self.passed() { "pass" } else { "FAIL" },
         )
     }
 }
 
-pub const TABLE_HEAD: &str = "| scenario | injection | jobs | lost | duplicate executions (bound) | duplicate effects | prevented by the unique index | DLQ | time to recover* | wall clock | result |\n|---|---|---|---|---|---|---|---|---|---|---|";
+pub const TABLE_HEAD: &str = "| scenario | injection | jobs | lost | duplicate executions (bound) | duplicate effects | prevented by the unique index | DLQ | time to recover* | backlog done** | wall clock | result |\n|---|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// Executions read from the file ledger.
 #[derive(Debug, Default)]
@@ -262,10 +265,20 @@ impl Stack {
                 .fold(None, |m: Option<f64>, at| Some(m.map_or(at, |m| m.min(at))))
                 .map(|first| Duration::from_secs_f64(first - t))
         });
+        let drained = fault_at.and_then(|t| {
+            let last = l
+                .times
+                .iter()
+                .filter(|(_, k)| expected.contains(k))
+                .map(|(at, _)| *at)
+                .fold(f64::MIN, f64::max);
+            (last > t).then(|| Duration::from_secs_f64(last - t))
+        });
         Outcome {
             scenario,
             injection,
             expected: expected.len(),
+            drained,
             lost,
             dup_executions,
             dup_bound,
@@ -654,6 +667,41 @@ pub async fn dlq_replay() -> Outcome {
     .await
 }
 
+/// A 3-node cluster, quorum queues, three AMQP URLs; the node leading the work queue is
+/// SIGKILLed under load.
+pub async fn cluster_leader_killed() -> Outcome {
+    let t0 = Instant::now();
+    let cluster = crate::PrivateCluster::start(3).await;
+    let mut s = Stack::start("rel-cluster", false, "concurrency = 4", 0.05, "").await;
+    s.env.amqp_url = cluster.urls()[0].clone();
+    let urls = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect::<Vec<_>>().join(", ");
+    let shared = crate::amqp_url();
+    s.edit_config(|t| t.replacen(&format!("url = \"{shared}\""), &format!("url = [{urls}]"), 1));
+    let _w1 = s.worker("1");
+    let _w2 = s.worker("2");
+    let expected = s.enqueue(300).await;
+    wait_runs(&s, 30, Duration::from_secs(60)).await;
+    let queue = s.env.names().work_queue("default");
+    let leader = cluster.leader_of(&queue, 1);
+    let victim = cluster
+        .nodes
+        .iter()
+        .position(|n| n.node() == leader)
+        .unwrap_or_else(|| panic!("leader {leader:?} of {queue} not found"));
+    cluster.nodes[victim].kill().await;
+    let fault = now_f64();
+    s.wait_all(&expected, Duration::from_secs(180)).await;
+    s.outcome(
+        "cluster: queue leader killed",
+        "3 nodes, kill -9 the node leading the work queue",
+        &expected,
+        8,
+        Some(fault),
+        t0,
+    )
+    .await
+}
+
 /// Every scenario, in order (the `chime-reliability` binary runs them all).
 pub async fn all() -> Vec<Outcome> {
     let mut out = Vec::new();
@@ -674,5 +722,6 @@ pub async fn all() -> Vec<Outcome> {
     run!(poison_and_timeouts(), "poison and timeouts");
     run!(duplicate_publishes(), "duplicate publishes");
     run!(dlq_replay(), "DLQ replay");
+    run!(cluster_leader_killed(), "cluster leader killed");
     out
 }

@@ -63,3 +63,8 @@ async fn reliability_duplicate_publishes() {
 async fn reliability_dlq_replay() {
     check(reliability::dlq_replay().await);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_cluster_leader_killed() {
+    check(reliability::cluster_leader_killed().await);
+}
