@@ -351,10 +351,18 @@ pub struct PrivateRabbit {
 
 impl PrivateRabbit {
     pub async fn start() -> Self {
+        Self::start_with("").await
+    }
+
+    /// Starts a node with `conf` as its `rabbitmq.conf` (e.g. `consumer_timeout = 60000`).
+    pub async fn start_with(conf: &str) -> Self {
         let port = free_port();
         let dist_port = free_port();
         let dir = std::env::temp_dir().join(format!("chime-rabbit-{port}"));
         std::fs::create_dir_all(&dir).unwrap();
+        if !conf.is_empty() {
+            std::fs::write(dir.join("rabbitmq.conf"), conf).unwrap();
+        }
         // rabbitmq-server drops privileges to the `rabbitmq` user when started as root.
         let _ = std::process::Command::new("chown").args(["-R", "rabbitmq:rabbitmq"]).arg(&dir).status();
         let r = Self { port, dist_port, dir, wrapper: std::sync::Mutex::new(None) };

@@ -27,6 +27,11 @@ use std::time::{Duration, Instant};
 
 use crate::{Child, PrivateRabbit, PrivateRedis, TestEnv, wait_until};
 
+thread_local! {
+    /// `rabbitmq.conf` of the next private broker a `Stack` starts on this thread.
+    static BROKER_CONF: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
 /// One row of the table.
 #[derive(Debug, Clone)]
 pub struct Outcome {
@@ -129,7 +134,11 @@ impl Stack {
         gate: Option<&str>,
     ) -> Self {
         let redis = PrivateRedis::start().await;
-        let rabbit = if private_broker { Some(PrivateRabbit::start().await) } else { None };
+        let rabbit = if private_broker {
+            Some(PrivateRabbit::start_with(BROKER_CONF.with(|c| c.borrow().clone()).as_str()).await)
+        } else {
+            None
+        };
         let mut env = TestEnv::new(name);
         env.redis_url = redis.url();
         if let Some(r) = &rabbit {
@@ -702,6 +711,105 @@ pub async fn cluster_leader_killed() -> Outcome {
     .await
 }
 
+/// A Rust handler (in-process worker) that panics on its first attempt of every job; the
+/// retry writes the same ledger and effect table.
+pub async fn handler_panic() -> Outcome {
+    use chime_worker::{JobContext, JobError, Registry, Worker, raw_handler_fn};
+    let t0 = Instant::now();
+    let mut s = Stack::start("rel-panic", false, "concurrency = 4", 0.0, "").await;
+    s.edit_config(|t| {
+        t.replacen("handler = \"exec\"", "handler = \"panicky\"", 1)
+            .replace("command = ['sh'", "# command = ['sh'")
+    });
+    let (db, ledger) = (s.db.clone(), s.ledger.clone());
+    let mut reg = Registry::new();
+    reg.register(
+        "panicky",
+        raw_handler_fn(move |ctx: JobContext, _| {
+            let (db, ledger) = (db.clone(), ledger.clone());
+            async move {
+                if ctx.attempt == 1 {
+                    panic!("first attempts always panic");
+                }
+                let sql = format!("INSERT INTO effects(key) VALUES ('{}')", ctx.key);
+                let out = tokio::process::Command::new("psql")
+                    .args(["-qAt", "-h", "127.0.0.1", "-U", "postgres", "-d", &db, "-c", &sql])
+                    .output()
+                    .await
+                    .map_err(JobError::transient)?;
+                let what = if out.status.success() {
+                    "done"
+                } else if String::from_utf8_lossy(&out.stderr).contains("duplicate") {
+                    "rejected"
+                } else {
+                    return Err(JobError::transient("database error"));
+                };
+                use std::io::Write;
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&ledger)
+                    .map_err(JobError::transient)?;
+                writeln!(f, "{} {} {what}", now_f64(), ctx.key).map_err(JobError::transient)?;
+                Ok(())
+            }
+        }),
+    );
+    let worker = Worker::builder(s.config.clone()).registry(reg).build().unwrap();
+    let token = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(worker.run(token.clone()));
+    let expected = s.enqueue(60).await;
+    s.wait_all(&expected, Duration::from_secs(120)).await;
+    token.cancel();
+    let _ = run.await;
+    s.outcome("handler panic", "every job's first attempt panics (Rust handler)", &expected, 0, None, t0)
+        .await
+}
+
+/// A broker with `consumer_timeout = 60000` ms and a job running 100 s while quick jobs
+/// share its channel: the broker closes the channel and requeues everything unacked on it.
+/// Takes 2–3 minutes; run by `chime-reliability`, not in CI.
+pub async fn consumer_timeout() -> Outcome {
+    let t0 = Instant::now();
+    BROKER_CONF.with(|c| *c.borrow_mut() = "consumer_timeout = 60000\n".into());
+    let extra =
+        "[[jobs]]\nname = \"long\"\nhandler = \"exec\"\ntimeout = \"200s\"\ncommand = [\"sleep\", \"100\"]\n";
+    let s = Stack::start("rel-ctimeout", true, "concurrency = 4\nprefetch = 4", 0.2, extra).await;
+    BROKER_CONF.with(|c| c.borrow_mut().clear());
+    let w = s.worker("w");
+    let client = EnqueueClient::connect(Arc::new(s.config.clone())).await.unwrap();
+    client.enqueue(EnqueueRequest::new("long").key("long")).await.unwrap();
+    let mut expected = HashSet::new();
+    let fault = now_f64();
+    // Quick jobs keep flowing on the same channel for the whole run.
+    for round in 0..30 {
+        let reqs: Vec<_> =
+            (0..10).map(|i| EnqueueRequest::new("work").key(format!("r{round}-{i}"))).collect();
+        client.enqueue_batch(&reqs).await.unwrap();
+        expected.extend(
+            (0..10).map(|i| chime_shared::envelope::adhoc_key("work", &format!("r{round}-{i}")).to_string()),
+        );
+        let until = now_f64() + 5.0;
+        wait_until("5 s", Duration::from_secs(30), || async { now_f64() > until }).await;
+    }
+    s.wait_all(&expected, Duration::from_secs(120)).await;
+    let log = w.log_text();
+    assert!(log.contains("not safely below RabbitMQ's consumer_timeout"), "startup warning");
+    assert!(
+        log.contains("connection lost") || log.contains("consumer of"),
+        "the broker closed the channel:\n{log}"
+    );
+    s.outcome(
+        "late ack past consumer_timeout",
+        "consumer_timeout 60 s; a 100 s job shares the channel (prefetch 4)",
+        &expected,
+        4,
+        Some(fault),
+        t0,
+    )
+    .await
+}
+
 /// Every scenario, in order (the `chime-reliability` binary runs them all).
 pub async fn all() -> Vec<Outcome> {
     let mut out = Vec::new();
@@ -722,6 +830,10 @@ pub async fn all() -> Vec<Outcome> {
     run!(poison_and_timeouts(), "poison and timeouts");
     run!(duplicate_publishes(), "duplicate publishes");
     run!(dlq_replay(), "DLQ replay");
+    run!(handler_panic(), "handler panic");
     run!(cluster_leader_killed(), "cluster leader killed");
+    if std::env::var_os("CHIME_QUICK").is_none() {
+        run!(consumer_timeout(), "late ack past consumer_timeout");
+    }
     out
 }

@@ -68,3 +68,15 @@ async fn reliability_dlq_replay() {
 async fn reliability_cluster_leader_killed() {
     check(reliability::cluster_leader_killed().await);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_handler_panic() {
+    check(reliability::handler_panic().await);
+}
+
+/// 2–3 minutes of wall clock: run by `chime-reliability` (and `cargo test -- --ignored`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn reliability_consumer_timeout() {
+    check(reliability::consumer_timeout().await);
+}
