@@ -774,8 +774,10 @@ pub async fn consumer_timeout() -> Outcome {
     BROKER_CONF.with(|c| *c.borrow_mut() = "consumer_timeout = 60000\n".into());
     let extra =
         "[[jobs]]\nname = \"long\"\nhandler = \"exec\"\ntimeout = \"200s\"\ncommand = [\"sleep\", \"100\"]\n";
-    let s = Stack::start("rel-ctimeout", true, "concurrency = 4\nprefetch = 4", 0.2, extra).await;
+    let mut s = Stack::start("rel-ctimeout", true, "concurrency = 4\nprefetch = 4", 0.2, extra).await;
     BROKER_CONF.with(|c| c.borrow_mut().clear());
+    // Tell chime what the broker enforces, so the worker can warn about the long job.
+    s.edit_config(|t| t.replacen("[amqp]\n", "[amqp]\nconsumer_timeout = \"1m\"\n", 1));
     let w = s.worker("w");
     let client = EnqueueClient::connect(Arc::new(s.config.clone())).await.unwrap();
     client.enqueue(EnqueueRequest::new("long").key("long")).await.unwrap();
