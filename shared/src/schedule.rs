@@ -92,18 +92,7 @@ impl Schedule {
 
     /// The next `count` slots after `t`.
     pub fn upcoming(&self, t: DateTime<Utc>, count: usize) -> Vec<DateTime<Utc>> {
-        let mut out = Vec::with_capacity(count);
-        let mut t = t;
-        while out.len() < count {
-            match self.next_after(t) {
-                Some(n) => {
-                    out.push(n);
-                    t = n;
-                }
-                None => break,
-            }
-        }
-        out
+        self.slots_between(t, DateTime::<Utc>::MAX_UTC, count)
     }
 }
 

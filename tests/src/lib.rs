@@ -428,20 +428,7 @@ impl PrivateRabbit {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start rabbitmq-server (is it installed?): {e}"));
         *self.wrapper.lock().unwrap() = Some(child);
-        let url = self.url();
-        wait_until("private RabbitMQ accepts AMQP connections", Duration::from_secs(90), || {
-            let url = url.clone();
-            async move {
-                match Connection::connect(&url, ConnectionProperties::default()).await {
-                    Ok(c) => {
-                        let _ = c.close(200, "probe".into()).await;
-                        true
-                    }
-                    Err(_) => false,
-                }
-            }
-        })
-        .await;
+        self.wait_amqp().await;
     }
 
     /// SIGKILLs the node and waits until its port is closed.

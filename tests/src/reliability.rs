@@ -766,14 +766,14 @@ pub async fn handler_panic() -> Outcome {
         .await
 }
 
-/// A broker with `consumer_timeout = 60000` ms and a job running 100 s while quick jobs
+/// A broker with `consumer_timeout = 60000` ms and a job running 150 s while quick jobs
 /// share its channel: the broker closes the channel and requeues everything unacked on it.
 /// Takes 2–3 minutes; run by `chime-reliability`, not in CI.
 pub async fn consumer_timeout() -> Outcome {
     let t0 = Instant::now();
     BROKER_CONF.with(|c| *c.borrow_mut() = "consumer_timeout = 60000\n".into());
     let extra =
-        "[[jobs]]\nname = \"long\"\nhandler = \"exec\"\ntimeout = \"200s\"\ncommand = [\"sleep\", \"100\"]\n";
+        "[[jobs]]\nname = \"long\"\nhandler = \"exec\"\ntimeout = \"300s\"\ncommand = [\"sleep\", \"150\"]\n";
     let mut s = Stack::start("rel-ctimeout", true, "concurrency = 4\nprefetch = 4", 0.2, extra).await;
     BROKER_CONF.with(|c| c.borrow_mut().clear());
     // Tell chime what the broker enforces, so the worker can warn about the long job.
@@ -784,7 +784,8 @@ pub async fn consumer_timeout() -> Outcome {
     let mut expected = HashSet::new();
     let fault = now_f64();
     // Quick jobs keep flowing on the same channel for the whole run.
-    for round in 0..30 {
+    // The broker checks consumer_timeout once a minute: an ack 150 s late is always caught.
+    for round in 0..36 {
         let reqs: Vec<_> =
             (0..10).map(|i| EnqueueRequest::new("work").key(format!("r{round}-{i}"))).collect();
         client.enqueue_batch(&reqs).await.unwrap();
@@ -803,7 +804,7 @@ pub async fn consumer_timeout() -> Outcome {
     );
     s.outcome(
         "late ack past consumer_timeout",
-        "consumer_timeout 60 s; a 100 s job shares the channel (prefetch 4)",
+        "consumer_timeout 60 s; a 150 s job shares the channel (prefetch 4)",
         &expected,
         4,
         Some(fault),
