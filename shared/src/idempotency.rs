@@ -106,10 +106,14 @@ pub enum IdemError {
     Protocol(String),
 }
 
-/// A cheaply clonable handle on one multiplexed, self-reconnecting Redis connection.
+/// A cheaply clonable handle on one multiplexed, self-reconnecting Redis connection (the hot
+/// path: no pool checkout per job), plus a small deadpool pool used only for health probes,
+/// so a probe tests Redis itself, not the state of the shared multiplexed pipeline.
 #[derive(Clone)]
 pub struct IdemStore {
     conn: ConnectionManager,
+    probes: deadpool_redis::Pool,
+    timeout: Duration,
     names: Names,
     lease: Duration,
     retention: Duration,
@@ -126,7 +130,24 @@ impl IdemStore {
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_secs(1));
         let conn = ConnectionManager::new_lazy_with_config(client, cm)?;
-        Ok(Self { conn, names, lease: config.lease, retention: config.done_retention })
+        let probes = deadpool_redis::Config::from_url(config.url.as_str())
+            .builder()
+            .map_err(|e| IdemError::Protocol(format!("redis pool: {e}")))?
+            .max_size(1)
+            .wait_timeout(Some(config.timeout))
+            .create_timeout(Some(config.timeout))
+            .recycle_timeout(Some(config.timeout))
+            .runtime(deadpool_redis::Runtime::Tokio1)
+            .build()
+            .map_err(|e| IdemError::Protocol(format!("redis pool: {e}")))?;
+        Ok(Self {
+            conn,
+            probes,
+            timeout: config.timeout,
+            names,
+            lease: config.lease,
+            retention: config.done_retention,
+        })
     }
 
     pub fn lease(&self) -> Duration {
@@ -192,10 +213,16 @@ impl IdemStore {
         Ok(n == 1)
     }
 
-    /// `PING` with the configured timeout.
+    /// `PING` on the probe pool's own connection, within the configured timeout.
     pub async fn ping(&self) -> Result<(), IdemError> {
-        let mut conn = self.conn.clone();
-        let _: String = redis::cmd("PING").query_async(&mut conn).await?;
-        Ok(())
+        let probe = async {
+            let mut conn =
+                self.probes.get().await.map_err(|e| IdemError::Protocol(format!("redis pool: {e}")))?;
+            let _: String = redis::cmd("PING").query_async(&mut *conn).await?;
+            Ok::<_, IdemError>(())
+        };
+        tokio::time::timeout(self.timeout, probe)
+            .await
+            .map_err(|_| IdemError::Protocol(format!("no PING answer within {:?}", self.timeout)))?
     }
 }
