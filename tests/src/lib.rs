@@ -148,11 +148,26 @@ impl TestEnv {
         if let Ok(client) = redis::Client::open(self.redis_url.as_str())
             && let Ok(mut r) = client.get_multiplexed_async_connection().await
         {
+            // SCAN in pages and unlink in batches: benchmarks leave hundreds of thousands of keys.
             let pattern = format!("{}:*", self.prefix);
-            let keys: Vec<String> =
-                redis::cmd("KEYS").arg(&pattern).query_async(&mut r).await.unwrap_or_default();
-            if !keys.is_empty() {
-                let _: Result<(), _> = redis::cmd("DEL").arg(keys).query_async(&mut r).await;
+            let mut cursor: u64 = 0;
+            loop {
+                let page: Result<(u64, Vec<String>), _> = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(10_000)
+                    .query_async(&mut r)
+                    .await;
+                let Ok((next, keys)) = page else { break };
+                if !keys.is_empty() {
+                    let _: Result<(), _> = redis::cmd("UNLINK").arg(keys).query_async(&mut r).await;
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
             }
         }
         let _ = std::fs::remove_dir_all(&self.dir);

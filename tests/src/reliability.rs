@@ -145,8 +145,6 @@ impl Stack {
             env.amqp_url = r.url();
         }
         let db = format!("chime_{}", env.prefix.replace(['-', '.'], "_")).to_lowercase();
-        psql("postgres", &format!("CREATE DATABASE {db}"));
-        psql(&db, "CREATE TABLE effects (key text PRIMARY KEY, at timestamptz DEFAULT now())");
         let ledger = env.dir.join("ledger");
         let l = ledger.display();
         // One line per completed execution: the effect row is written in the same step; a
@@ -166,6 +164,9 @@ impl Stack {
         let text = env.config_text("quorum", "lease = \"5s\"\ntimeout = \"1s\"", worker, &jobs);
         let config_path = env.write_config(&text);
         let config = Config::from_toml_str(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        // Created last, once nothing can fail before `Stack` (whose Drop removes it) exists.
+        psql("postgres", &format!("CREATE DATABASE {db}"));
+        psql(&db, "CREATE TABLE effects (key text PRIMARY KEY, at timestamptz DEFAULT now())");
         Self { env, redis, rabbit, db, ledger, config_path, config }
     }
 
