@@ -174,6 +174,27 @@ async fn chime_publish(client: &EnqueueClient, secs: u64) -> f64 {
     n as f64 / start.elapsed().as_secs_f64()
 }
 
+/// `chime enqueue --batch FILE` of `n` JSON lines through the release CLI; returns jobs/s as
+/// the CLI reports it (publish time, excluding process start and file parsing).
+async fn cli_batch(env: &TestEnv, config_text: &str, n: usize) -> f64 {
+    let path = env.write_config(config_text);
+    let file = env.dir.join("batch.jsonl");
+    let lines: String = (0..n).map(|i| format!("{{\"payload\":{{\"i\":{i}}}}}\n")).collect();
+    std::fs::write(&file, lines).unwrap();
+    let out = tokio::process::Command::new(bin_path("chime"))
+        .arg("--config")
+        .arg(&path)
+        .args(["enqueue", "noop", "--batch"])
+        .arg(&file)
+        .arg("--json")
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["confirmed"].as_f64().unwrap() / v["seconds"].as_f64().unwrap()
+}
+
 /// Raw consumer: `concurrency` tasks; per message SET NX PX (claim), SET (done), ack.
 async fn raw_consume(
     conn: &Connection,
@@ -472,6 +493,8 @@ async fn main() {
     let qt = o.queue_type.clone();
     println!("chime-bench: queue type {qt}, {} run(s) of ~{secs}s each, medians", o.runs);
     let conn = connect_amqp().await;
+    // One worker's saturated drain rate, when measured in this run (for the latency rate).
+    let mut saturated: Option<f64> = None;
 
     if want("publish") {
         let env = TestEnv::new("bench-pub");
@@ -479,7 +502,9 @@ async fn main() {
         let client = EnqueueClient::connect(config.clone()).await.unwrap();
         let q = env.names().work_queue("default");
         let body = envelopes(1, false)[0].envelope.encode();
-        let (mut raw, mut raw_m, mut raw_p, mut chime) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut raw, mut raw_m, mut raw_p, mut chime, mut cli) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let text = env.config_text(&qt, "", "", "[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n");
         let work = env.names().work_exchange();
         for r in 0..o.runs {
             progress(&format!("publish: raw lapin run {}/{}", r + 1, o.runs));
@@ -499,13 +524,18 @@ async fn main() {
             progress(&format!("publish: EnqueueClient run {}/{}", r + 1, o.runs));
             chime.push(chime_publish(&client, secs).await);
             purge(&conn, &q).await;
+            progress(&format!("publish: chime enqueue --batch (100,000 lines) run {}/{}", r + 1, o.runs));
+            cli.push(cli_batch(&env, &text, 100_000).await);
+            purge(&conn, &q).await;
         }
         progress("");
-        let (raw, raw_m, raw_p, chime) = (median(raw), median(raw_m), median(raw_p), median(chime));
+        let (raw, raw_m, raw_p, chime, cli) =
+            (median(raw), median(raw_m), median(raw_p), median(chime), median(cli));
         println!("publish  raw lapin confirmed        {raw:>9.0} msg/s");
         println!("publish  raw, mandatory, via exchange {raw_m:>7.0} msg/s   {:.2}x raw", raw_m / raw);
         println!("publish  raw, + chime's properties    {raw_p:>7.0} msg/s   {:.2}x raw", raw_p / raw);
         println!("publish  EnqueueClient batch        {chime:>9.0} msg/s   {:.2}x raw", chime / raw);
+        println!("publish  chime enqueue --batch (CLI) {cli:>8.0} msg/s   {:.2}x raw", cli / raw);
     }
 
     if want("consume") {
@@ -535,6 +565,9 @@ async fn main() {
             }
             progress("");
             let rate = median(rates);
+            if procs == 1 {
+                saturated = Some(rate);
+            }
             println!(
                 "consume  {procs} chime-worker process(es)  {rate:>9.0} jobs/s  {:.2}x raw   RSS {} KiB at start, {} KiB peak",
                 rate / raw,
@@ -560,20 +593,27 @@ async fn main() {
         let env = TestEnv::new("bench-lat");
         let config = bench_config(&env, &qt, "");
         let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
-        let mut p50 = Vec::new();
-        let mut p99 = Vec::new();
-        for r in 0..o.runs {
-            progress(&format!("latency: 1000 jobs/s for {secs}s, run {}/{}", r + 1, o.runs));
-            let (a, b) = latency(&config, &client, 1000, secs).await;
-            p50.push(a);
-            p99.push(b);
+        // Also at half the saturated single-worker rate, when it was measured in this run.
+        let rates: Vec<u64> = match saturated {
+            Some(sat) => vec![1000, (sat / 2.0) as u64],
+            None => vec![1000],
+        };
+        for rate in rates {
+            let mut p50 = Vec::new();
+            let mut p99 = Vec::new();
+            for r in 0..o.runs {
+                progress(&format!("latency: {rate} jobs/s for {secs}s, run {}/{}", r + 1, o.runs));
+                let (a, b) = latency(&config, &client, rate, secs).await;
+                p50.push(a);
+                p99.push(b);
+            }
+            progress("");
+            println!(
+                "latency  enqueue → handler start at {rate}/s   p50 {:.2} ms   p99 {:.2} ms",
+                median(p50),
+                median(p99)
+            );
         }
-        progress("");
-        println!(
-            "latency  enqueue → handler start at 1000/s   p50 {:.2} ms   p99 {:.2} ms",
-            median(p50),
-            median(p99)
-        );
     }
 
     if want("ticker") {
