@@ -35,7 +35,10 @@ where
 {
     let deadline = Instant::now() + timeout;
     loop {
-        if pred().await {
+        // A predicate that hangs (say, a connect that never completes) must not outlive the
+        // deadline: each call gets at most the time that is left.
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        if let Ok(true) = tokio::time::timeout(left, pred()).await {
             return;
         }
         if Instant::now() >= deadline {
@@ -248,8 +251,11 @@ impl PrivateRedis {
             let url = url.clone();
             async move {
                 let Ok(client) = redis::Client::open(url.as_str()) else { return false };
-                let Ok(mut c) = client.get_multiplexed_async_connection().await else { return false };
-                redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
+                let probe = async {
+                    let mut c = client.get_multiplexed_async_connection().await?;
+                    redis::cmd("PING").query_async::<String>(&mut c).await
+                };
+                matches!(tokio::time::timeout(Duration::from_secs(3), probe).await, Ok(Ok(_)))
             }
         })
         .await;
@@ -408,12 +414,14 @@ impl PrivateRabbit {
         wait_until("RabbitMQ node accepts AMQP connections", Duration::from_secs(90), || {
             let url = url.clone();
             async move {
-                match Connection::connect(&url, ConnectionProperties::default()).await {
-                    Ok(c) => {
+                // One attempt can hang (accepted during boot, never answered): retry instead.
+                let attempt = Connection::connect(&url, ConnectionProperties::default());
+                match tokio::time::timeout(Duration::from_secs(3), attempt).await {
+                    Ok(Ok(c)) => {
                         let _ = c.close(200, "probe".into()).await;
                         true
                     }
-                    Err(_) => false,
+                    _ => false,
                 }
             }
         })
