@@ -82,8 +82,9 @@ struct TwoTickers {
     first: String,
 }
 
-async fn two_tickers(name: &str, min_slots: usize) -> TwoTickers {
-    let env = TestEnv::new(name);
+/// Config file with an every-second `beat` schedule (ticker lease 2 s), and a running worker
+/// whose handler records each slot in the returned ledger.
+async fn beat_stack(env: &TestEnv) -> (std::path::PathBuf, Config, Ledger, Running) {
     let text = env.config_text(
         "quorum",
         "",
@@ -96,6 +97,12 @@ async fn two_tickers(name: &str, min_slots: usize) -> TwoTickers {
     let mut reg = Registry::new();
     slot_recorder(&mut reg, "beat", &ledger);
     let worker = Running::start(config.clone(), reg, 8).await;
+    (path, config, ledger, worker)
+}
+
+async fn two_tickers(name: &str, min_slots: usize) -> TwoTickers {
+    let env = TestEnv::new(name);
+    let (path, config, ledger, worker) = beat_stack(&env).await;
     let store = TickerStore::connect(&config.redis, &config.prefix).unwrap();
     let a = Child::ticker(&env.dir, &path, &[], "a");
     wait_until("a leader", Duration::from_secs(20), || async { leader(&store).await.is_some() }).await;
@@ -221,18 +228,7 @@ async fn slots_not_confirmed_during_a_broker_outage_are_published_afterwards() {
     let rabbit = PrivateRabbit::start().await;
     let mut env = TestEnv::new("tickbroker");
     env.amqp_url = rabbit.url();
-    let text = env.config_text(
-        "quorum",
-        "",
-        "",
-        &format!("[ticker]\nlease = \"2s\"\n{}", every_second("beat", "all")),
-    );
-    let path = env.write_config(&text);
-    let config = Config::from_toml_str(&text).unwrap();
-    let ledger = Ledger::default();
-    let mut reg = Registry::new();
-    slot_recorder(&mut reg, "beat", &ledger);
-    let worker = Running::start(config.clone(), reg, 8).await;
+    let (path, _config, ledger, worker) = beat_stack(&env).await;
     let _t = Child::ticker(&env.dir, &path, &[], "t");
     let l = &ledger;
     wait_until("slots ran", Duration::from_secs(30), || async { l.distinct() >= 2 }).await;
