@@ -224,6 +224,9 @@ pub struct WorkerConfig {
     /// Address of `/metrics`, `/livez`, `/readyz` (overridden by `--listen`).
     #[serde(default)]
     pub listen: Option<String>,
+    /// Runtime threads of a `chime-worker` process; 0 = one per CPU core.
+    #[serde(default)]
+    pub threads: usize,
 }
 
 fn default_concurrency() -> usize {
@@ -245,6 +248,7 @@ impl Default for WorkerConfig {
             shutdown_timeout: default_shutdown_timeout(),
             default_timeout: default_job_timeout(),
             listen: None,
+            threads: 0,
         }
     }
 }
@@ -536,6 +540,9 @@ impl Config {
         }
         if self.worker.concurrency == 0 || self.worker.concurrency > 10_000 {
             return Err(ConfigError::invalid("worker.concurrency", "must be between 1 and 10000"));
+        }
+        if self.worker.threads > 1024 {
+            return Err(ConfigError::invalid("worker.threads", "must be between 0 (one per core) and 1024"));
         }
         if self.worker.prefetch == Some(0) {
             return Err(ConfigError::invalid("worker.prefetch", "must be at least 1"));

@@ -9,10 +9,11 @@
 //! persistence loses keys. Handlers that need exactly-once effects use the key or the fence
 //! in their own transaction.
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, Script};
-use std::sync::LazyLock;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::{Client, Cmd, Pipeline, Script, Value};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::config::RedisConfig;
 use crate::topology::Names;
@@ -20,16 +21,18 @@ use crate::topology::Names;
 const NOW: &str =
     "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)";
 
-/// KEYS[1] idem key; ARGV owner, lease_ms, retention_ms.
+/// KEYS[1] idem key; ARGV owner, lease_ms, retention_ms. Claiming again with the same owner
+/// token returns the same fence (a command resent after a connection drop is harmless).
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{NOW}
 local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'f')
 local s, fence = h[1], tonumber(h[4]) or 0
 if s == 'done' or s == 'dead' then return {{s, fence, 0}} end
+if s == 'run' and h[2] == ARGV[1] then return {{'claimed', fence, 0}} end
 if s == 'run' and tonumber(h[3]) > now then return {{'busy', fence, tonumber(h[3]) - now}} end
-fence = redis.call('HINCRBY', KEYS[1], 'f', 1)
-redis.call('HSET', KEYS[1], 's', 'run', 'o', ARGV[1], 'u', now + tonumber(ARGV[2]))
+fence = fence + 1
+redis.call('HSET', KEYS[1], 's', 'run', 'o', ARGV[1], 'u', now + tonumber(ARGV[2]), 'f', fence)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {{'claimed', fence, 0}}"
     ))
@@ -65,6 +68,17 @@ redis.call('HSET', KEYS[1], 's', 'free', 'u', 0)
 return 1",
     )
 });
+
+/// The claim script (KEYS[1]; ARGV owner, lease_ms, retention_ms → `{state, fence,
+/// remaining_ms}`), for benchmarks and tools that drive Redis directly.
+pub fn claim_script() -> &'static Script {
+    &CLAIM
+}
+
+/// The finish script (KEYS[1]; ARGV owner, fence, state, retention_ms → 1 or 0).
+pub fn finish_script() -> &'static Script {
+    &FINISH
+}
 
 /// Result of a claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,9 +120,24 @@ pub enum IdemError {
     Protocol(String),
 }
 
+/// Most commands sent in one pipeline.
+const MAX_BATCH: usize = 256;
+
+/// One script call waiting for its pipeline.
+struct Op {
+    cmd: Cmd,
+    reply: oneshot::Sender<Result<Value, IdemError>>,
+}
+
 /// A cheaply clonable handle on one multiplexed, self-reconnecting Redis connection (the hot
 /// path: no pool checkout per job), plus a small deadpool pool used only for health probes,
 /// so a probe tests Redis itself, not the state of the shared multiplexed pipeline.
+///
+/// Claims, renewals and finishes go through one batching task: whatever calls are waiting
+/// when the previous pipeline returns are written as the next pipeline, in one write, and
+/// their replies read back together. Under load that turns a syscall and a cross-thread
+/// wake-up per call into one per batch; when idle, a call costs one round trip as before.
+/// Each call is still its own single-key script, so Redis Cluster works.
 #[derive(Clone)]
 pub struct IdemStore {
     conn: ConnectionManager,
@@ -117,6 +146,8 @@ pub struct IdemStore {
     names: Names,
     lease: Duration,
     retention: Duration,
+    /// The batching task, started on first use (inside the caller's runtime).
+    batcher: Arc<OnceLock<mpsc::UnboundedSender<Op>>>,
 }
 
 impl IdemStore {
@@ -147,6 +178,7 @@ impl IdemStore {
             names,
             lease: config.lease,
             retention: config.done_retention,
+            batcher: Arc::new(OnceLock::new()),
         })
     }
 
@@ -158,16 +190,24 @@ impl IdemStore {
         u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
     }
 
+    /// Sends one script call through the batching task and waits for its reply.
+    async fn call<T: redis::FromRedisValue>(&self, cmd: Cmd) -> Result<T, IdemError> {
+        let tx = self.batcher.get_or_init(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tokio::spawn(batch_loop(self.conn.clone(), rx));
+            tx
+        });
+        let (reply, answer) = oneshot::channel();
+        tx.send(Op { cmd, reply }).map_err(|_| IdemError::Protocol("redis batcher stopped".into()))?;
+        let value = answer.await.map_err(|_| IdemError::Protocol("redis batcher stopped".into()))??;
+        Ok(redis::from_redis_value(value).map_err(redis::RedisError::from)?)
+    }
+
     /// Claims `key` for `owner` (a token unique to this attempt). One round trip.
     pub async fn claim(&self, key: &str, owner: &str) -> Result<Claim, IdemError> {
-        let mut conn = self.conn.clone();
-        let (state, fence, remaining): (String, u64, u64) = CLAIM
-            .key(self.names.idem_key(key))
-            .arg(owner)
-            .arg(Self::ms(self.lease))
-            .arg(Self::ms(self.retention))
-            .invoke_async(&mut conn)
-            .await?;
+        let mut cmd = evalsha(&CLAIM, self.names.idem_key(key));
+        cmd.arg(owner).arg(Self::ms(self.lease)).arg(Self::ms(self.retention));
+        let (state, fence, remaining): (String, u64, u64) = self.call(cmd).await?;
         Ok(match state.as_str() {
             "claimed" => Claim::Claimed { fence },
             "done" => Claim::Done { fence },
@@ -179,29 +219,18 @@ impl IdemStore {
 
     /// Extends our lease; `Ok(false)` means another owner took the key over.
     pub async fn renew(&self, key: &str, owner: &str, fence: u64) -> Result<bool, IdemError> {
-        let mut conn = self.conn.clone();
-        let n: i64 = RENEW
-            .key(self.names.idem_key(key))
-            .arg(owner)
-            .arg(fence)
-            .arg(Self::ms(self.lease))
-            .invoke_async(&mut conn)
-            .await?;
+        let mut cmd = evalsha(&RENEW, self.names.idem_key(key));
+        cmd.arg(owner).arg(fence).arg(Self::ms(self.lease));
+        let n: i64 = self.call(cmd).await?;
         Ok(n == 1)
     }
 
     /// Records the outcome. `Ok(false)` means the key was no longer ours (our lease lapsed
     /// and another owner claimed it); the newer owner records its own outcome.
     pub async fn finish(&self, key: &str, owner: &str, fence: u64, state: Final) -> Result<bool, IdemError> {
-        let mut conn = self.conn.clone();
-        let n: i64 = FINISH
-            .key(self.names.idem_key(key))
-            .arg(owner)
-            .arg(fence)
-            .arg(state.as_str())
-            .arg(Self::ms(self.retention))
-            .invoke_async(&mut conn)
-            .await?;
+        let mut cmd = evalsha(&FINISH, self.names.idem_key(key));
+        cmd.arg(owner).arg(fence).arg(state.as_str()).arg(Self::ms(self.retention));
+        let n: i64 = self.call(cmd).await?;
         Ok(n == 1)
     }
 
@@ -224,5 +253,75 @@ impl IdemStore {
         tokio::time::timeout(self.timeout, probe)
             .await
             .map_err(|_| IdemError::Protocol(format!("no PING answer within {:?}", self.timeout)))?
+    }
+}
+
+/// `EVALSHA <script> 1 <key>`; the caller adds the arguments.
+fn evalsha(script: &Script, key: String) -> Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(1).arg(key);
+    cmd
+}
+
+/// The batching task: one pipeline in flight at a time; calls that arrive meanwhile form the
+/// next one. Ends when every store handle is gone.
+async fn batch_loop(mut conn: ConnectionManager, mut rx: mpsc::UnboundedReceiver<Op>) {
+    let mut batch = Vec::with_capacity(MAX_BATCH);
+    while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
+        let ops = std::mem::take(&mut batch);
+        send_batch(&mut conn, ops).await;
+    }
+}
+
+/// Sends `ops` as one pipeline and answers each. Calls rejected with `NOSCRIPT` (Redis
+/// restarted, or `SCRIPT FLUSH`) did not run: the scripts are loaded and those calls resent.
+async fn send_batch(conn: &mut ConnectionManager, ops: Vec<Op>) {
+    let mut pending = ops;
+    for round in 0..2 {
+        let mut pipe = Pipeline::with_capacity(pending.len());
+        for op in &pending {
+            pipe.add_command(op.cmd.clone());
+        }
+        let replies = match conn.req_packed_commands(&pipe, 0, pending.len()).await {
+            Ok(r) if r.len() == pending.len() => r,
+            Ok(r) => {
+                let e =
+                    IdemError::Protocol(format!("{} replies to a pipeline of {}", r.len(), pending.len()));
+                for op in pending {
+                    let _ = op.reply.send(Err(IdemError::Protocol(e.to_string())));
+                }
+                return;
+            }
+            Err(e) => {
+                for op in pending {
+                    let _ = op.reply.send(Err(IdemError::Redis(e.clone())));
+                }
+                return;
+            }
+        };
+        let mut again = Vec::new();
+        for (op, value) in pending.into_iter().zip(replies) {
+            match value {
+                Value::ServerError(e) if round == 0 && e.code() == "NOSCRIPT" => again.push(op),
+                Value::ServerError(e) => {
+                    let _ = op.reply.send(Err(IdemError::Redis(e.into())));
+                }
+                v => {
+                    let _ = op.reply.send(Ok(v));
+                }
+            }
+        }
+        if again.is_empty() {
+            return;
+        }
+        for script in [&*CLAIM, &*RENEW, &*FINISH] {
+            if let Err(e) = script.prepare_invoke().load_async(conn).await {
+                for op in again {
+                    let _ = op.reply.send(Err(IdemError::Redis(e.clone())));
+                }
+                return;
+            }
+        }
+        pending = again;
     }
 }

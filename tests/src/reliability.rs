@@ -229,11 +229,21 @@ impl Stack {
 
     /// Waits until every expected key completed at least once.
     pub async fn wait_all(&self, expected: &HashSet<String>, cap: Duration) {
-        wait_until("every expected job executed", cap, || async {
+        let all = wait_until("every expected job executed", cap + Duration::from_secs(5), || async {
             let l = self.read_ledger();
             expected.iter().all(|k| l.runs.contains_key(k))
-        })
-        .await;
+        });
+        if tokio::time::timeout(cap, all).await.is_err() {
+            let l = self.read_ledger();
+            let missing: Vec<&String> = expected.iter().filter(|k| !l.runs.contains_key(*k)).collect();
+            panic!(
+                "timed out after {cap:?}: {} of {} expected jobs never executed (e.g. {:?}); ledger has {} keys",
+                missing.len(),
+                expected.len(),
+                missing.iter().take(3).collect::<Vec<_>>(),
+                l.runs.len()
+            );
+        }
     }
 
     /// Checks the ledger against `expected`.

@@ -124,4 +124,9 @@ impl Registry {
     pub fn contains(&self, job: &str) -> bool {
         self.handlers.contains_key(job)
     }
+
+    /// Registered job names and their handlers.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Arc<dyn Handler>)> {
+        self.handlers.iter().map(|(k, v)| (k.as_str(), v))
+    }
 }

@@ -24,21 +24,32 @@ struct Args {
     listen: Option<String>,
 }
 
-#[tokio::main]
-async fn main() {
+fn main() {
     let args = Args::parse();
     chime_shared::telemetry::init_tracing();
-    std::process::exit(run(args).await);
-}
-
-async fn run(args: Args) -> i32 {
     let config = match Config::load(args.config.as_deref()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("chime-worker: error: {e}");
-            return 2;
+            std::process::exit(2);
         }
     };
+    // worker.threads: 0 = one per core (tokio's default).
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if config.worker.threads > 0 {
+        rt.worker_threads(config.worker.threads);
+    }
+    let rt = match rt.enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("chime-worker: error: cannot start the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    std::process::exit(rt.block_on(run(args, config)));
+}
+
+async fn run(args: Args, config: Config) -> i32 {
     let listen = args.listen.clone().or_else(|| config.worker.listen.clone());
     let health = Health::default();
     let mut builder = Worker::builder(config).registry(Registry::new()).health(health.clone());

@@ -9,6 +9,7 @@ use chime_shared::delay;
 use chime_shared::envelope::{Envelope, put_header};
 use chime_shared::idempotency::{Claim, Final, IdemError};
 use chime_shared::telemetry::{self, outcome};
+use futures_util::FutureExt;
 use lapin::message::Delivery;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -109,16 +110,16 @@ async fn decide(shared: &Shared, env: Envelope) -> Disposition {
             return Disposition::Ack;
         }
     }
+    let metrics = spec.metrics(&env.job);
     let key = env.key.to_string();
-    let owner = format!("{}/{}", shared.worker_id, Uuid::new_v4());
+    let owner = shared.owner_token();
     let fence = match shared.store.claim(&key, &owner).await {
         Err(e) => return redis_down(shared, e),
         Ok(Claim::Claimed { fence }) => fence,
         Ok(Claim::Done { .. } | Claim::Dead { .. }) => {
             debug!("duplicate absorbed");
             Stats::bump(&shared.stats.duplicates);
-            metrics::counter!(telemetry::JOBS_COMPLETED, "job" => env.job.clone(), "outcome" => outcome::DUPLICATE)
-                    .increment(1);
+            metrics.duplicate.increment(1);
             return Disposition::Ack;
         }
         Ok(Claim::Busy { remaining, .. }) => {
@@ -132,18 +133,16 @@ async fn decide(shared: &Shared, env: Envelope) -> Disposition {
 
     let lag_from = env.slot.unwrap_or(env.enqueued_at);
     let lag = (chrono::Utc::now() - lag_from).num_milliseconds().max(0) as f64 / 1000.0;
-    metrics::histogram!(telemetry::JOB_LAG, "job" => env.job.clone()).record(lag);
+    metrics.lag.record(lag);
 
     let run_started = Instant::now();
-    let result = run(shared, &spec, &env, &key, &owner, fence).await;
-    metrics::histogram!(telemetry::JOB_DURATION, "job" => env.job.clone())
-        .record(run_started.elapsed().as_secs_f64());
+    let result = run(shared, spec, &env, &key, &owner, fence).await;
+    metrics.duration.record(run_started.elapsed().as_secs_f64());
 
     match result {
         RunResult::Ok => {
             record(shared, &key, &owner, fence, Final::Done).await;
-            metrics::counter!(telemetry::JOBS_COMPLETED, "job" => env.job.clone(), "outcome" => outcome::SUCCEEDED)
-                .increment(1);
+            metrics.succeeded.increment(1);
             info!(elapsed_ms = run_started.elapsed().as_millis() as u64, "job succeeded");
             Stats::bump(&shared.stats.succeeded);
             Disposition::Ack
@@ -206,8 +205,9 @@ async fn record(shared: &Shared, key: &str, owner: &str, fence: u64, state: Fina
     error!(?state, "outcome not recorded in redis; a later duplicate of this key may run again");
 }
 
-/// Runs the handler in its own task (so a panic is caught) under the timeout, renewing
-/// the lease every third of it.
+/// Runs the handler under the timeout, catching a panic, renewing the lease every third of
+/// it. The handler runs inside this delivery's task (no task of its own): a handler must not
+/// block its thread (use `spawn_blocking` for CPU-bound or blocking work).
 async fn run(
     shared: &Shared,
     spec: &crate::runtime::JobSpec,
@@ -229,52 +229,50 @@ async fn run(
         timeout: spec.timeout,
         cancel: cancel.clone(),
     };
-    let fut = spec.handler.call(ctx, env.payload.clone());
-    let mut task = tokio::spawn(fut);
-    let lease = shared.store.lease();
-    let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + lease / 3, lease / 3);
-    let timeout = tokio::time::sleep(spec.timeout);
-    tokio::pin!(timeout);
-    let result = loop {
-        tokio::select! {
-            joined = &mut task => break match joined {
-                Ok(Ok(())) => RunResult::Ok,
-                Ok(Err(JobError::Permanent(m))) => RunResult::Failed(Failure::Permanent, m),
-                Ok(Err(JobError::Transient(m))) => RunResult::Failed(Failure::Transient, m),
-                Err(e) if e.is_panic() => RunResult::Failed(Failure::Panic, format!("panic: {}", panic_message(e))),
-                Err(e) => RunResult::Failed(Failure::Panic, e.to_string()),
-            },
-            _ = &mut timeout => {
-                break RunResult::Failed(Failure::Timeout, format!("timeout: no result within {:?}", spec.timeout));
-            }
-            _ = renew.tick() => match shared.store.renew(key, owner, fence).await {
+    // Dropping the future (timeout, lost lease, hard stop) cancels the handler; an exec
+    // handler's process group is killed when its future is dropped.
+    let task = std::panic::AssertUnwindSafe(spec.handler.call(ctx, env.payload.clone())).catch_unwind();
+    // Polled alongside the handler, so a slow renewal never pauses it; ends only when the
+    // key is no longer ours.
+    let renewals = async {
+        let lease = shared.store.lease();
+        let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + lease / 3, lease / 3);
+        loop {
+            renew.tick().await;
+            match shared.store.renew(key, owner, fence).await {
                 Ok(true) => {}
-                Ok(false) => break RunResult::LostLease,
+                Ok(false) => return,
                 Err(e) => {
                     warn!(error = %e, "lease renewal failed; the job keeps running");
                     shared.redis_failed();
                 }
-            },
-            _ = shared.hard_stop.cancelled() => break RunResult::Aborted,
+            }
         }
     };
-    if !matches!(result, RunResult::Ok) || !task.is_finished() {
-        // Dropping an exec handler's future kills its process group.
+    let result = tokio::select! {
+        joined = task => match joined {
+            Ok(Ok(())) => RunResult::Ok,
+            Ok(Err(JobError::Permanent(m))) => RunResult::Failed(Failure::Permanent, m),
+            Ok(Err(JobError::Transient(m))) => RunResult::Failed(Failure::Transient, m),
+            Err(panic) => RunResult::Failed(Failure::Panic, format!("panic: {}", panic_message(panic))),
+        },
+        _ = tokio::time::sleep(spec.timeout) => {
+            RunResult::Failed(Failure::Timeout, format!("timeout: no result within {:?}", spec.timeout))
+        }
+        _ = renewals => RunResult::LostLease,
+        _ = shared.hard_stop.cancelled() => RunResult::Aborted,
+    };
+    if !matches!(result, RunResult::Ok) {
         cancel.cancel();
-        task.abort();
     }
     result
 }
 
-fn panic_message(e: tokio::task::JoinError) -> String {
-    match e.try_into_panic() {
-        Ok(p) => p
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| p.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "panic".into()),
-        Err(e) => e.to_string(),
-    }
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".into())
 }
 
 /// Applies the disposition. Dead letters are published (confirmed) before the ack, so a

@@ -12,6 +12,7 @@ use chime_shared::amqp;
 use chime_shared::config::{BackoffConfig, Config, ConfigError};
 use chime_shared::health::Health;
 use chime_shared::idempotency::IdemStore;
+use chime_shared::telemetry::{self, outcome};
 use chime_shared::topology::{self, Names, TopologyError};
 use futures_util::StreamExt;
 use futures_util::stream::SelectAll;
@@ -19,8 +20,8 @@ use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, C
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
@@ -33,13 +34,50 @@ use crate::handler::{Handler, Registry};
 use crate::process;
 
 /// A job this worker can run.
-#[derive(Clone)]
 pub(crate) struct JobSpec {
     pub handler: Arc<dyn Handler>,
     pub timeout: Duration,
     pub backoff: BackoffConfig,
     /// A scheduled slot started later than slot + deadline is skipped as expired.
     pub deadline: Option<Duration>,
+    /// Metric handles of this job, registered on first use (after the recorder is installed).
+    metrics: OnceLock<JobMetrics>,
+}
+
+impl JobSpec {
+    fn new(
+        handler: Arc<dyn Handler>,
+        timeout: Duration,
+        backoff: BackoffConfig,
+        deadline: Option<Duration>,
+    ) -> Self {
+        Self { handler, timeout, backoff, deadline, metrics: OnceLock::new() }
+    }
+
+    /// The handles of the per-job series updated on every delivery (looked up once, not per job).
+    pub fn metrics(&self, job: &str) -> &JobMetrics {
+        self.metrics.get_or_init(|| JobMetrics::new(job))
+    }
+}
+
+/// Metric handles updated for every delivery of one job.
+pub(crate) struct JobMetrics {
+    pub succeeded: metrics::Counter,
+    pub duplicate: metrics::Counter,
+    pub lag: metrics::Histogram,
+    pub duration: metrics::Histogram,
+}
+
+impl JobMetrics {
+    fn new(job: &str) -> Self {
+        let completed = |outcome: &'static str| metrics::counter!(telemetry::JOBS_COMPLETED, "job" => job.to_string(), "outcome" => outcome);
+        Self {
+            succeeded: completed(outcome::SUCCEEDED),
+            duplicate: completed(outcome::DUPLICATE),
+            lag: metrics::histogram!(telemetry::JOB_LAG, "job" => job.to_string()),
+            duration: metrics::histogram!(telemetry::JOB_DURATION, "job" => job.to_string()),
+        }
+    }
 }
 
 /// Settled deliveries of this worker, by outcome (for tests, `status` and benchmarks).
@@ -73,9 +111,12 @@ pub(crate) struct Shared {
     pub names: Names,
     pub store: IdemStore,
     pub worker_id: String,
+    /// Makes owner tokens unique across restarts that reuse a host name and pid.
+    nonce: String,
+    owners: AtomicU64,
     pub stats: Arc<Stats>,
+    /// Every job this worker can run: configured jobs, then registry-only handlers.
     jobs: HashMap<String, JobSpec>,
-    registry: Registry,
     redis_ok: watch::Sender<bool>,
     /// Cancelled when shutdown begins: no new work, stop waiting on busy keys.
     pub intake_stopped: CancellationToken,
@@ -84,19 +125,18 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub fn job(&self, name: &str) -> Option<JobSpec> {
-        self.jobs.get(name).cloned().or_else(|| {
-            self.registry.get(name).map(|handler| JobSpec {
-                handler,
-                timeout: self.config.worker.default_timeout,
-                backoff: BackoffConfig::default(),
-                deadline: None,
-            })
-        })
+    pub fn job(&self, name: &str) -> Option<&JobSpec> {
+        self.jobs.get(name)
     }
 
     pub fn knows(&self, name: &str) -> bool {
-        self.jobs.contains_key(name) || self.registry.contains(name)
+        self.jobs.contains_key(name)
+    }
+
+    /// A token unique to one attempt: worker id, a per-process nonce and a counter.
+    pub fn owner_token(&self) -> String {
+        let n = self.owners.fetch_add(1, Ordering::Relaxed);
+        format!("{}/{}/{n}", self.worker_id, self.nonce)
     }
 
     /// Called on any Redis error: pauses intake until the monitor sees Redis again.
@@ -212,10 +252,7 @@ impl WorkerBuilder {
                              unacked delivery on it; raise consumer_timeout on the broker and amqp.consumer_timeout");
                     }
                     let backoff = job.backoff.clone().unwrap_or_default();
-                    jobs.insert(
-                        job.name.clone(),
-                        JobSpec { handler, timeout, backoff, deadline: job.deadline },
-                    );
+                    jobs.insert(job.name.clone(), JobSpec::new(handler, timeout, backoff, job.deadline));
                 }
                 None if queues.iter().any(|q| q == job.queue()) => {
                     return Err(ConfigError::Invalid {
@@ -229,6 +266,17 @@ impl WorkerBuilder {
                     .into());
                 }
                 None => {}
+            }
+        }
+        for (name, handler) in self.registry.iter() {
+            if !jobs.contains_key(name) {
+                let spec = JobSpec::new(
+                    handler.clone(),
+                    config.worker.default_timeout,
+                    BackoffConfig::default(),
+                    None,
+                );
+                jobs.insert(name.to_string(), spec);
             }
         }
         let names = Names::new(&config.prefix);
@@ -246,9 +294,10 @@ impl WorkerBuilder {
             names,
             store,
             worker_id,
+            nonce: uuid::Uuid::new_v4().simple().to_string()[..8].to_string(),
+            owners: AtomicU64::new(0),
             stats: Arc::new(Stats::default()),
             jobs,
-            registry: self.registry,
             redis_ok,
             intake_stopped: CancellationToken::new(),
             hard_stop: CancellationToken::new(),

@@ -2,7 +2,7 @@
 //! in the same run, on the same broker and Redis. Prints medians and ratios; asserts nothing.
 //!
 //!     cargo run --release -p chime-tests --bin chime-bench -- [--queue-type quorum|classic]
-//!         [--runs 3] [--seconds 10] [--only SCENARIO,…]
+//!         [--runs 3] [--seconds 10] [--only SCENARIO,…] [--workers 1,2,4]
 //!
 //! Scenarios: publish (raw vs EnqueueClient), consume (raw per-message ack + 2 Redis round
 //! trips vs 1/2/4 chime-worker processes), latency (enqueue → handler start at a steady
@@ -13,6 +13,7 @@ use chime_producer::EnqueueClient;
 use chime_producer::enqueue::Prepared;
 use chime_shared::config::{Config, JobConfig};
 use chime_shared::envelope::{self, Envelope, Source};
+use chime_shared::topology::Names;
 use chime_tests::*;
 use futures_util::StreamExt;
 use lapin::options::{
@@ -31,16 +32,25 @@ struct Opts {
     runs: usize,
     seconds: u64,
     only: Option<Vec<String>>,
+    procs: Vec<usize>,
 }
 
 fn opts() -> Opts {
-    let mut o = Opts { queue_type: "quorum".into(), runs: 3, seconds: 10, only: None };
+    let mut o = Opts { queue_type: "quorum".into(), runs: 3, seconds: 10, only: None, procs: vec![1, 2, 4] };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--queue-type" => o.queue_type = args.next().expect("--queue-type quorum|classic"),
             "--runs" => o.runs = args.next().and_then(|v| v.parse().ok()).expect("--runs N"),
             "--seconds" => o.seconds = args.next().and_then(|v| v.parse().ok()).expect("--seconds N"),
+            "--workers" => {
+                o.procs = args
+                    .next()
+                    .expect("--workers 1,2,4")
+                    .split(',')
+                    .map(|v| v.parse().expect("--workers takes process counts, e.g. 1,2,4"))
+                    .collect()
+            }
             "--only" => {
                 o.only = Some(args.next().expect("--only a,b").split(',').map(str::to_string).collect())
             }
@@ -83,6 +93,50 @@ fn cpu_secs(pid: u32) -> f64 {
     let f: Vec<&str> = after.split_whitespace().collect();
     let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
     (ticks(11) + ticks(12)) / 100.0
+}
+
+/// Pids of the processes whose command name is `comm` (e.g. `beam.smp`, `redis-server`).
+fn pids_named(comm: &str) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == comm))
+        .collect()
+}
+
+/// CPU time of the broker, Redis and the consumer during one measured window.
+struct CpuWindow {
+    broker: Vec<u32>,
+    redis: Vec<u32>,
+    consumers: Vec<u32>,
+    start: [f64; 3],
+}
+
+impl CpuWindow {
+    fn start(consumers: Vec<u32>) -> Self {
+        let broker = pids_named("beam.smp");
+        let redis = pids_named("redis-server");
+        let mut w = Self { broker, redis, consumers, start: [0.0; 3] };
+        w.start = w.now();
+        w
+    }
+    fn now(&self) -> [f64; 3] {
+        let sum = |pids: &[u32]| pids.iter().map(|p| cpu_secs(*p)).sum::<f64>();
+        [sum(&self.broker), sum(&self.redis), sum(&self.consumers)]
+    }
+    /// µs of CPU per message for broker, Redis and the consumer process(es).
+    fn per_message(&self, n: u64) -> [f64; 3] {
+        let end = self.now();
+        std::array::from_fn(|i| (end[i] - self.start[i]) * 1e6 / n as f64)
+    }
+}
+
+/// Median of each component of several `[broker, redis, consumer]` CPU figures.
+fn median3(v: &[[f64; 3]]) -> [f64; 3] {
+    std::array::from_fn(|i| median(v.iter().map(|x| x[i]).collect()))
+}
+
+fn cpu_text(c: [f64; 3]) -> String {
+    format!("CPU/msg: broker {:.0} µs, redis {:.0} µs, consumer {:.0} µs", c[0], c[1], c[2])
 }
 
 fn bench_config(env: &TestEnv, queue_type: &str, worker: &str) -> Config {
@@ -195,7 +249,20 @@ async fn cli_batch(env: &TestEnv, config_text: &str, n: usize) -> f64 {
     v["confirmed"].as_f64().unwrap() / v["seconds"].as_f64().unwrap()
 }
 
-/// Raw consumer: `concurrency` tasks; per message SET NX PX (claim), SET (done), ack.
+/// chime's default lease and done retention, so the raw keys live as long as chime's.
+const LEASE_MS: u64 = 30_000;
+const RETENTION_MS: u64 = 7 * 24 * 3_600_000;
+
+/// What the raw consumer does in Redis for each message.
+#[derive(Clone, Copy, PartialEq)]
+enum RawRedis {
+    /// chime's own claim and finish scripts (the same two commands chime sends).
+    Scripts,
+    /// `SET NX PX` then `SET PX`: dedup without chime's lease and fence.
+    Sets,
+}
+
+/// Raw consumer: `concurrency` tasks; per message two Redis commands, then a per-message ack.
 async fn raw_consume(
     conn: &Connection,
     queue: &str,
@@ -203,7 +270,8 @@ async fn raw_consume(
     concurrency: usize,
     redis_url: &str,
     prefix: &str,
-) -> f64 {
+    mode: RawRedis,
+) -> (f64, [f64; 3]) {
     let ch = conn.create_channel().await.unwrap();
     ch.basic_qos(u16::try_from(concurrency * 2).unwrap(), BasicQosOptions::default()).await.unwrap();
     let mut consumer = ch
@@ -213,42 +281,76 @@ async fn raw_consume(
     let redis = connect_redis(redis_url).await;
     let done = Arc::new(AtomicU64::new(0));
     let sem = Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let all_done = Arc::new(tokio::sync::Notify::new());
+    let cpu = CpuWindow::start(vec![std::process::id()]);
     let start = Instant::now();
     let mut i = 0u64;
+    let run = uuid::Uuid::new_v4().simple().to_string();
     while i < n {
         let Some(Ok(d)) = consumer.next().await else { break };
         i += 1;
         let permit = sem.clone().acquire_owned().await.unwrap();
-        let (mut r, done, key) = (redis.clone(), done.clone(), format!("{prefix}:raw:{i}"));
+        let (mut r, done, key) = (redis.clone(), done.clone(), format!("{prefix}:raw:{run}:{i}"));
+        let all_done = all_done.clone();
         tokio::spawn(async move {
-            let _: Option<String> = redis::cmd("SET")
-                .arg(&key)
-                .arg("run")
-                .arg("NX")
-                .arg("PX")
-                .arg(30_000)
-                .query_async(&mut r)
-                .await
-                .unwrap();
-            let _: String = redis::cmd("SET")
-                .arg(&key)
-                .arg("done")
-                .arg("PX")
-                .arg(60_000)
-                .query_async(&mut r)
-                .await
-                .unwrap();
+            match mode {
+                RawRedis::Scripts => {
+                    let owner = format!("raw/{i}");
+                    let (state, fence, _): (String, u64, u64) = chime_shared::idempotency::claim_script()
+                        .key(&key)
+                        .arg(&owner)
+                        .arg(LEASE_MS)
+                        .arg(RETENTION_MS)
+                        .invoke_async(&mut r)
+                        .await
+                        .unwrap();
+                    assert_eq!(state, "claimed");
+                    let ok: i64 = chime_shared::idempotency::finish_script()
+                        .key(&key)
+                        .arg(&owner)
+                        .arg(fence)
+                        .arg("done")
+                        .arg(RETENTION_MS)
+                        .invoke_async(&mut r)
+                        .await
+                        .unwrap();
+                    assert_eq!(ok, 1);
+                }
+                RawRedis::Sets => {
+                    let _: Option<String> = redis::cmd("SET")
+                        .arg(&key)
+                        .arg("run")
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(LEASE_MS)
+                        .query_async(&mut r)
+                        .await
+                        .unwrap();
+                    let _: String = redis::cmd("SET")
+                        .arg(&key)
+                        .arg("done")
+                        .arg("PX")
+                        .arg(RETENTION_MS)
+                        .query_async(&mut r)
+                        .await
+                        .unwrap();
+                }
+            }
             d.acker.ack(BasicAckOptions::default()).await.unwrap();
-            done.fetch_add(1, Ordering::Relaxed);
+            if done.fetch_add(1, Ordering::Relaxed) + 1 == n {
+                all_done.notify_one();
+            }
             drop(permit);
         });
     }
-    while done.load(Ordering::Relaxed) < n {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    // A failed task (it panics) would leave this waiting: bound it.
+    tokio::time::timeout(Duration::from_secs(600), all_done.notified())
+        .await
+        .expect("raw consumer did not finish (a task failed?)");
     let rate = n as f64 / start.elapsed().as_secs_f64();
+    let cpu = cpu.per_message(n);
     let _ = ch.close(200, "".into()).await;
-    rate
+    (rate, cpu)
 }
 
 async fn completed(ports: &[u16]) -> u64 {
@@ -267,21 +369,48 @@ async fn completed(ports: &[u16]) -> u64 {
     total
 }
 
-/// `procs` chime-worker processes drain `n` prepared jobs; returns (jobs/s, idle RSS, peak RSS).
+/// What one drain measured.
+struct Drain {
+    rate: f64,
+    rss_peak: u64,
+    cpu: [f64; 3],
+}
+
+/// Every run of one drain configuration.
+#[derive(Default)]
+struct Drains {
+    rates: Vec<f64>,
+    /// Each run's rate over the raw consumer's rate of the same round.
+    ratios: Vec<f64>,
+    cpus: Vec<[f64; 3]>,
+    rss_peak: u64,
+}
+
+/// RSS of one chime-worker process consuming an empty queue (after it is ready).
+async fn idle_rss(env: &TestEnv, queue_type: &str) -> u64 {
+    let d = chime_drain(env, queue_type, None, 0, 1, false).await;
+    d.rss_peak
+}
+
+/// `procs` chime-worker processes drain `n` prepared jobs, timed from the moment every
+/// process is consuming (as the raw consumer is timed from its `basic.consume`).
 async fn chime_drain(
     env: &TestEnv,
     queue_type: &str,
-    client: &EnqueueClient,
+    client: Option<&EnqueueClient>,
     n: usize,
     procs: usize,
     dup: bool,
-) -> (f64, u64, u64) {
-    let batch = envelopes(n, dup);
-    assert_eq!(client.publish_batch(&batch).await.confirmed, n);
+) -> Drain {
+    if let Some(client) = client {
+        let batch = envelopes(n, dup);
+        assert_eq!(client.publish_batch(&batch).await.confirmed, n);
+    }
+    let threads = std::env::var("BENCH_WORKER_THREADS").unwrap_or_else(|_| "0".into());
     let text = env.config_text(
         queue_type,
         "",
-        "concurrency = 32\nprefetch = 64",
+        &format!("concurrency = 32\nprefetch = 64\nthreads = {threads}"),
         "[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n",
     );
     let path = env.write_config(&text);
@@ -293,30 +422,45 @@ async fn chime_drain(
         c.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).kill_on_drop(true);
         children.push(c.spawn().unwrap());
     }
-    // Started = every process answers /readyz; jobs may already be flowing.
+    let pids: Vec<u32> = children.iter().filter_map(|c| c.id()).collect();
+    // Started = every process consumes (its /readyz answers 200).
+    wait_until("workers consuming", Duration::from_secs(30), || {
+        let ports = ports.clone();
+        async move {
+            for p in ports {
+                let ok = reqwest::get(format!("http://127.0.0.1:{p}/readyz"))
+                    .await
+                    .is_ok_and(|r| r.status() == 200);
+                if !ok {
+                    return false;
+                }
+            }
+            true
+        }
+    })
+    .await;
+    let cpu = CpuWindow::start(pids.clone());
     let start = Instant::now();
-    let mut idle = 0;
+    // Jobs finished while the other processes were still starting are not timed.
+    let before = completed(&ports).await;
     let mut peak = 0;
     loop {
         let done = completed(&ports).await;
-        let pid = children[0].id().unwrap_or(0);
-        let r = rss_kb(pid);
-        if idle == 0 {
-            idle = r;
-        }
-        peak = peak.max(r);
+        peak = peak.max(rss_kb(pids[0]));
         if done >= n as u64 {
             break;
         }
         assert!(start.elapsed() < Duration::from_secs(600), "drain stalled at {done}/{n}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let timed = n as u64 - before;
+    let rate = timed as f64 / start.elapsed().as_secs_f64();
+    let cpu = cpu.per_message(timed);
     for c in &mut children {
         let _ = c.start_kill();
         let _ = c.wait().await;
     }
-    (rate, idle, peak)
+    Drain { rate, rss_peak: peak, cpu }
 }
 
 fn bin_path(name: &str) -> std::path::PathBuf {
@@ -324,8 +468,32 @@ fn bin_path(name: &str) -> std::path::PathBuf {
     exe.parent().unwrap().join(name)
 }
 
-/// Enqueue → handler start latency at `rate`/s for `secs` with one in-process worker.
-async fn latency(config: &Config, client: &EnqueueClient, rate: u64, secs: u64) -> (f64, f64) {
+/// How the latency scenario loads the worker.
+#[derive(Clone, Copy)]
+enum Load {
+    /// One publish every 1/rate s, each awaiting its own confirm.
+    Rate(u64),
+    /// Publish as fast as confirms allow (batches of 500) while the worker consumes: the
+    /// end-to-end saturated rate of this machine, publisher and worker together.
+    Saturate,
+}
+
+fn lat_envelope() -> Envelope {
+    let t = chrono::Utc::now().timestamp_micros() as f64 / 1e6;
+    Envelope::new(
+        "lat",
+        "default",
+        envelope::random_key(),
+        serde_json::json!({"t": t}),
+        None,
+        1,
+        Source::Adhoc,
+    )
+}
+
+/// One in-process worker (32 at once) under `load` for `secs`; returns (handler starts per
+/// second, p50 ms, p99 ms) of enqueue → handler start.
+async fn latency(config: &Config, load: Load, secs: u64) -> (f64, f64, f64) {
     let lat = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
     let l = lat.clone();
     let mut reg = chime_worker::Registry::new();
@@ -356,36 +524,52 @@ async fn latency(config: &Config, client: &EnqueueClient, rate: u64, secs: u64) 
         async move { h.get("consuming") }
     })
     .await;
-    let lat_client = Arc::new(EnqueueClient::connect(Arc::new(cfg)).await.unwrap());
-    let _ = client;
-    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
-    let total = rate * secs;
-    for _ in 0..total {
-        tick.tick().await;
-        let t = chrono::Utc::now().timestamp_micros() as f64 / 1e6;
-        let env = Envelope::new(
-            "lat",
-            "default",
-            envelope::random_key(),
-            serde_json::json!({"t": t}),
-            None,
-            1,
-            Source::Adhoc,
-        );
-        // Each publish still waits for its own confirm, concurrently with the next ones.
-        let c = lat_client.clone();
-        tokio::spawn(async move { c.publish(&env, Duration::ZERO).await });
-    }
-    let l2 = lat.clone();
-    wait_until("latency jobs done", Duration::from_secs(60), || {
-        let l2 = l2.clone();
-        async move { l2.lock().unwrap().len() as u64 >= total }
-    })
-    .await;
+    let cfg = Arc::new(cfg);
+    let client = Arc::new(EnqueueClient::connect(cfg.clone()).await.unwrap());
+    let start = Instant::now();
+    let count = match load {
+        Load::Rate(rate) => {
+            let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
+            let total = rate * secs;
+            for _ in 0..total {
+                tick.tick().await;
+                let env = lat_envelope();
+                // Each publish still waits for its own confirm, concurrently with the next ones.
+                let c = client.clone();
+                tokio::spawn(async move { c.publish(&env, Duration::ZERO).await });
+            }
+            let l2 = lat.clone();
+            wait_until("latency jobs done", Duration::from_secs(120), || {
+                let l2 = l2.clone();
+                async move { l2.lock().unwrap().len() as u64 >= total }
+            })
+            .await;
+            total as usize
+        }
+        Load::Saturate => {
+            let mut warm = None;
+            while start.elapsed() < Duration::from_secs(secs + 2) {
+                let batch: Vec<Prepared> =
+                    (0..500).map(|_| Prepared { envelope: lat_envelope(), delay: Duration::ZERO }).collect();
+                assert_eq!(client.publish_batch(&batch).await.confirmed, 500);
+                // The first 2 s warm up; count handler starts over the rest.
+                if warm.is_none() && start.elapsed() >= Duration::from_secs(2) {
+                    warm = Some((Instant::now(), lat.lock().unwrap().len()));
+                }
+            }
+            let (t0, n0) = warm.unwrap_or((start, 0));
+            let n = lat.lock().unwrap().len() - n0;
+            token.cancel();
+            let _ = h.await;
+            purge(&connect_amqp().await, &Names::new(&cfg.prefix).work_queue("default")).await;
+            return (n as f64 / t0.elapsed().as_secs_f64(), 0.0, 0.0);
+        }
+    };
+    let rate = count as f64 / start.elapsed().as_secs_f64();
     token.cancel();
     let _ = h.await;
     let mut v = lat.lock().unwrap().clone();
-    (percentile(&mut v, 0.5), percentile(&mut v, 0.99))
+    (rate, percentile(&mut v, 0.5), percentile(&mut v, 0.99))
 }
 
 /// 100,000 schedules in an in-process ticker; a raw consumer timestamps each delivery
@@ -543,43 +727,79 @@ async fn main() {
         let config = Arc::new(bench_config(&env, &qt, ""));
         let client = EnqueueClient::connect(config.clone()).await.unwrap();
         let q = env.names().work_queue("default");
-        let n = 60_000usize;
+        // Sized so that one drain takes about --seconds at ~20k jobs/s.
+        let n = 20_000 * secs as usize;
+        // Runs interleave (raw, raw with SETs, then chime) so that each ratio compares
+        // figures measured a minute apart; the ratio printed is the median of the per-run ratios.
         let mut raw = Vec::new();
+        let mut raw_cpu = Vec::new();
+        let mut sets = Vec::new();
+        let mut sets_cpu = Vec::new();
+        let mut chime: Vec<Drains> = o.procs.iter().map(|_| Drains::default()).collect();
         for r in 0..o.runs {
-            progress(&format!("consume: raw consumer run {}/{}", r + 1, o.runs));
-            assert_eq!(client.publish_batch(&envelopes(n, false)).await.confirmed, n);
-            raw.push(raw_consume(&conn, &q, n as u64, 32, &env.redis_url, &env.prefix).await);
-        }
-        let raw = median(raw);
-        println!(
-            "consume  raw: ack + 2 Redis RTT     {raw:>9.0} msg/s   (32 in flight, one multiplexed Redis connection)"
-        );
-        for procs in [1usize, 2, 4] {
-            let mut rates = Vec::new();
-            let mut rss = (0, 0);
-            for r in 0..o.runs {
-                progress(&format!("consume: {procs} chime-worker process(es) run {}/{}", r + 1, o.runs));
-                let (rate, idle, peak) = chime_drain(&env, &qt, &client, n, procs, false).await;
+            for (mode, rates, cpus, what) in [
+                (RawRedis::Scripts, &mut raw, &mut raw_cpu, "chime's two scripts"),
+                (RawRedis::Sets, &mut sets, &mut sets_cpu, "two SETs"),
+            ] {
+                progress(&format!(
+                    "consume: raw consumer with {what}, run {}/{} ({n} messages)",
+                    r + 1,
+                    o.runs
+                ));
+                assert_eq!(client.publish_batch(&envelopes(n, false)).await.confirmed, n);
+                let (rate, cpu) =
+                    raw_consume(&conn, &q, n as u64, 32, &env.redis_url, &env.prefix, mode).await;
                 rates.push(rate);
-                rss = (idle, peak.max(rss.1));
+                cpus.push(cpu);
             }
-            progress("");
-            let rate = median(rates);
-            if procs == 1 {
+            for (i, &procs) in o.procs.iter().enumerate() {
+                progress(&format!(
+                    "consume: {procs} chime-worker process(es), run {}/{} ({n} jobs)",
+                    r + 1,
+                    o.runs
+                ));
+                let d = chime_drain(&env, &qt, Some(&client), n, procs, false).await;
+                let c = &mut chime[i];
+                c.rates.push(d.rate);
+                c.ratios.push(d.rate / raw[r]);
+                c.cpus.push(d.cpu);
+                c.rss_peak = c.rss_peak.max(d.rss_peak);
+            }
+        }
+        progress("");
+        let sets_ratio = median(sets.iter().zip(&raw).map(|(s, r)| s / r).collect());
+        let raw_rate = median(raw);
+        println!(
+            "consume  raw: ack + chime's 2 scripts {raw_rate:>7.0} msg/s   (32 in flight, one multiplexed Redis connection)   {}",
+            cpu_text(median3(&raw_cpu))
+        );
+        println!(
+            "consume  raw: ack + 2 plain SETs     {:>8.0} msg/s   {sets_ratio:.2}x raw   {}",
+            median(sets),
+            cpu_text(median3(&sets_cpu))
+        );
+        for (i, procs) in o.procs.iter().enumerate() {
+            let Drains { rates, ratios, cpus, rss_peak: rss } = &chime[i];
+            let rate = median(rates.clone());
+            if *procs == 1 {
                 saturated = Some(rate);
             }
             println!(
-                "consume  {procs} chime-worker process(es)  {rate:>9.0} jobs/s  {:.2}x raw   RSS {} KiB at start, {} KiB peak",
-                rate / raw,
-                rss.0,
-                rss.1
+                "consume  {procs} chime-worker process(es)  {rate:>9.0} jobs/s  {:.2}x raw   {}   RSS peak {} KiB",
+                median(ratios.clone()),
+                cpu_text(median3(cpus)),
+                rss
             );
         }
+        println!(
+            "memory   chime-worker RSS idle (empty queue, consuming): {} KiB",
+            idle_rss(&env, &qt).await
+        );
         if want("duplicates") {
             let mut rates = Vec::new();
             for r in 0..o.runs {
                 progress(&format!("duplicates: every job twice, run {}/{}", r + 1, o.runs));
-                rates.push(chime_drain(&env, &qt, &client, n, 1, true).await.0);
+                rates.push(chime_drain(&env, &qt, Some(&client), n, 1, true).await.rate);
             }
             progress("");
             println!(
@@ -592,18 +812,27 @@ async fn main() {
     if want("latency") {
         let env = TestEnv::new("bench-lat");
         let config = bench_config(&env, &qt, "");
-        let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
-        // Also at half the saturated single-worker rate, when it was measured in this run.
-        let rates: Vec<u64> = match saturated {
-            Some(sat) => vec![1000, (sat / 2.0) as u64],
-            None => vec![1000],
-        };
+        // Half the saturated rate, where "saturated" is the end-to-end rate this machine
+        // sustains with the publisher and the worker running together (the drain rate above
+        // has nobody publishing, and on 2 shared cores publishing costs as much as consuming).
+        let mut sat = Vec::new();
+        for r in 0..o.runs {
+            progress(&format!("latency: saturated end-to-end rate, run {}/{}", r + 1, o.runs));
+            sat.push(latency(&config, Load::Saturate, secs).await.0);
+        }
+        progress("");
+        let sat = median(sat);
+        println!("latency  saturated end to end (publisher + 1 worker)  {sat:>6.0} jobs/s");
+        let mut rates = vec![1000, (sat / 2.0) as u64];
+        if let Some(drain) = saturated {
+            rates.push((drain / 2.0) as u64);
+        }
         for rate in rates {
             let mut p50 = Vec::new();
             let mut p99 = Vec::new();
             for r in 0..o.runs {
                 progress(&format!("latency: {rate} jobs/s for {secs}s, run {}/{}", r + 1, o.runs));
-                let (a, b) = latency(&config, &client, rate, secs).await;
+                let (_, a, b) = latency(&config, Load::Rate(rate), secs).await;
                 p50.push(a);
                 p99.push(b);
             }
