@@ -51,3 +51,46 @@ async fn redis_restart_loses_nothing_and_pauses_intake() {
     assert!(dups <= 8, "duplicates {dups} exceed in-flight bound");
     worker.stop().await;
 }
+
+/// The batched store under concurrency: 2,000 claims and finishes at once come back each with
+/// its own answer; after `SCRIPT FLUSH` (as after a Redis restart) the next calls load the
+/// scripts again and succeed; a claim resent by the same owner gets the same fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_store_answers_each_call_and_survives_script_flush() {
+    use chime_shared::idempotency::{Claim, Final, IdemStore};
+    let redis = PrivateRedis::start().await;
+    let mut env = TestEnv::new("idembatch");
+    env.redis_url = redis.url();
+    let config = env.config("quorum", "", "", "");
+    let store = IdemStore::connect(&config.redis, env.names()).unwrap();
+
+    let calls = (0..2000).map(|i| {
+        let store = store.clone();
+        async move {
+            let key = format!("k{i}");
+            let owner = format!("o{i}");
+            let Claim::Claimed { fence } = store.claim(&key, &owner).await.unwrap() else {
+                panic!("fresh key {key} not claimed")
+            };
+            assert_eq!(
+                store.claim(&key, &owner).await.unwrap(),
+                Claim::Claimed { fence },
+                "same owner again"
+            );
+            assert!(matches!(store.claim(&key, "someone else").await.unwrap(), Claim::Busy { .. }));
+            let state = if i % 2 == 0 { Final::Done } else { Final::Dead };
+            assert!(store.finish(&key, &owner, fence, state).await.unwrap());
+            store.claim(&key, "late duplicate").await.unwrap()
+        }
+    });
+    let answers = futures_util::future::join_all(calls).await;
+    for (i, a) in answers.iter().enumerate() {
+        let want = if i % 2 == 0 { Claim::Done { fence: 1 } } else { Claim::Dead { fence: 1 } };
+        assert_eq!(*a, want, "key k{i}");
+    }
+
+    let mut conn = connect_redis(&redis.url()).await;
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut conn).await.unwrap();
+    assert!(matches!(store.claim("after-flush", "o").await.unwrap(), Claim::Claimed { fence: 1 }));
+    assert!(store.finish("after-flush", "o", 1, Final::Done).await.unwrap());
+}
