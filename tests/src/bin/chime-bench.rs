@@ -3,6 +3,7 @@
 //!
 //!     cargo run --release -p chime-tests --bin chime-bench -- [--queue-type quorum|classic]
 //!         [--runs 3] [--seconds 10] [--only SCENARIO,…] [--workers 1,2,4]
+//!         [--latency-rates 1000,2000]
 //!
 //! Scenarios: publish (raw vs EnqueueClient), consume (raw per-message ack + 2 Redis round
 //! trips vs 1/2/4 chime-worker processes), latency (enqueue → handler start at a steady
@@ -13,7 +14,6 @@ use chime_producer::EnqueueClient;
 use chime_producer::enqueue::Prepared;
 use chime_shared::config::{Config, JobConfig};
 use chime_shared::envelope::{self, Envelope, Source};
-use chime_shared::topology::Names;
 use chime_tests::*;
 use futures_util::StreamExt;
 use lapin::options::{
@@ -33,24 +33,26 @@ struct Opts {
     seconds: u64,
     only: Option<Vec<String>>,
     procs: Vec<usize>,
+    rates: Vec<u64>,
 }
 
 fn opts() -> Opts {
-    let mut o = Opts { queue_type: "quorum".into(), runs: 3, seconds: 10, only: None, procs: vec![1, 2, 4] };
+    let mut o = Opts {
+        queue_type: "quorum".into(),
+        runs: 3,
+        seconds: 10,
+        only: None,
+        procs: vec![1, 2, 4],
+        rates: vec![1000, 2000],
+    };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--queue-type" => o.queue_type = args.next().expect("--queue-type quorum|classic"),
             "--runs" => o.runs = args.next().and_then(|v| v.parse().ok()).expect("--runs N"),
             "--seconds" => o.seconds = args.next().and_then(|v| v.parse().ok()).expect("--seconds N"),
-            "--workers" => {
-                o.procs = args
-                    .next()
-                    .expect("--workers 1,2,4")
-                    .split(',')
-                    .map(|v| v.parse().expect("--workers takes process counts, e.g. 1,2,4"))
-                    .collect()
-            }
+            "--workers" => o.procs = numbers(args.next(), "--workers 1,2,4"),
+            "--latency-rates" => o.rates = numbers(args.next(), "--latency-rates 1000,2000"),
             "--only" => {
                 o.only = Some(args.next().expect("--only a,b").split(',').map(str::to_string).collect())
             }
@@ -58,6 +60,14 @@ fn opts() -> Opts {
         }
     }
     o
+}
+
+/// A comma-separated list of numbers, or a panic showing `usage`.
+fn numbers<T: std::str::FromStr>(arg: Option<String>, usage: &str) -> Vec<T> {
+    let arg = arg.unwrap_or_else(|| panic!("usage: {usage}"));
+    arg.split(',')
+        .map(|v| v.parse().unwrap_or_else(|_| panic!("{v:?} is not a number; usage: {usage}")))
+        .collect()
 }
 
 fn progress(what: &str) {
@@ -468,16 +478,6 @@ fn bin_path(name: &str) -> std::path::PathBuf {
     exe.parent().unwrap().join(name)
 }
 
-/// How the latency scenario loads the worker.
-#[derive(Clone, Copy)]
-enum Load {
-    /// One publish every 1/rate s, each awaiting its own confirm.
-    Rate(u64),
-    /// Publish as fast as confirms allow (batches of 500) while the worker consumes: the
-    /// end-to-end saturated rate of this machine, publisher and worker together.
-    Saturate,
-}
-
 fn lat_envelope() -> Envelope {
     let t = chrono::Utc::now().timestamp_micros() as f64 / 1e6;
     Envelope::new(
@@ -491,9 +491,10 @@ fn lat_envelope() -> Envelope {
     )
 }
 
-/// One in-process worker (32 at once) under `load` for `secs`; returns (handler starts per
-/// second, p50 ms, p99 ms) of enqueue → handler start.
-async fn latency(config: &Config, load: Load, secs: u64) -> (f64, f64, f64) {
+/// One in-process worker (32 at once); one publish every 1/`rate` s for `secs`, each awaiting
+/// its own confirm. Returns (jobs per second including the tail, p50 ms, p99 ms) of
+/// enqueue → handler start.
+async fn latency(config: &Config, rate: u64, secs: u64) -> (f64, f64, f64) {
     let lat = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
     let l = lat.clone();
     let mut reg = chime_worker::Registry::new();
@@ -527,49 +528,26 @@ async fn latency(config: &Config, load: Load, secs: u64) -> (f64, f64, f64) {
     let cfg = Arc::new(cfg);
     let client = Arc::new(EnqueueClient::connect(cfg.clone()).await.unwrap());
     let start = Instant::now();
-    let count = match load {
-        Load::Rate(rate) => {
-            let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
-            let total = rate * secs;
-            for _ in 0..total {
-                tick.tick().await;
-                let env = lat_envelope();
-                // Each publish still waits for its own confirm, concurrently with the next ones.
-                let c = client.clone();
-                tokio::spawn(async move { c.publish(&env, Duration::ZERO).await });
-            }
-            let l2 = lat.clone();
-            wait_until("latency jobs done", Duration::from_secs(120), || {
-                let l2 = l2.clone();
-                async move { l2.lock().unwrap().len() as u64 >= total }
-            })
-            .await;
-            total as usize
-        }
-        Load::Saturate => {
-            let mut warm = None;
-            while start.elapsed() < Duration::from_secs(secs + 2) {
-                let batch: Vec<Prepared> =
-                    (0..500).map(|_| Prepared { envelope: lat_envelope(), delay: Duration::ZERO }).collect();
-                assert_eq!(client.publish_batch(&batch).await.confirmed, 500);
-                // The first 2 s warm up; count handler starts over the rest.
-                if warm.is_none() && start.elapsed() >= Duration::from_secs(2) {
-                    warm = Some((Instant::now(), lat.lock().unwrap().len()));
-                }
-            }
-            let (t0, n0) = warm.unwrap_or((start, 0));
-            let n = lat.lock().unwrap().len() - n0;
-            token.cancel();
-            let _ = h.await;
-            purge(&connect_amqp().await, &Names::new(&cfg.prefix).work_queue("default")).await;
-            return (n as f64 / t0.elapsed().as_secs_f64(), 0.0, 0.0);
-        }
-    };
-    let rate = count as f64 / start.elapsed().as_secs_f64();
+    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rate));
+    let total = rate * secs;
+    for _ in 0..total {
+        tick.tick().await;
+        let env = lat_envelope();
+        // Each publish still waits for its own confirm, concurrently with the next ones.
+        let c = client.clone();
+        tokio::spawn(async move { c.publish(&env, Duration::ZERO).await });
+    }
+    let l2 = lat.clone();
+    wait_until("latency jobs done", Duration::from_secs(120), || {
+        let l2 = l2.clone();
+        async move { l2.lock().unwrap().len() as u64 >= total }
+    })
+    .await;
+    let achieved = total as f64 / start.elapsed().as_secs_f64();
     token.cancel();
     let _ = h.await;
     let mut v = lat.lock().unwrap().clone();
-    (rate, percentile(&mut v, 0.5), percentile(&mut v, 0.99))
+    (achieved, percentile(&mut v, 0.5), percentile(&mut v, 0.99))
 }
 
 /// 100,000 schedules in an in-process ticker; a raw consumer timestamps each delivery
@@ -812,35 +790,29 @@ async fn main() {
     if want("latency") {
         let env = TestEnv::new("bench-lat");
         let config = bench_config(&env, &qt, "");
-        // Half the saturated rate, where "saturated" is the end-to-end rate this machine
-        // sustains with the publisher and the worker running together (the drain rate above
-        // has nobody publishing, and on 2 shared cores publishing costs as much as consuming).
-        let mut sat = Vec::new();
-        for r in 0..o.runs {
-            progress(&format!("latency: saturated end-to-end rate, run {}/{}", r + 1, o.runs));
-            sat.push(latency(&config, Load::Saturate, secs).await.0);
-        }
-        progress("");
-        let sat = median(sat);
-        println!("latency  saturated end to end (publisher + 1 worker)  {sat:>6.0} jobs/s");
-        let mut rates = vec![1000, (sat / 2.0) as u64];
+        // A sweep: --latency-rates (1,000 and 2,000 jobs/s), and half the saturated rate (one
+        // worker's drain rate measured above, with nobody publishing) when consume ran.
+        let mut rates = o.rates.clone();
         if let Some(drain) = saturated {
             rates.push((drain / 2.0) as u64);
         }
         for rate in rates {
             let mut p50 = Vec::new();
             let mut p99 = Vec::new();
+            let mut done = Vec::new();
             for r in 0..o.runs {
                 progress(&format!("latency: {rate} jobs/s for {secs}s, run {}/{}", r + 1, o.runs));
-                let (_, a, b) = latency(&config, Load::Rate(rate), secs).await;
+                let (achieved, a, b) = latency(&config, rate, secs).await;
+                done.push(achieved);
                 p50.push(a);
                 p99.push(b);
             }
             progress("");
             println!(
-                "latency  enqueue → handler start at {rate}/s   p50 {:.2} ms   p99 {:.2} ms",
+                "latency  enqueue → handler start at {rate}/s   p50 {:.2} ms   p99 {:.2} ms   (all done at {:.0}/s incl. the tail)",
                 median(p50),
-                median(p99)
+                median(p99),
+                median(done)
             );
         }
     }
