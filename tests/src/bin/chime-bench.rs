@@ -5,9 +5,10 @@
 //!         [--runs 3] [--seconds 10] [--only SCENARIO,…] [--workers 1,2,4]
 //!         [--latency-rates 1000,2000]
 //!
-//! Scenarios: publish (raw vs EnqueueClient), consume (raw per-message ack + 2 Redis round
-//! trips vs 1/2/4 chime-worker processes), latency (enqueue → handler start at a steady
-//! rate), duplicates, ticker (100,000 schedules).
+//! Scenarios: publish (raw vs EnqueueClient), consume (raw per-message ack + chime's 2 scripts,
+//! or 2 plain SETs, vs 1/2/4 chime-worker processes), latency (enqueue → handler start at
+//! steady rates), duplicates, ticker (100,000 schedules); opt-in: properties (the broker's
+//! cost of each AMQP property of the envelope).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chime_producer::EnqueueClient;
@@ -698,6 +699,41 @@ async fn main() {
         println!("publish  raw, + chime's properties    {raw_p:>7.0} msg/s   {:.2}x raw", raw_p / raw);
         println!("publish  EnqueueClient batch        {chime:>9.0} msg/s   {:.2}x raw", chime / raw);
         println!("publish  chime enqueue --batch (CLI) {cli:>8.0} msg/s   {:.2}x raw", cli / raw);
+    }
+
+    // Opt-in (--only properties): which of the envelope's AMQP properties costs the broker.
+    if o.only.as_ref().is_some_and(|v| v.iter().any(|x| x == "properties")) {
+        let env = TestEnv::new("bench-props");
+        let config = Arc::new(bench_config(&env, &qt, ""));
+        let _declared = EnqueueClient::connect(config).await.unwrap();
+        let q = env.names().work_queue("default");
+        let work = env.names().work_exchange();
+        let sample = envelopes(1, false).remove(0).envelope;
+        let body = sample.encode();
+        let base =
+            || BasicProperties::default().with_delivery_mode(2).with_content_type("application/json".into());
+        let variants: Vec<(&str, BasicProperties)> = vec![
+            ("none beyond delivery_mode, content_type", base()),
+            ("+ message_id (the key)", base().with_message_id(sample.key.to_string().into())),
+            ("+ type (the job)", base().with_type(sample.job.clone().into())),
+            ("+ timestamp", base().with_timestamp(1_764_000_000)),
+            ("all three (chime's)", sample.properties()),
+        ];
+        let mut rates: Vec<Vec<f64>> = variants.iter().map(|_| Vec::new()).collect();
+        for r in 0..o.runs {
+            for (i, (what, props)) in variants.iter().enumerate() {
+                progress(&format!("properties: {what}, run {}/{}", r + 1, o.runs));
+                rates[i]
+                    .push(raw_publish(&conn, &work, "default", true, Some(props.clone()), &body, secs).await);
+                purge(&conn, &q).await;
+            }
+        }
+        progress("");
+        let base_rate = median(rates[0].clone());
+        for ((what, _), r) in variants.iter().zip(rates) {
+            let r = median(r);
+            println!("props    raw publish, {what:<40} {r:>7.0} msg/s   {:.2}x", r / base_rate);
+        }
     }
 
     if want("consume") {
