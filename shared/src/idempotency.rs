@@ -11,7 +11,7 @@
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Cmd, Pipeline, Script, Value};
-use std::sync::{Arc, LazyLock, OnceLock};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
@@ -146,8 +146,9 @@ pub struct IdemStore {
     names: Names,
     lease: Duration,
     retention: Duration,
-    /// The batching task, started on first use (inside the caller's runtime).
-    batcher: Arc<OnceLock<mpsc::UnboundedSender<Op>>>,
+    /// The batching task, started on first use inside the caller's runtime, and started
+    /// again if that runtime has shut down.
+    batcher: Arc<Mutex<Option<mpsc::UnboundedSender<Op>>>>,
 }
 
 impl IdemStore {
@@ -178,7 +179,7 @@ impl IdemStore {
             names,
             lease: config.lease,
             retention: config.done_retention,
-            batcher: Arc::new(OnceLock::new()),
+            batcher: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -192,11 +193,18 @@ impl IdemStore {
 
     /// Sends one script call through the batching task and waits for its reply.
     async fn call<T: redis::FromRedisValue>(&self, cmd: Cmd) -> Result<T, IdemError> {
-        let tx = self.batcher.get_or_init(|| {
-            let (tx, rx) = mpsc::unbounded_channel();
-            tokio::spawn(batch_loop(self.conn.clone(), rx));
-            tx
-        });
+        let tx = {
+            let mut batcher = self.batcher.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            match batcher.as_ref() {
+                Some(tx) if !tx.is_closed() => tx.clone(),
+                _ => {
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    tokio::spawn(batch_loop(self.conn.clone(), rx));
+                    *batcher = Some(tx.clone());
+                    tx
+                }
+            }
+        };
         let (reply, answer) = oneshot::channel();
         tx.send(Op { cmd, reply }).map_err(|_| IdemError::Protocol("redis batcher stopped".into()))?;
         let value = answer.await.map_err(|_| IdemError::Protocol("redis batcher stopped".into()))??;
@@ -273,55 +281,56 @@ async fn batch_loop(mut conn: ConnectionManager, mut rx: mpsc::UnboundedReceiver
     }
 }
 
+type Reply = oneshot::Sender<Result<Value, IdemError>>;
+
+/// Answers every call of a failed pipeline with the same error.
+fn fail_all(replies: Vec<Reply>, error: impl Fn() -> IdemError) {
+    for reply in replies {
+        let _ = reply.send(Err(error()));
+    }
+}
+
 /// Sends `ops` as one pipeline and answers each. Calls rejected with `NOSCRIPT` (Redis
 /// restarted, or `SCRIPT FLUSH`) did not run: the scripts are loaded and those calls resent.
 async fn send_batch(conn: &mut ConnectionManager, ops: Vec<Op>) {
-    let mut pending = ops;
+    let mut pipe = Pipeline::with_capacity(ops.len());
+    let mut replies = Vec::with_capacity(ops.len());
+    for op in ops {
+        pipe.add_command(op.cmd);
+        replies.push(op.reply);
+    }
     for round in 0..2 {
-        let mut pipe = Pipeline::with_capacity(pending.len());
-        for op in &pending {
-            pipe.add_command(op.cmd.clone());
-        }
-        let replies = match conn.req_packed_commands(&pipe, 0, pending.len()).await {
-            Ok(r) if r.len() == pending.len() => r,
-            Ok(r) => {
-                let e =
-                    IdemError::Protocol(format!("{} replies to a pipeline of {}", r.len(), pending.len()));
-                for op in pending {
-                    let _ = op.reply.send(Err(IdemError::Protocol(e.to_string())));
-                }
-                return;
+        let values = match conn.req_packed_commands(&pipe, 0, replies.len()).await {
+            Ok(v) if v.len() == replies.len() => v,
+            Ok(v) => {
+                let msg = format!("{} replies to a pipeline of {}", v.len(), replies.len());
+                return fail_all(replies, || IdemError::Protocol(msg.clone()));
             }
-            Err(e) => {
-                for op in pending {
-                    let _ = op.reply.send(Err(IdemError::Redis(e.clone())));
-                }
-                return;
-            }
+            Err(e) => return fail_all(replies, || IdemError::Redis(e.clone())),
         };
-        let mut again = Vec::new();
-        for (op, value) in pending.into_iter().zip(replies) {
-            match value {
-                Value::ServerError(e) if round == 0 && e.code() == "NOSCRIPT" => again.push(op),
-                Value::ServerError(e) => {
-                    let _ = op.reply.send(Err(IdemError::Redis(e.into())));
+        let mut again = Pipeline::new();
+        let mut again_replies = Vec::new();
+        for ((reply, value), cmd) in replies.into_iter().zip(values).zip(pipe.cmd_iter()) {
+            let answer = match value {
+                Value::ServerError(e) if round == 0 && e.code() == "NOSCRIPT" => {
+                    again.add_command(cmd.clone());
+                    again_replies.push(reply);
+                    continue;
                 }
-                v => {
-                    let _ = op.reply.send(Ok(v));
-                }
-            }
+                Value::ServerError(e) => Err(IdemError::Redis(e.into())),
+                v => Ok(v),
+            };
+            let _ = reply.send(answer);
         }
-        if again.is_empty() {
+        if again_replies.is_empty() {
             return;
         }
         for script in [&*CLAIM, &*RENEW, &*FINISH] {
             if let Err(e) = script.prepare_invoke().load_async(conn).await {
-                for op in again {
-                    let _ = op.reply.send(Err(IdemError::Redis(e.clone())));
-                }
-                return;
+                return fail_all(again_replies, || IdemError::Redis(e.clone()));
             }
         }
-        pending = again;
+        pipe = again;
+        replies = again_replies;
     }
 }

@@ -52,7 +52,7 @@ async fn redis_restart_loses_nothing_and_pauses_intake() {
     worker.stop().await;
 }
 
-/// The batched store under concurrency: 2,000 claims and finishes at once come back each with
+/// The batched store under concurrency, from two runtimes in turn: 2,000 claims and finishes at once come back each with
 /// its own answer; after `SCRIPT FLUSH` (as after a Redis restart) the next calls load the
 /// scripts again and succeed; a claim resent by the same owner gets the same fence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -63,6 +63,27 @@ async fn batched_store_answers_each_call_and_survives_script_flush() {
     env.redis_url = redis.url();
     let config = env.config("quorum", "", "", "");
     let store = IdemStore::connect(&config.redis, env.names()).unwrap();
+
+    // First used from a runtime that then shuts down: its batching task and redis-rs's
+    // connection die with it. The store starts a new batching task in the next caller's
+    // runtime; the connection manager reconnects after reporting the broken connection once.
+    let other = store.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        assert!(matches!(
+            rt.block_on(other.claim("first-runtime", "o")).unwrap(),
+            Claim::Claimed { fence: 1 }
+        ));
+    })
+    .join()
+    .unwrap();
+    let s2 = store.clone();
+    wait_until("the store works from a second runtime", Duration::from_secs(10), || {
+        let s2 = s2.clone();
+        async move { s2.claim("first-runtime", "o").await.is_ok() }
+    })
+    .await;
+    assert!(store.finish("first-runtime", "o", 1, Final::Done).await.unwrap());
 
     let calls = (0..2000).map(|i| {
         let store = store.clone();
