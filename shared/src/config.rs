@@ -713,6 +713,7 @@ mod tests {
         let e = err("[[jobs]]\nname='a'\nhandler='noop'\n[[jobs]]\nname='a'\nhandler='noop'\n");
         assert!(e.contains("duplicate"), "{e}");
         assert!(err("[amqp]\ndelivery_limit = 0\n").contains("amqp.delivery_limit"));
+        assert!(err("[worker]\nthreads = 5000\n").contains("worker.threads"));
     }
 
     #[test]
