@@ -530,6 +530,68 @@ mod tests {
         assert_eq!(fresh.next_due(), Some(t("2026-01-01T00:11:00Z")));
     }
 
+    /// Runs the leader's loop minute by minute from `from` to `to`: pop what is due, "confirm"
+    /// it (advance the watermark, plan the next slot), and at each instant in `failovers` throw
+    /// the plan away and let a new leader plan from the watermarks, as after a takeover.
+    fn lead(jobs: &[TickerJob], from: &str, to: &str, failovers: &[&str], wm: Option<&str>) -> Vec<String> {
+        let mut marks: HashMap<String, i64> = HashMap::new();
+        if let Some(w) = wm {
+            marks.insert("j".into(), t(w).timestamp());
+        }
+        let mut now = t(from);
+        let mut plan = Plan::new(jobs, &marks, now);
+        let mut out = Vec::new();
+        while now <= t(to) {
+            if failovers.iter().any(|f| t(f) == now) {
+                plan = Plan::new(jobs, &marks, now);
+            }
+            for (i, slot) in plan.pop_due(now, BATCH) {
+                out.push(slot.format("%m-%dT%H:%M:%SZ").to_string());
+                marks.insert(jobs[i].name.clone(), slot.timestamp());
+                if let Some(next) = jobs[i].schedule.next_after(slot) {
+                    plan.push(i, &jobs[i], next);
+                }
+            }
+            now += chrono::Duration::seconds(30);
+        }
+        out
+    }
+
+    fn berlin(expr: &str) -> Vec<TickerJob> {
+        let mut j = job(expr, CatchUp::All, 6 * 3600);
+        j.schedule = Arc::new(Schedule::parse(expr, Some("Europe/Berlin")).unwrap());
+        vec![j]
+    }
+
+    #[test]
+    fn the_leader_publishes_vixie_slots_on_dst_nights_across_failovers_and_outages() {
+        let jobs = berlin("0 30 1-3 * * *");
+        let spring = ["03-29T00:30:00Z", "03-29T01:00:00Z", "03-29T01:30:00Z"];
+        let fall = ["10-24T23:30:00Z", "10-25T00:30:00Z", "10-25T02:30:00Z"];
+        assert_eq!(lead(&jobs, "2026-03-28T22:00:00Z", "2026-03-29T04:00:00Z", &[], None), spring);
+        assert_eq!(lead(&jobs, "2026-10-24T21:00:00Z", "2026-10-25T04:00:00Z", &[], None), fall);
+        // A takeover right after each slot, and in the repeated hour: same slots, once each.
+        let takeovers = ["2026-03-29T00:30:30Z", "2026-03-29T01:00:30Z", "2026-03-29T01:15:00Z"];
+        assert_eq!(lead(&jobs, "2026-03-28T22:00:00Z", "2026-03-29T04:00:00Z", &takeovers, None), spring);
+        let takeovers = ["2026-10-25T00:30:30Z", "2026-10-25T01:30:00Z", "2026-10-25T02:00:00Z"];
+        assert_eq!(lead(&jobs, "2026-10-24T21:00:00Z", "2026-10-25T04:00:00Z", &takeovers, None), fall);
+        // Every ticker down from 22:00Z to 03:00Z: the next leader catches the night up from the
+        // watermark with the same slots (catch_up = "all", window 6 h).
+        let wm = Some("2026-03-28T22:00:00Z");
+        assert_eq!(lead(&jobs, "2026-03-29T03:00:00Z", "2026-03-29T04:00:00Z", &[], wm), spring);
+        let wm = Some("2026-10-24T21:00:00Z");
+        assert_eq!(lead(&jobs, "2026-10-25T03:00:00Z", "2026-10-25T04:00:00Z", &[], wm), fall);
+        let jobs = berlin("30 2,14 * * *");
+        assert_eq!(
+            lead(&jobs, "2026-03-28T20:00:00Z", "2026-03-29T23:00:00Z", &[], None),
+            ["03-29T01:00:00Z", "03-29T12:30:00Z"]
+        );
+        assert_eq!(
+            lead(&jobs, "2026-10-24T20:00:00Z", "2026-10-25T23:00:00Z", &[], None),
+            ["10-25T00:30:00Z", "10-25T13:30:00Z"]
+        );
+    }
+
     #[test]
     fn jitter_is_deterministic_and_bounded() {
         let k = envelope::scheduled_key("j", t("2026-01-01T00:00:00Z"));

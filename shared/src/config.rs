@@ -576,8 +576,9 @@ impl Config {
                 ));
             }
             if let Some(s) = &job.schedule {
-                croner::Cron::from_str(s)
-                    .map_err(|e| ConfigError::invalid(key("schedule"), format!("{s:?}: {e}")))?;
+                // The planner's own parser: 5 or 6 fields, and a pattern that can fire.
+                crate::schedule::Schedule::parse(s, None)
+                    .map_err(|e| ConfigError::invalid(key("schedule"), e.to_string()))?;
             }
             if let Some(tz) = &job.timezone {
                 chrono_tz::Tz::from_str(tz).map_err(|_| {
@@ -708,6 +709,10 @@ mod tests {
         assert!(e.contains("jobs[0] (a).command"), "{e}");
         let e = err("[[jobs]]\nname='a'\nhandler='noop'\nschedule='61 * * * *'\n");
         assert!(e.contains("jobs[0] (a).schedule"), "{e}");
+        let e = err("[[jobs]]\nname='a'\nhandler='noop'\nschedule='0 0 30 2 *'\n");
+        assert!(e.contains("jobs[0] (a).schedule") && e.contains("never fires"), "{e}");
+        let e = err("[[jobs]]\nname='a'\nhandler='noop'\nschedule='0 0 0 1 1 * 2030'\n");
+        assert!(e.contains("jobs[0] (a).schedule") && e.contains("7 fields"), "{e}");
         let e = err("[[jobs]]\nname='a'\nhandler='noop'\ntimezone='Mars/Olympus'\n");
         assert!(e.contains("jobs[0] (a).timezone"), "{e}");
         let e = err("[[jobs]]\nname='a'\nhandler='noop'\n[[jobs]]\nname='a'\nhandler='noop'\n");

@@ -247,6 +247,8 @@ async fn slots_not_confirmed_during_a_broker_outage_are_published_afterwards() {
 async fn jobs_cli_lists_and_computes_slots() {
     let env = TestEnv::new("jobscli");
     let jobs = "[[jobs]]\nname = \"half\"\nhandler = \"noop\"\nschedule = \"*/30 * * * *\"\ntimezone = \"Europe/Berlin\"\n\
+                [[jobs]]\nname = \"twice\"\nhandler = \"noop\"\nschedule = \"30 2,14 * * *\"\ntimezone = \"Europe/Berlin\"\n\
+                [[jobs]]\nname = \"range\"\nhandler = \"noop\"\nschedule = \"0 30 1-3 * * *\"\ntimezone = \"Europe/Berlin\"\n\
                 [[jobs]]\nname = \"adhoc\"\nhandler = \"noop\"\n";
     let path = env.write_config(&env.config_text("classic", "", "", jobs));
     let run = |args: &[&str]| {
@@ -259,6 +261,26 @@ async fn jobs_cli_lists_and_computes_slots() {
         "2026-10-25T00:00:00Z\n2026-10-25T00:30:00Z\n2026-10-25T01:00:00Z\n2026-10-25T01:30:00Z\n2026-10-25T02:00:00Z\n",
         "the repeated hour runs at every real instant, monotonic"
     );
+    // Hour lists and ranges on Berlin's DST nights (fixed-time jobs: once at the transition
+    // in spring, once at the first pass in autumn), as README's table shows.
+    for (job, after, want) in [
+        ("twice", "2026-03-28T20:00:00Z", "2026-03-29T01:00:00Z\n2026-03-29T12:30:00Z\n"),
+        ("twice", "2026-10-24T20:00:00Z", "2026-10-25T00:30:00Z\n2026-10-25T13:30:00Z\n"),
+        (
+            "range",
+            "2026-03-28T20:00:00Z",
+            "2026-03-29T00:30:00Z\n2026-03-29T01:00:00Z\n2026-03-29T01:30:00Z\n",
+        ),
+        (
+            "range",
+            "2026-10-24T20:00:00Z",
+            "2026-10-24T23:30:00Z\n2026-10-25T00:30:00Z\n2026-10-25T02:30:00Z\n",
+        ),
+    ] {
+        let count = want.lines().count().to_string();
+        let out = run(&["jobs", "next", job, "--after", after, "--count", &count]);
+        assert_eq!(String::from_utf8_lossy(&out.stdout), want, "{job} after {after}");
+    }
     let out = run(&["jobs", "list"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("half") && text.contains("Europe/Berlin") && !text.contains("adhoc"), "{text}");

@@ -1,0 +1,239 @@
+//! Cron schedules as strictly increasing UTC slot instants, with Vixie-cron DST rules.
+//!
+//! croner is used only to *match wall-clock fields*: it is asked for the next naive local time
+//! that matches, never to resolve that time in a zone. Resolving local times to instants is
+//! done here, by the rule of Vixie cron 4.1 and cronie (`find_jobs`):
+//!
+//! - A schedule is a **wildcard** job when its minute or hour field (or, with six fields, its
+//!   seconds field) starts with `*`; every other schedule is **fixed-time**, whatever lists,
+//!   ranges or steps its fields hold (`30 2,14 * * *`, `0 30 1-3 * * *`, `30 1-5/2 * * *`).
+//! - Fixed-time: a matching local time that does not exist (spring-forward gap) runs once, at
+//!   the first instant after the gap; one that occurs twice (fall back) runs once, at its first
+//!   occurrence. Equivalently, the slot of a matching local time `L` is the first instant at
+//!   which the wall clock reads `L` or later, which is non-decreasing in `L`; local times that
+//!   land on the same instant are one slot.
+//! - Wildcard: every real instant whose local time matches (both passes through a repeated
+//!   hour, nothing inside a gap).
+//!
+//! Day-of-month and day-of-week combine as in Vixie cron: when either field starts with `*`
+//! (or `?`) a day must match both, otherwise either. (croner alone treats only a bare `*` that
+//! way, so `*/2` in day-of-month would widen to OR; the parser is configured per expression.)
+//!
+//! Slots are handled as UTC instants; keys derive from the UTC instant, so every replica and
+//! every restart computes the same slots.
+
+use chrono::{DateTime, Duration, LocalResult, NaiveDate, NaiveTime, Offset, TimeZone, Utc};
+use chrono_tz::{GapInfo, Tz};
+use croner::Cron;
+use croner::parser::{CronParser, Seconds, Year};
+use std::str::FromStr;
+
+use crate::config::JobConfig;
+
+/// How a schedule is resolved across daylight-saving transitions (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Minute, hour (and seconds) fields hold no `*`: one run per matching local time.
+    FixedTime,
+    /// Minute, hour or seconds field starts with `*`: a run at every matching real instant.
+    Wildcard,
+}
+
+/// A parsed schedule.
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    cron: Cron,
+    tz: Tz,
+    kind: Kind,
+    expr: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ScheduleError {
+    #[error("invalid cron expression {expr:?}: {message}")]
+    Cron { expr: String, message: String },
+    #[error("{0:?} is not an IANA time zone")]
+    Zone(String),
+}
+
+/// Upper bound on offset transitions crossed while looking for one wildcard slot (tzdb has
+/// about two a year; a schedule that matches nothing for centuries is rejected at parse time).
+const MAX_TRANSITIONS: usize = 2_000;
+/// Offsets are compared at least this often while looking for a transition: no zone changes
+/// its offset twice within 12 hours.
+const PROBE: i64 = 12 * 3600;
+
+impl Schedule {
+    /// Parses a 5-field (minute first) or 6-field (seconds first) expression, or a macro such
+    /// as `@daily`, in `zone` (default UTC). Expressions that can never fire are rejected.
+    pub fn parse(expr: &str, zone: Option<&str>) -> Result<Self, ScheduleError> {
+        let bad = |message: String| ScheduleError::Cron { expr: expr.to_string(), message };
+        let fields: Vec<&str> = expr.split_whitespace().collect();
+        let (kind, dom_and_dow) = if expr.trim_start().starts_with('@') {
+            // croner's macros: only @hourly has a wildcard hour; none restricts both day fields.
+            let hourly = expr.trim().eq_ignore_ascii_case("@hourly");
+            (if hourly { Kind::Wildcard } else { Kind::FixedTime }, false)
+        } else {
+            let time_fields = match fields.len() {
+                5 => 2,
+                6 => 3,
+                n => return Err(bad(format!("{n} fields; expected 5 (minute first) or 6 (seconds first)"))),
+            };
+            let star = |f: &str| f.starts_with('*') || f.starts_with('?');
+            let kind =
+                if fields[..time_fields].iter().any(|f| star(f)) { Kind::Wildcard } else { Kind::FixedTime };
+            let (dom, dow) = (fields[time_fields], fields[time_fields + 2]);
+            (kind, star(dom) || star(dow))
+        };
+        let cron = CronParser::builder()
+            .seconds(Seconds::Optional)
+            .year(Year::Disallowed)
+            .dom_and_dow(dom_and_dow)
+            .build()
+            .parse(expr)
+            .map_err(|e| bad(e.to_string()))?;
+        let tz = match zone {
+            Some(z) => Tz::from_str(z).map_err(|_| ScheduleError::Zone(z.to_string()))?,
+            None => Tz::UTC,
+        };
+        // Without a year field a pattern repeats with the Gregorian calendar's 400-year cycle:
+        // one that matches no date in a whole cycle never fires (`0 0 30 2 *`).
+        let cycle = |y| NaiveDate::from_ymd_opt(y, 1, 1).map(|d| d.and_time(NaiveTime::MIN));
+        let fires = match (cycle(2000), cycle(2400)) {
+            (Some(from), Some(to)) => cron.find_next_occurrence(&from, true).is_ok_and(|t| t < to),
+            _ => false,
+        };
+        if !fires {
+            return Err(bad("never fires: no date matches (check day of month against month)".into()));
+        }
+        Ok(Self { cron, tz, kind, expr: expr.to_string() })
+    }
+
+    /// The schedule of a job, if it has one.
+    pub fn of(job: &JobConfig) -> Result<Option<Self>, ScheduleError> {
+        job.schedule.as_deref().map(|s| Self::parse(s, job.timezone.as_deref())).transpose()
+    }
+
+    pub fn zone(&self) -> Tz {
+        self.tz
+    }
+
+    pub fn expr(&self) -> &str {
+        &self.expr
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// The first slot strictly after `t`.
+    pub fn next_after(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        match self.kind {
+            Kind::FixedTime => self.next_fixed(t),
+            Kind::Wildcard => self.next_wildcard(t),
+        }
+    }
+
+    /// Fixed-time: walk matching local times from `t`'s wall clock; each resolves to the first
+    /// instant at which the clock reads it or later. That instant never decreases as the local
+    /// time grows, so the first one after `t` is the answer. Only inside a repeated hour (when
+    /// `t` is its second pass) does the walk step over local times whose slot already passed.
+    fn next_fixed(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let mut cursor = t.with_timezone(&self.tz).naive_local();
+        loop {
+            let local = self.cron.find_next_occurrence(&cursor, false).ok()?;
+            let slot = match self.tz.from_local_datetime(&local) {
+                LocalResult::Single(x) | LocalResult::Ambiguous(x, _) => x.with_timezone(&Utc),
+                LocalResult::None => GapInfo::new(&local, &self.tz)?.end?.with_timezone(&Utc),
+            };
+            if slot > t {
+                return Some(slot);
+            }
+            cursor = local;
+        }
+    }
+
+    /// Wildcard: within a stretch of constant UTC offset, wall clock and instants advance
+    /// together, so the next matching local time is the next slot unless an offset transition
+    /// comes first; then the search restarts at the transition, with the new offset.
+    fn next_wildcard(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let mut from = t;
+        let mut inclusive = false;
+        for _ in 0..MAX_TRANSITIONS {
+            let offset = offset_at(self.tz, from);
+            let wall = from.naive_utc() + offset;
+            let local = self.cron.find_next_occurrence(&wall, inclusive).ok()?;
+            let slot = (local - offset).and_utc();
+            match first_transition(self.tz, from, slot) {
+                None => return Some(slot),
+                Some(at) => {
+                    from = at;
+                    inclusive = true;
+                }
+            }
+        }
+        None
+    }
+
+    /// Slots in `(after, until]`, at most `limit` of them.
+    pub fn slots_between(
+        &self,
+        after: DateTime<Utc>,
+        until: DateTime<Utc>,
+        limit: usize,
+    ) -> Vec<DateTime<Utc>> {
+        let mut out = Vec::new();
+        let mut t = after;
+        while out.len() < limit {
+            match self.next_after(t) {
+                Some(n) if n <= until => {
+                    out.push(n);
+                    t = n;
+                }
+                _ => break,
+            }
+        }
+        out
+    }
+
+    /// The next `count` slots after `t`.
+    pub fn upcoming(&self, t: DateTime<Utc>, count: usize) -> Vec<DateTime<Utc>> {
+        self.slots_between(t, DateTime::<Utc>::MAX_UTC, count)
+    }
+}
+
+/// The zone's total UTC offset in effect at instant `t`.
+fn offset_at(tz: Tz, t: DateTime<Utc>) -> Duration {
+    Duration::seconds(i64::from(tz.offset_from_utc_datetime(&t.naive_utc()).fix().local_minus_utc()))
+}
+
+/// The first instant in `(after, until]` whose offset differs from the one in effect at
+/// `after`, to the second (tzdb transitions fall on whole seconds).
+fn first_transition(tz: Tz, after: DateTime<Utc>, until: DateTime<Utc>) -> Option<DateTime<Utc>> {
+    let before = offset_at(tz, after);
+    let end = until.timestamp();
+    let mut lo = after.timestamp();
+    while lo < end {
+        let hi = (lo + PROBE).min(end);
+        if offset_at(tz, at_second(hi)?) != before {
+            // offset(lo) == before != offset(hi): narrow down to the first changed second.
+            let (mut lo, mut hi) = (lo, hi);
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if offset_at(tz, at_second(mid)?) == before { lo = mid } else { hi = mid }
+            }
+            return at_second(hi);
+        }
+        lo = hi;
+    }
+    None
+}
+
+fn at_second(s: i64) -> Option<DateTime<Utc>> {
+    DateTime::from_timestamp(s, 0)
+}
+
+#[cfg(test)]
+mod oracle;
+#[cfg(test)]
+mod tests;
