@@ -127,13 +127,16 @@ impl Plan {
             let too_old =
                 if wm < window_start { s.slots_between(wm, window_start, COUNT_CAP).len() } else { 0 };
             let in_window = s.slots_between(catch_from, now, COUNT_CAP);
+            // Never below the watermark: a leader whose clock is behind the last published
+            // slot (clock skew between replicas) continues after it, not before.
+            let upcoming = s.next_after(now.max(wm));
             let (first, skipped) = match job.catch_up {
-                CatchUp::All => (in_window.first().copied().or_else(|| s.next_after(now)), 0),
+                CatchUp::All => (in_window.first().copied().or(upcoming), 0),
                 CatchUp::Latest => match in_window.last() {
                     Some(last) => (Some(*last), in_window.len() - 1),
-                    None => (s.next_after(now), 0),
+                    None => (upcoming, 0),
                 },
-                CatchUp::None => (s.next_after(now), in_window.len()),
+                CatchUp::None => (upcoming, in_window.len()),
             };
             if too_old + skipped > 0 {
                 plan.missed.insert(job.name.clone(), too_old + skipped);
@@ -524,6 +527,9 @@ mod tests {
         assert_eq!(none.missed["j"], 10);
         assert!(none.pop_due(now, 100).is_empty());
         assert_eq!(none.next_due(), Some(t("2026-01-01T00:11:00Z")));
+        // A leader whose clock is behind the watermark plans from the watermark on.
+        let behind = Plan::new(&[job("* * * * *", CatchUp::All, 300)], &wm, t("2025-12-31T23:58:00Z"));
+        assert_eq!(behind.next_due(), Some(t("2026-01-01T00:01:00Z")));
         // A job without a watermark starts at its next slot.
         let fresh = Plan::new(&[job("* * * * *", CatchUp::All, 300)], &HashMap::new(), now);
         assert!(fresh.missed.is_empty());

@@ -22,8 +22,13 @@ pub enum AmqpError {
     Returned { exchange: String, routing_key: String, reply: String },
     #[error("broker nacked the message to {exchange}/{routing_key}")]
     Nacked { exchange: String, routing_key: String },
-    #[error("no publisher confirm within {0:?}")]
+    #[error(
+        "no publisher confirm within {0:?} (amqp.publish_timeout): the broker may be blocking publishers \
+         (memory or disk alarm) or be unreachable; the message may still arrive, so retry with the same key"
+    )]
     ConfirmTimeout(Duration),
+    #[error("publish to {exchange}/{routing_key} was not confirmed: the channel is not in confirm mode")]
+    NotConfirmed { exchange: String, routing_key: String },
 }
 
 impl AmqpError {
@@ -112,7 +117,12 @@ pub async fn check_confirm(
             source: Box::new(source),
         })?;
     match confirmation {
-        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+        Confirmation::Ack(None) => Ok(()),
+        // A channel without confirm mode proves nothing: never count it as delivered.
+        Confirmation::NotRequested => Err(AmqpError::NotConfirmed {
+            exchange: exchange.to_string(),
+            routing_key: routing_key.to_string(),
+        }),
         Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => Err(AmqpError::Returned {
             exchange: exchange.to_string(),
             routing_key: routing_key.to_string(),

@@ -227,6 +227,14 @@ pub struct WorkerConfig {
     /// Runtime threads of a `chime-worker` process; 0 = one per CPU core.
     #[serde(default)]
     pub threads: usize,
+    /// A job this worker has no handler for is sent round again for this long (a rolling
+    /// deploy may bring the worker that knows it) before it is dead-lettered as `unknown_job`.
+    #[serde(default = "default_unknown_job_grace", deserialize_with = "duration::de")]
+    pub unknown_job_grace: Duration,
+    /// On timeout or at the drain deadline a handler's cancellation token fires first; the
+    /// handler gets this long to stop on its own before its future is dropped.
+    #[serde(default = "default_cancel_grace", deserialize_with = "duration::de")]
+    pub cancel_grace: Duration,
 }
 
 fn default_concurrency() -> usize {
@@ -237,6 +245,12 @@ fn default_shutdown_timeout() -> Duration {
 }
 fn default_job_timeout() -> Duration {
     Duration::from_secs(300)
+}
+fn default_unknown_job_grace() -> Duration {
+    Duration::from_secs(300)
+}
+fn default_cancel_grace() -> Duration {
+    Duration::from_secs(5)
 }
 
 impl Default for WorkerConfig {
@@ -249,6 +263,8 @@ impl Default for WorkerConfig {
             default_timeout: default_job_timeout(),
             listen: None,
             threads: 0,
+            unknown_job_grace: default_unknown_job_grace(),
+            cancel_grace: default_cancel_grace(),
         }
     }
 }
@@ -524,9 +540,6 @@ impl Config {
         if self.redis.lease < Duration::from_secs(1) {
             return Err(ConfigError::invalid("redis.lease", "must be at least 1s"));
         }
-        if self.redis.done_retention < self.redis.lease {
-            return Err(ConfigError::invalid("redis.done_retention", "must not be shorter than redis.lease"));
-        }
         if self.alerts.dlq_threshold == 0 {
             return Err(ConfigError::invalid("alerts.dlq_threshold", "must be at least 1"));
         }
@@ -627,6 +640,28 @@ impl Config {
             if job.timeout.is_some_and(|t| t.is_zero()) {
                 return Err(ConfigError::invalid(key("timeout"), "must be positive"));
             }
+        }
+        // A record must outlive the longest run it guards (renewals refresh its TTL, but a
+        // retention shorter than a run would still let a finished key expire early).
+        let (longest, job) = self
+            .jobs
+            .iter()
+            .map(|j| (j.timeout.unwrap_or(self.worker.default_timeout), j.name.as_str()))
+            .chain([(self.worker.default_timeout, "worker.default_timeout")])
+            .max()
+            .unwrap_or((self.worker.default_timeout, "worker.default_timeout"));
+        let floor = longest + self.worker.cancel_grace + self.redis.lease;
+        if self.redis.done_retention <= floor {
+            return Err(ConfigError::invalid(
+                "redis.done_retention",
+                format!(
+                    "must exceed the longest job timeout ({longest:?}, {job}) plus worker.cancel_grace and \
+                     redis.lease ({floor:?} in all)"
+                ),
+            ));
+        }
+        if self.worker.cancel_grace > Duration::from_secs(3600) {
+            return Err(ConfigError::invalid("worker.cancel_grace", "must be at most 1h"));
         }
         Ok(())
     }

@@ -37,9 +37,10 @@ impl Source {
     }
 }
 
-/// The message body. Every field is required on the wire (`null` where allowed).
+/// The message body. Every field is required on the wire (`null` where allowed). Fields this
+/// release does not know are accepted and kept (a rolling deploy adds fields; `v` changes only
+/// for breaking changes), so a retry published by an older worker still carries them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Envelope {
     pub v: u32,
     /// UUIDv7 of this message instance.
@@ -59,6 +60,9 @@ pub struct Envelope {
     pub source: Source,
     #[serde(deserialize_with = "required_nullable")]
     pub trace_id: Option<String>,
+    /// Fields of newer releases, passed through unchanged.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 /// With `deserialize_with`, serde no longer treats a missing `Option` field as `None`: the
@@ -122,6 +126,7 @@ impl Envelope {
             max_attempts,
             source,
             trace_id: None,
+            extra: serde_json::Map::new(),
         }
     }
 
@@ -229,6 +234,17 @@ mod tests {
         let mut v: serde_json::Value = serde_json::from_slice(&sample().encode()).unwrap();
         v["attempt"] = 0.into();
         assert!(Envelope::decode(&serde_json::to_vec(&v).unwrap()).is_err());
+    }
+
+    #[test]
+    fn unknown_fields_are_accepted_and_kept() {
+        let mut v: serde_json::Value = serde_json::from_slice(&sample().encode()).unwrap();
+        v["priority"] = "high".into();
+        v["shard"] = serde_json::json!({"index": 2, "of": 4});
+        let e = Envelope::decode(&serde_json::to_vec(&v).unwrap()).unwrap();
+        assert_eq!(e.extra["priority"], "high");
+        let again: serde_json::Value = serde_json::from_slice(&e.encode()).unwrap();
+        assert_eq!(again, v, "a republished envelope carries the fields it did not know");
     }
 
     #[test]

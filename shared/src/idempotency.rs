@@ -1,9 +1,24 @@
 //! The Redis idempotency table: one hash per key, `<prefix>:idem:<key>`, driven only by the
 //! atomic Lua scripts below (each touches exactly one key, so Redis Cluster works).
 //!
-//! Fields: `s` state (`run`, `done`, `dead`, `free`), `o` owner token, `u` lease end (ms of
-//! Redis `TIME`, so worker clocks do not matter), `f` fence (monotonic per key: incremented
-//! on every successful claim, kept for the retention period).
+//! Fields: `s` state (`run`, `dying`, `done`, `dead`, `free`), `o` owner token, `u` lease end
+//! (ms of Redis `TIME`, so worker clocks do not matter), `f` fence; while `dying`, also `r`
+//! reason, `e` error and `a` attempts of the dead letter being published.
+//!
+//! **Fences** are microseconds of Redis `TIME`, raised to at least one above the last fence of
+//! the key: strictly increasing while the record exists, and, after Redis lost the record
+//! (restart without persistence, failover to a lagging replica, eviction), still above every
+//! fence issued before, as long as the Redis clock (the new master's, after a failover) is not
+//! behind by more than the time between the two claims. So a handler that keeps "the highest
+//! fence seen" never rejects a legitimate run after data loss.
+//!
+//! **States.** `run`: claimed, lease until `u`, renewed by its owner. `dying`: the owner
+//! decided to dead-letter and is publishing the DLQ copy; a copy that finds the key `dying`
+//! (its publisher died or failed) publishes the dead letter again instead of dropping it.
+//! `done`/`dead`: settled; later copies are duplicates. `free`: released for a retry.
+//!
+//! Every write refreshes the record's TTL to the retention, so a record never expires while
+//! its job runs (`done_retention` is validated to exceed every job timeout plus a lease).
 //!
 //! This table makes duplicates rare, not impossible: a Redis failover or restart without
 //! persistence loses keys. Handlers that need exactly-once effects use the key or the fence
@@ -18,53 +33,95 @@ use tokio::sync::{mpsc, oneshot};
 use crate::config::RedisConfig;
 use crate::topology::Names;
 
-const NOW: &str =
-    "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)";
+/// `now` (µs) and `now_ms` from Redis `TIME`, and `int()` to write a number exactly (Redis
+/// turns Lua numbers into strings with 14 significant digits, too few for microseconds).
+const PRELUDE: &str = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) \
+local now_ms = math.floor(now / 1000) local function int(x) return string.format('%.0f', x) end";
 
 /// KEYS[1] idem key; ARGV owner, lease_ms, retention_ms. Claiming again with the same owner
 /// token returns the same fence (a command resent after a connection drop is harmless).
+/// A `dying` key is handed to the caller (it becomes the owner) with the dead letter's facts.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        r"{NOW}
-local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'f')
+        r"{PRELUDE}
+local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'f', 'r', 'e', 'a')
 local s, fence = h[1], tonumber(h[4]) or 0
 if s == 'done' or s == 'dead' then return {{s, fence, 0}} end
+if s == 'dying' then
+  redis.call('HSET', KEYS[1], 'o', ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {{'dying', fence, 0, h[5] or '', h[6] or '', tonumber(h[7]) or 0}}
+end
 if s == 'run' and h[2] == ARGV[1] then return {{'claimed', fence, 0}} end
-if s == 'run' and tonumber(h[3]) > now then return {{'busy', fence, tonumber(h[3]) - now}} end
-fence = fence + 1
-redis.call('HSET', KEYS[1], 's', 'run', 'o', ARGV[1], 'u', now + tonumber(ARGV[2]), 'f', fence)
+if s == 'run' and (tonumber(h[3]) or 0) > now_ms then return {{'busy', fence, tonumber(h[3]) - now_ms}} end
+fence = math.max(fence + 1, now)
+redis.call('HSET', KEYS[1], 's', 'run', 'o', ARGV[1], 'u', int(now_ms + tonumber(ARGV[2])), 'f', int(fence))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {{'claimed', fence, 0}}"
     ))
 });
 
-/// KEYS[1]; ARGV owner, fence, lease_ms. 1 = renewed, 0 = no longer ours.
+/// KEYS[1]; ARGV owner, lease_ms, retention_ms → `{answer, fence}`: `renewed`; `lost` (another
+/// owner or state holds the key); `recreated` (the record was gone: Redis lost data; it is
+/// claimed again for this owner with a new fence, and the job keeps running).
 static RENEW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        r"{NOW}
+        r"{PRELUDE}
 local h = redis.call('HMGET', KEYS[1], 's', 'o', 'f')
-if h[1] ~= 'run' or h[2] ~= ARGV[1] or h[3] ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], 'u', now + tonumber(ARGV[3]))
-return 1"
+if not h[1] then
+  redis.call('HSET', KEYS[1], 's', 'run', 'o', ARGV[1], 'u', int(now_ms + tonumber(ARGV[2])), 'f', int(now))
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {{'recreated', now}}
+end
+if h[1] ~= 'run' or h[2] ~= ARGV[1] then return {{'lost', tonumber(h[3]) or 0}} end
+redis.call('HSET', KEYS[1], 'u', int(now_ms + tonumber(ARGV[2])))
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {{'renewed', tonumber(h[3]) or 0}}"
     ))
 });
 
-/// KEYS[1]; ARGV owner, fence, new state, retention_ms. 1 = recorded, 0 = not ours.
+/// KEYS[1]; ARGV owner, fence, new state, retention_ms → 1 recorded, 0 another owner holds
+/// the key, 2 recorded although the record was gone (Redis lost data; `free` writes nothing).
 static FINISH: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
-        r"local h = redis.call('HMGET', KEYS[1], 's', 'o', 'f')
-if h[1] ~= 'run' or h[2] ~= ARGV[1] or h[3] ~= ARGV[2] then return 0 end
+        r"local h = redis.call('HMGET', KEYS[1], 's', 'o')
+if not h[1] then
+  if ARGV[3] ~= 'free' then
+    redis.call('HSET', KEYS[1], 's', ARGV[3], 'o', ARGV[1], 'f', ARGV[2], 'u', 0)
+    redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  end
+  return 2
+end
+if (h[1] ~= 'run' and h[1] ~= 'dying') or h[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 's', ARGV[3], 'u', 0)
+redis.call('HDEL', KEYS[1], 'r', 'e', 'a')
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1",
     )
 });
 
-/// KEYS[1]. A dead key becomes free again (DLQ replay); 1 = revived, 0 = was not dead.
+/// KEYS[1]; ARGV owner, fence, reason, error, attempts, retention_ms → 1 marked `dying`, 0
+/// another owner holds the key, 2 marked although the record was gone.
+static DYING: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"local h = redis.call('HMGET', KEYS[1], 's', 'o')
+if h[1] and (h[1] ~= 'run' or h[2] ~= ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 's', 'dying', 'o', ARGV[1], 'f', ARGV[2], 'u', 0, 'r', ARGV[3], 'e', ARGV[4], 'a', ARGV[5])
+redis.call('PEXPIRE', KEYS[1], ARGV[6])
+if h[1] then return 1 end
+return 2",
+    )
+});
+
+/// KEYS[1]. A dead key becomes free again (DLQ replay); so does a `dying` one (its worker
+/// died between the dead letter's confirm and recording `dead`: the replay is what the
+/// operator wants, not a second dead letter). 1 = revived, 0 = neither.
 static REVIVE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
-        r"if redis.call('HGET', KEYS[1], 's') ~= 'dead' then return 0 end
+        r"local s = redis.call('HGET', KEYS[1], 's')
+if s ~= 'dead' and s ~= 'dying' then return 0 end
 redis.call('HSET', KEYS[1], 's', 'free', 'u', 0)
+redis.call('HDEL', KEYS[1], 'r', 'e', 'a')
 return 1",
     )
 });
@@ -75,13 +132,13 @@ pub fn claim_script() -> &'static Script {
     &CLAIM
 }
 
-/// The finish script (KEYS[1]; ARGV owner, fence, state, retention_ms → 1 or 0).
+/// The finish script (KEYS[1]; ARGV owner, fence, state, retention_ms → 1, 0 or 2).
 pub fn finish_script() -> &'static Script {
     &FINISH
 }
 
 /// Result of a claim.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
     /// Ours to run, with this fence token.
     Claimed { fence: u64 },
@@ -91,6 +148,51 @@ pub enum Claim {
     Dead { fence: u64 },
     /// Another live owner holds it for `remaining` more.
     Busy { fence: u64, remaining: Duration },
+    /// Decided dead, but its dead letter may not have reached the DLQ: the caller now owns
+    /// the key and must publish the dead letter again (then record `dead`).
+    Dying { fence: u64, dead: DeadInfo },
+}
+
+/// What a `dying` record keeps of the dead letter being published.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadInfo {
+    /// `x-chime-reason`.
+    pub reason: String,
+    /// `x-chime-error` (already truncated by the caller).
+    pub error: String,
+    pub attempts: u32,
+}
+
+/// Result of a lease renewal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewal {
+    /// Still ours, lease and TTL extended.
+    Renewed,
+    /// The record was gone (Redis lost data): claimed again for the same owner with this new
+    /// fence; the job keeps running.
+    Recreated { fence: u64 },
+    /// Another owner (or a final state) holds the key: the lease was really taken over.
+    Lost,
+}
+
+/// Whether an outcome was written by [`IdemStore::finish`] or [`IdemStore::mark_dying`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    Yes,
+    /// The record was gone (Redis lost data) and has been written anew.
+    Recreated,
+    /// Another owner holds the key (our lease lapsed and it was claimed); nothing written.
+    NotOurs,
+}
+
+impl Recorded {
+    fn from_reply(n: i64) -> Self {
+        match n {
+            1 => Recorded::Yes,
+            2 => Recorded::Recreated,
+            _ => Recorded::NotOurs,
+        }
+    }
 }
 
 /// Final state written by [`IdemStore::finish`].
@@ -215,35 +317,78 @@ impl IdemStore {
     pub async fn claim(&self, key: &str, owner: &str) -> Result<Claim, IdemError> {
         let mut cmd = evalsha(&CLAIM, self.names.idem_key(key));
         cmd.arg(owner).arg(Self::ms(self.lease)).arg(Self::ms(self.retention));
-        let (state, fence, remaining): (String, u64, u64) = self.call(cmd).await?;
-        Ok(match state.as_str() {
-            "claimed" => Claim::Claimed { fence },
-            "done" => Claim::Done { fence },
-            "dead" => Claim::Dead { fence },
-            "busy" => Claim::Busy { fence, remaining: Duration::from_millis(remaining) },
-            other => return Err(IdemError::Protocol(other.to_string())),
+        let reply: Vec<Value> = self.call(cmd).await?;
+        let text = |i: usize| reply.get(i).and_then(|v| redis::from_redis_value::<String>(v.clone()).ok());
+        let num =
+            |i: usize| reply.get(i).and_then(|v| redis::from_redis_value::<u64>(v.clone()).ok()).unwrap_or(0);
+        let (fence, third) = (num(1), num(2));
+        Ok(match text(0).as_deref() {
+            Some("claimed") => Claim::Claimed { fence },
+            Some("done") => Claim::Done { fence },
+            Some("dead") => Claim::Dead { fence },
+            Some("busy") => Claim::Busy { fence, remaining: Duration::from_millis(third) },
+            Some("dying") => Claim::Dying {
+                fence,
+                dead: DeadInfo {
+                    reason: text(3).unwrap_or_default(),
+                    error: text(4).unwrap_or_default(),
+                    attempts: u32::try_from(num(5)).unwrap_or(u32::MAX),
+                },
+            },
+            other => return Err(IdemError::Protocol(format!("claim answered {other:?}"))),
         })
     }
 
-    /// Extends our lease; `Ok(false)` means another owner took the key over.
-    pub async fn renew(&self, key: &str, owner: &str, fence: u64) -> Result<bool, IdemError> {
+    /// Extends our lease and the record's TTL; re-creates a record Redis lost.
+    pub async fn renew(&self, key: &str, owner: &str) -> Result<Renewal, IdemError> {
         let mut cmd = evalsha(&RENEW, self.names.idem_key(key));
-        cmd.arg(owner).arg(fence).arg(Self::ms(self.lease));
-        let n: i64 = self.call(cmd).await?;
-        Ok(n == 1)
+        cmd.arg(owner).arg(Self::ms(self.lease)).arg(Self::ms(self.retention));
+        let (answer, fence): (String, u64) = self.call(cmd).await?;
+        Ok(match answer.as_str() {
+            "renewed" => Renewal::Renewed,
+            "recreated" => Renewal::Recreated { fence },
+            "lost" => Renewal::Lost,
+            other => return Err(IdemError::Protocol(format!("renew answered {other:?}"))),
+        })
     }
 
-    /// Records the outcome. `Ok(false)` means the key was no longer ours (our lease lapsed
-    /// and another owner claimed it); the newer owner records its own outcome.
-    pub async fn finish(&self, key: &str, owner: &str, fence: u64, state: Final) -> Result<bool, IdemError> {
+    /// Records the outcome ([`Recorded::NotOurs`]: another owner claimed the key after our
+    /// lease lapsed; it records its own outcome).
+    pub async fn finish(
+        &self,
+        key: &str,
+        owner: &str,
+        fence: u64,
+        state: Final,
+    ) -> Result<Recorded, IdemError> {
         let mut cmd = evalsha(&FINISH, self.names.idem_key(key));
         cmd.arg(owner).arg(fence).arg(state.as_str()).arg(Self::ms(self.retention));
         let n: i64 = self.call(cmd).await?;
-        Ok(n == 1)
+        Ok(Recorded::from_reply(n))
     }
 
-    /// Makes a dead key claimable again (the fence history is kept). `Ok(false)` if it was
-    /// not dead (never seen, expired, or already revived).
+    /// Marks the key `dying` before its dead letter is published, so that a copy finding the
+    /// key publishes the dead letter again if this publish never completes.
+    pub async fn mark_dying(
+        &self,
+        key: &str,
+        owner: &str,
+        fence: u64,
+        dead: &DeadInfo,
+    ) -> Result<Recorded, IdemError> {
+        let mut cmd = evalsha(&DYING, self.names.idem_key(key));
+        cmd.arg(owner)
+            .arg(fence)
+            .arg(&dead.reason)
+            .arg(&dead.error)
+            .arg(dead.attempts)
+            .arg(Self::ms(self.retention));
+        let n: i64 = self.call(cmd).await?;
+        Ok(Recorded::from_reply(n))
+    }
+
+    /// Makes a dead (or dying) key claimable again (the fence history is kept). `Ok(false)`
+    /// if it was neither (never seen, expired, or already revived).
     pub async fn revive(&self, key: &str) -> Result<bool, IdemError> {
         let mut conn = self.conn.clone();
         let n: i64 = REVIVE.key(self.names.idem_key(key)).invoke_async(&mut conn).await?;
@@ -325,7 +470,7 @@ async fn send_batch(conn: &mut ConnectionManager, ops: Vec<Op>) {
         if again_replies.is_empty() {
             return;
         }
-        for script in [&*CLAIM, &*RENEW, &*FINISH] {
+        for script in [&*CLAIM, &*RENEW, &*FINISH, &*DYING] {
             if let Err(e) = script.prepare_invoke().load_async(conn).await {
                 return fail_all(again_replies, || IdemError::Redis(e.clone()));
             }

@@ -58,7 +58,14 @@ pub async fn connect_amqp() -> Connection {
     }
 }
 
-/// A multiplexed connection to the shared Redis, failing the test clearly if it is down.
+/// A connection to the broker at `url` (a private one).
+pub async fn connect_amqp_to(url: &str) -> Connection {
+    Connection::connect(url, ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach RabbitMQ at {url}: {e}"))
+}
+
+/// A multiplexed connection to a Redis, failing the test clearly if it is down.
 pub async fn connect_redis(url: &str) -> redis::aio::MultiplexedConnection {
     let client = redis::Client::open(url).expect("redis url");
     match client.get_multiplexed_async_connection().await {
@@ -71,6 +78,7 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 
 /// A test's own namespace on the shared services. Dropping it deletes every queue and
 /// exchange the test declared and every Redis key under its prefix.
+pub mod proxy;
 pub mod reliability;
 
 pub struct TestEnv {
@@ -207,14 +215,38 @@ pub struct PrivateRedis {
     pub port: u16,
     child: Option<std::process::Child>,
     dir: PathBuf,
+    /// Extra `redis-server` arguments (`--replicaof …`).
+    args: Vec<String>,
 }
 
 impl PrivateRedis {
     pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// A replica of the Redis on `master`, synchronised before this returns.
+    pub async fn start_replica_of(master: u16) -> Self {
+        let r = Self::start_with(&["--replicaof", "127.0.0.1", &master.to_string()]).await;
+        let url = r.url();
+        wait_until("the replica is in sync", Duration::from_secs(20), || {
+            let url = url.clone();
+            async move {
+                let mut c = connect_redis(&url).await;
+                let info: String =
+                    redis::cmd("INFO").arg("replication").query_async(&mut c).await.unwrap_or_default();
+                info.contains("master_link_status:up")
+            }
+        })
+        .await;
+        r
+    }
+
+    pub async fn start_with(args: &[&str]) -> Self {
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("chime-redis-{port}"));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut r = Self { port, child: None, dir };
+        let args = args.iter().map(|a| a.to_string()).collect();
+        let mut r = Self { port, child: None, dir, args };
         r.spawn().await;
         r
     }
@@ -241,6 +273,7 @@ impl PrivateRedis {
             ])
             .arg("--dir")
             .arg(&self.dir)
+            .args(&self.args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -320,6 +353,31 @@ impl Child {
         Self::spawn("chime", dir, config, &all, &format!("ticker-{tag}"))
     }
 
+    /// Spawns `chime tick` with its wall clock `offset` away from the real one (libfaketime;
+    /// the monotonic clock is left alone, as a skewed NTP client would).
+    pub fn skewed_ticker(dir: &Path, config: &Path, offset: &str, tag: &str) -> Self {
+        let faketime = which("faketime").unwrap_or_else(|| {
+            panic!("faketime is needed for the clock-skew scenario (scripts/services installs it)")
+        });
+        let log = dir.join(format!("ticker-{tag}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = tokio::process::Command::new(faketime)
+            .arg("-f")
+            .arg(offset)
+            .arg(bin("chime"))
+            .arg("--config")
+            .arg(config)
+            .arg("tick")
+            .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
+            .env("RUST_LOG", "info,chime_producer=debug")
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        Self { child, log }
+    }
+
     fn spawn(program: &str, dir: &Path, config: &Path, args: &[&str], tag: &str) -> Self {
         let log = dir.join(format!("{tag}.log"));
         let file = std::fs::File::create(&log).unwrap();
@@ -347,6 +405,11 @@ impl Child {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+}
+
+/// A program on the `PATH`.
+pub fn which(program: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(program)).find(|p| p.exists())
 }
 
 /// Lines of a ledger file (one line per event, appended by exec jobs).

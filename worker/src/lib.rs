@@ -18,11 +18,14 @@
 
 mod ack;
 pub mod builtin;
+mod decision;
 pub mod handler;
 mod process;
 pub mod retry;
 pub mod runtime;
+mod state;
+mod store;
 
 pub use handler::{Handler, JobContext, JobError, Registry, handler_fn, raw_handler_fn};
 pub use retry::DeadReason;
-pub use runtime::{Stats, Worker, WorkerBuilder, WorkerError};
+pub use runtime::{Reloader, Stats, Worker, WorkerBuilder, WorkerError};

@@ -2,7 +2,7 @@
 
 use chime_shared::config::Config;
 use chime_shared::health::{self, Health};
-use chime_worker::{Registry, Worker};
+use chime_worker::{Registry, Reloader, Worker};
 use clap::Parser;
 use std::path::PathBuf;
 use tokio_util::sync::CancellationToken;
@@ -51,6 +51,7 @@ fn main() {
 
 async fn run(args: Args, config: Config) -> i32 {
     let listen = args.listen.clone().or_else(|| config.worker.listen.clone());
+    let path = args.config.clone();
     let health = Health::default();
     let mut builder = Worker::builder(config).registry(Registry::new()).health(health.clone());
     if let Some(q) = args.queues {
@@ -85,7 +86,7 @@ async fn run(args: Args, config: Config) -> i32 {
         tracing::info!(%addr, "serving /metrics, /livez, /readyz");
         tokio::spawn(health::serve(listener, health, recorder, token.clone()));
     }
-    tokio::spawn(signals(token.clone()));
+    tokio::spawn(signals(token.clone(), worker.reloader(), path));
     match worker.run(token).await {
         Ok(()) => 0,
         Err(e) => {
@@ -95,15 +96,44 @@ async fn run(args: Args, config: Config) -> i32 {
     }
 }
 
-/// First SIGTERM/SIGINT: graceful drain. Second: exit at once.
-async fn signals(token: CancellationToken) {
+/// First SIGTERM/SIGINT: graceful drain. Second: exit at once. SIGHUP, or a change of the
+/// config file (checked every 2 s), reloads the job definitions; a config that does not
+/// validate is rejected and the running one kept.
+async fn signals(token: CancellationToken, reloader: Reloader, path: Option<PathBuf>) {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) =
+        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
     else {
         tracing::error!("cannot install signal handlers");
         return;
     };
-    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+    let file = path.clone().or_else(|| std::env::var_os("CHIME_CONFIG").map(PathBuf::from));
+    let file = file.unwrap_or_else(|| PathBuf::from("chime.toml"));
+    let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut seen = mtime(&file);
+    let mut poll = tokio::time::interval(std::time::Duration::from_secs(2));
+    loop {
+        let reload = tokio::select! {
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            _ = hup.recv() => true,
+            _ = poll.tick() => {
+                let now = mtime(&file);
+                let changed = now != seen;
+                seen = now;
+                changed
+            }
+        };
+        if reload {
+            match Config::load(path.as_deref())
+                .map_err(|e| e.to_string())
+                .and_then(|c| reloader.reload(&c).map_err(|e| e.to_string()))
+            {
+                Ok(()) => tracing::info!(path = %file.display(), "config reloaded"),
+                Err(e) => tracing::warn!(error = %e, "config reload rejected; keeping the running config"),
+            }
+        }
+    }
     tracing::info!("shutdown requested; draining (signal again to exit at once)");
     token.cancel();
     tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }

@@ -1,221 +1,180 @@
-//! One delivery, one exhaustive decision, ack last. This is the only module that acks.
+//! One delivery: judge it (decode, handler lookup, claim, run) into a [`Plan`], then carry
+//! the plan out and settle the delivery last, through its [`Ticket`]. This is the only module
+//! that settles deliveries. The plans and the order of their steps are `decision`'s table.
 //!
-//! decode → handler lookup → Redis claim → run (timeout, lease renewal, panic capture) →
-//! record the outcome → publish to the DLQ if needed (confirmed) → ack. When Redis cannot
-//! be reached before a decision, the delivery is requeued, never acked.
+//! The run: the handler future runs inside this delivery's task, under `catch_unwind`, with
+//! the lease renewed every third of it. On timeout, at the drain deadline, or when another
+//! owner took the key, the handler's cancellation token fires first; the handler has
+//! `worker.cancel_grace` to stop on its own (a result it returns in that time stands), and only
+//! then is its future dropped (an `exec` child's process group is killed on drop).
 
-use chime_shared::amqp;
-use chime_shared::delay;
-use chime_shared::envelope::{Envelope, put_header};
-use chime_shared::idempotency::{Claim, Final, IdemError};
+use chime_shared::envelope::{Envelope, header_str, put_header};
+use chime_shared::idempotency::{Claim, DeadInfo, Final, Recorded, Renewal};
 use chime_shared::telemetry::{self, outcome};
+use chrono::{DateTime, Utc};
 use futures_util::FutureExt;
-use lapin::message::Delivery;
+use lapin::BasicProperties;
+use lapin::types::FieldTable;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, debug, error, info, info_span, warn};
+use tracing::{Instrument, Span, debug, error, info, info_span, warn};
 use uuid::Uuid;
 
-use crate::ack::AckBatcher;
+use crate::ack::{AckSink, Ticket};
+use crate::decision::{self, KeyMark, Plan, Redelay, RunEnd, Settled};
 use crate::handler::{JobContext, JobError};
-use crate::retry::{self, DeadReason, Decision, Failure};
-use crate::runtime::{Shared, Stats};
+use crate::retry::{DeadReason, Failure};
+use crate::state::{Core, JobSpec, Stats};
+use crate::store::{KeyStore, Outbox};
 
-/// Longest `x-chime-error` header kept.
-const MAX_ERROR_LEN: usize = 1000;
+/// Header carrying when a job was first seen without a handler (rolling deploys).
+pub(crate) const UNKNOWN_SINCE: &str = "x-chime-unknown-since";
 
-/// What happened to a run.
-#[derive(Debug)]
-enum RunResult {
-    Ok,
-    Failed(Failure, String),
-    /// Another owner took the key over while we ran (our lease lapsed).
-    LostLease,
-    /// Stopped by the shutdown deadline.
-    Aborted,
+/// A delivery, as far as deciding its fate goes.
+pub(crate) struct Incoming {
+    pub queue: String,
+    pub data: Vec<u8>,
+    pub properties: BasicProperties,
 }
 
-/// What to do with the delivery.
-#[derive(Debug)]
-enum Disposition {
-    Ack,
-    Requeue,
-    /// Publish this envelope for delivery after `delay` (confirmed), then ack.
-    Republish {
-        envelope: Box<Envelope>,
-        delay: Duration,
-        retry: bool,
-    },
-    DeadLetter {
-        reason: DeadReason,
-        error: String,
-        attempts: u32,
-    },
+/// The claim a plan is carried out under.
+struct Held {
+    key: String,
+    owner: String,
+    fence: u64,
 }
 
-/// Processes one delivery from `queue` and settles it (ack, requeue, or DLQ then ack).
-pub(crate) async fn handle(
-    shared: &Shared,
-    publish: &lapin::Channel,
-    acks: &AckBatcher,
-    queue: &str,
-    delivery: Delivery,
+/// A plan, with what carrying it out needs.
+struct Verdict {
+    plan: Plan,
+    env: Option<Envelope>,
+    held: Option<Held>,
+    /// The job's definition, for its interned metric handles.
+    spec: Option<Arc<JobSpec>>,
+}
+
+impl Verdict {
+    fn bare(plan: Plan) -> Self {
+        Self { plan, env: None, held: None, spec: None }
+    }
+}
+
+/// Processes one delivery and settles it.
+pub(crate) async fn handle<S: KeyStore, O: Outbox, A: AckSink>(
+    core: &Core,
+    store: &S,
+    outbox: &O,
+    incoming: Incoming,
+    ticket: Ticket<A>,
 ) {
     let started = Instant::now();
-    let max = shared.config.amqp.max_message_bytes;
-    if delivery.data.len() > max {
-        warn!(queue, size = delivery.data.len(), max, "message too large");
-        let d = Disposition::DeadLetter {
-            reason: DeadReason::TooLarge,
-            error: format!("{} bytes, above amqp.max_message_bytes ({max})", delivery.data.len()),
-            attempts: 0,
-        };
-        settle(shared, publish, acks, queue, delivery, telemetry::UNKNOWN_JOB_LABEL, d, started).await;
-        return;
-    }
-    let (job_label, disposition) = match Envelope::decode(&delivery.data) {
-        Err(e) => {
-            warn!(queue, error = %e, "malformed message");
-            (
-                telemetry::UNKNOWN_JOB_LABEL.to_string(),
-                Disposition::DeadLetter { reason: DeadReason::Malformed, error: e.to_string(), attempts: 0 },
-            )
-        }
-        Ok(env) => {
-            let span = info_span!("job", job = %env.job, key = %env.key, attempt = env.attempt);
-            let label =
-                if shared.knows(&env.job) { env.job.clone() } else { telemetry::UNKNOWN_JOB_LABEL.into() };
-            (label, decide(shared, env).instrument(span).await)
+    let max = core.config.amqp.max_message_bytes;
+    let unknown = || telemetry::UNKNOWN_JOB_LABEL.to_string();
+    let (label, verdict, span) = if incoming.data.len() > max {
+        warn!(queue = %incoming.queue, size = incoming.data.len(), max, "message too large");
+        let error = format!("{} bytes, above amqp.max_message_bytes ({max})", incoming.data.len());
+        (unknown(), Verdict::bare(decision::rejected(DeadReason::TooLarge, &error)), Span::none())
+    } else {
+        match Envelope::decode(&incoming.data) {
+            Err(e) => {
+                warn!(queue = %incoming.queue, error = %e, "malformed message");
+                (
+                    unknown(),
+                    Verdict::bare(decision::rejected(DeadReason::Malformed, &e.to_string())),
+                    Span::none(),
+                )
+            }
+            Ok(env) => {
+                let span = info_span!("job", job = %env.job, key = %env.key, attempt = env.attempt);
+                let label = if core.knows(&env.job) { env.job.clone() } else { unknown() };
+                let verdict = judge(core, store, &incoming, env).instrument(span.clone()).await;
+                (label, verdict, span)
+            }
         }
     };
-    settle(shared, publish, acks, queue, delivery, &job_label, disposition, started).await;
+    carry_out(core, store, outbox, &incoming, &label, verdict, ticket).instrument(span).await;
+    debug!(elapsed_us = started.elapsed().as_micros() as u64, "delivery settled");
 }
 
-async fn decide(shared: &Shared, env: Envelope) -> Disposition {
-    let Some(spec) = shared.job(&env.job) else {
-        warn!("no handler for this job");
-        return Disposition::DeadLetter {
-            reason: DeadReason::UnknownJob,
-            error: format!("no handler for job {:?} on this worker", env.job),
-            attempts: env.attempt.saturating_sub(1),
-        };
+/// Handler lookup, deadline, claim and run: the plan for a decoded envelope.
+async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: Envelope) -> Verdict {
+    let Some(spec) = core.job(&env.job) else {
+        let now = Utc::now();
+        let since = header_str(&incoming.properties, UNKNOWN_SINCE)
+            .and_then(|s| s.parse::<DateTime<Utc>>().ok())
+            .filter(|t| *t <= now)
+            .unwrap_or(now);
+        let plan =
+            decision::unknown_job(&env.job, env.attempt, since, now, core.config.worker.unknown_job_grace);
+        warn!(plan = ?plan, "no handler for this job on this worker");
+        return Verdict { plan, env: Some(env), held: None, spec: None };
     };
     if let (Some(slot), Some(deadline)) = (env.slot, spec.deadline) {
-        let late = (chrono::Utc::now() - slot).to_std().unwrap_or(Duration::ZERO);
+        let late = (Utc::now() - slot).to_std().unwrap_or(Duration::ZERO);
         if late > deadline {
             warn!(%slot, late_ms = late.as_millis() as u64, "slot picked up past its deadline; skipped as expired");
-            Stats::bump(&shared.stats.expired);
-            metrics::counter!(telemetry::JOBS_COMPLETED, "job" => env.job.clone(), "outcome" => outcome::EXPIRED)
-                .increment(1);
-            return Disposition::Ack;
+            return Verdict {
+                plan: Plan::Ack(Settled::Expired),
+                env: Some(env),
+                held: None,
+                spec: Some(spec),
+            };
         }
     }
-    let metrics = spec.metrics(&env.job);
     let key = env.key.to_string();
-    let owner = shared.owner_token();
-    let fence = match shared.store.claim(&key, &owner).await {
-        Err(e) => return redis_down(shared, e),
-        Ok(Claim::Claimed { fence }) => fence,
-        Ok(Claim::Done { .. } | Claim::Dead { .. }) => {
-            debug!("duplicate absorbed");
-            Stats::bump(&shared.stats.duplicates);
-            metrics.duplicate.increment(1);
-            return Disposition::Ack;
-        }
-        Ok(Claim::Busy { remaining, .. }) => {
-            // Another live owner runs this key. Never drop the copy (the owner may die):
-            // send it round again after the owner's remaining lease.
-            debug!(?remaining, "key busy; re-delaying this copy");
-            let delay = remaining.max(Duration::from_secs(1));
-            return Disposition::Republish { envelope: Box::new(env), delay, retry: false };
+    let owner = core.owner_token();
+    let claim = store.claim(&key, &owner).await;
+    if let Err(e) = &claim {
+        warn!(error = %e, "redis unreachable: requeueing without a decision");
+        core.redis_failed();
+    }
+    let dying_fence = match &claim {
+        Ok(Claim::Dying { fence, .. }) => Some(*fence),
+        _ => None,
+    };
+    let fence = match decision::on_claim(claim.as_ref().map(Clone::clone)) {
+        Ok(fence) => fence,
+        Err(plan) => {
+            // A `dying` claim made us the owner of the dead letter to publish again.
+            let held = dying_fence.map(|fence| Held { key, owner, fence });
+            return Verdict { plan, env: Some(env), held, spec: Some(spec) };
         }
     };
-
+    let metrics = spec.metrics(&env.job);
     let lag_from = env.slot.unwrap_or(env.enqueued_at);
-    let lag = (chrono::Utc::now() - lag_from).num_milliseconds().max(0) as f64 / 1000.0;
-    metrics.lag.record(lag);
-
+    metrics.lag.record((Utc::now() - lag_from).num_milliseconds().max(0) as f64 / 1000.0);
+    let fence = AtomicU64::new(fence);
     let run_started = Instant::now();
-    let result = run(shared, spec, &env, &key, &owner, fence).await;
+    let end = run(core, store, &spec, &env, &key, &owner, &fence).await;
     metrics.duration.record(run_started.elapsed().as_secs_f64());
-
-    match result {
-        RunResult::Ok => {
-            record(shared, &key, &owner, fence, Final::Done).await;
-            metrics.succeeded.increment(1);
-            info!(elapsed_ms = run_started.elapsed().as_millis() as u64, "job succeeded");
-            Stats::bump(&shared.stats.succeeded);
-            Disposition::Ack
-        }
-        RunResult::LostLease => {
-            warn!("lease lost while running; the new owner settles this key");
-            Stats::bump(&shared.stats.lost_lease);
-            Disposition::Ack
-        }
-        RunResult::Aborted => {
-            record(shared, &key, &owner, fence, Final::Free).await;
-            info!("job stopped by the shutdown deadline; requeued");
-            Disposition::Requeue
-        }
-        RunResult::Failed(failure, error) => {
-            match retry::decide(env.attempt, env.max_attempts, failure, &spec.backoff, env.key) {
-                Decision::Retry(delay) => {
-                    warn!(?failure, %error, retry_in = ?delay, "job failed; retrying");
-                    // Free the key first: the retry must be able to claim it.
-                    record(shared, &key, &owner, fence, Final::Free).await;
-                    let mut next = env;
-                    next.attempt += 1;
-                    next.id = Uuid::now_v7();
-                    Disposition::Republish { envelope: Box::new(next), delay, retry: true }
-                }
-                Decision::Dead(reason) => {
-                    // Recorded as dead, so later duplicates count as duplicates, not reruns.
-                    warn!(reason = reason.as_str(), %error, "job failed for good");
-                    record(shared, &key, &owner, fence, Final::Dead).await;
-                    Disposition::DeadLetter { reason, error, attempts: env.attempt }
-                }
-            }
-        }
+    if let RunEnd::Failed(failure, error) = &end {
+        warn!(?failure, %error, "job failed");
     }
+    let plan = decision::on_run(end, env.attempt, env.max_attempts, &spec.backoff, env.key);
+    let held = Held { key, owner, fence: fence.load(Ordering::Relaxed) };
+    Verdict { plan, env: Some(env), held: Some(held), spec: Some(spec) }
 }
 
-fn redis_down(shared: &Shared, e: IdemError) -> Disposition {
-    warn!(error = %e, "redis unreachable: requeueing without a decision");
-    shared.redis_failed();
-    Disposition::Requeue
+/// Why a run was stopped before it returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    Timeout,
+    LeaseTaken,
+    Shutdown,
 }
 
-/// Records an outcome, retrying a few times across a Redis blip. The outcome is already
-/// decided, so a record that cannot be written is logged and the delivery still settles.
-async fn record(shared: &Shared, key: &str, owner: &str, fence: u64, state: Final) {
-    for attempt in 0..5u32 {
-        match shared.store.finish(key, owner, fence, state).await {
-            Ok(true) => return,
-            Ok(false) => {
-                warn!(?state, "key was taken over by another owner; not recording");
-                return;
-            }
-            Err(e) => {
-                warn!(error = %e, attempt, "cannot record the outcome in redis yet");
-                shared.redis_failed();
-                tokio::time::sleep(Duration::from_millis(200 * 2u64.pow(attempt))).await;
-            }
-        }
-    }
-    error!(?state, "outcome not recorded in redis; a later duplicate of this key may run again");
-}
-
-/// Runs the handler under the timeout, catching a panic, renewing the lease every third of
-/// it. The handler runs inside this delivery's task (no task of its own): a handler must not
-/// block its thread (use `spawn_blocking` for CPU-bound or blocking work).
-async fn run(
-    shared: &Shared,
-    spec: &crate::runtime::JobSpec,
+/// Runs the handler under its timeout with the lease renewed, catching a panic.
+async fn run<S: KeyStore>(
+    core: &Core,
+    store: &S,
+    spec: &JobSpec,
     env: &Envelope,
     key: &str,
     owner: &str,
-    fence: u64,
-) -> RunResult {
+    fence: &AtomicU64,
+) -> RunEnd {
     let cancel = CancellationToken::new();
     let ctx = JobContext {
         job: env.job.clone(),
@@ -225,47 +184,58 @@ async fn run(
         attempt: env.attempt,
         max_attempts: env.max_attempts,
         slot: env.slot,
-        fence,
+        fence: fence.load(Ordering::Relaxed),
         timeout: spec.timeout,
         cancel: cancel.clone(),
     };
-    // Dropping the future (timeout, lost lease, hard stop) cancels the handler; an exec
-    // handler's process group is killed when its future is dropped.
-    let task = std::panic::AssertUnwindSafe(spec.handler.call(ctx, env.payload.clone())).catch_unwind();
-    // Polled alongside the handler, so a slow renewal never pauses it; ends only when the
-    // key is no longer ours.
-    let renewals = async {
-        let lease = shared.store.lease();
-        let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + lease / 3, lease / 3);
-        loop {
-            renew.tick().await;
-            match shared.store.renew(key, owner, fence).await {
-                Ok(true) => {}
-                Ok(false) => return,
-                Err(e) => {
-                    warn!(error = %e, "lease renewal failed; the job keeps running");
-                    shared.redis_failed();
-                }
-            }
+    let mut task = std::pin::pin!(
+        std::panic::AssertUnwindSafe(spec.handler.call(ctx, env.payload.clone())).catch_unwind()
+    );
+    let mut renewals = std::pin::pin!(renew_lease(core, store, key, owner, fence));
+    let mut stop = tokio::select! {
+        joined = &mut task => return ended(joined),
+        _ = tokio::time::sleep(spec.timeout) => Stop::Timeout,
+        _ = &mut renewals => Stop::LeaseTaken,
+        _ = core.hard_stop.cancelled() => Stop::Shutdown,
+    };
+    // Cancellation first; the handler has the grace to stop on its own, renewing meanwhile.
+    cancel.cancel();
+    let grace = core.config.worker.cancel_grace;
+    let late = tokio::select! {
+        joined = tokio::time::timeout(grace, &mut task) => joined.ok(),
+        _ = &mut renewals, if stop != Stop::LeaseTaken => {
+            stop = Stop::LeaseTaken;
+            None
         }
     };
-    let result = tokio::select! {
-        joined = task => match joined {
-            Ok(Ok(())) => RunResult::Ok,
-            Ok(Err(JobError::Permanent(m))) => RunResult::Failed(Failure::Permanent, m),
-            Ok(Err(JobError::Transient(m))) => RunResult::Failed(Failure::Transient, m),
-            Err(panic) => RunResult::Failed(Failure::Panic, format!("panic: {}", panic_message(panic))),
-        },
-        _ = tokio::time::sleep(spec.timeout) => {
-            RunResult::Failed(Failure::Timeout, format!("timeout: no result within {:?}", spec.timeout))
-        }
-        _ = renewals => RunResult::LostLease,
-        _ = shared.hard_stop.cancelled() => RunResult::Aborted,
-    };
-    if !matches!(result, RunResult::Ok) {
-        cancel.cancel();
+    if stop == Stop::LeaseTaken {
+        warn!("another owner took this key over; the handler was cancelled and that owner settles it");
+        return RunEnd::LeaseTaken;
     }
-    result
+    match (stop, late.map(ended)) {
+        // Stopped cleanly with a result: success stands; an error after a timeout is a timeout.
+        (_, Some(RunEnd::Succeeded)) => RunEnd::Succeeded,
+        (Stop::Timeout, Some(RunEnd::Failed(Failure::Permanent, e))) => RunEnd::Failed(Failure::Permanent, e),
+        (Stop::Timeout, Some(RunEnd::Failed(_, e))) => {
+            RunEnd::Failed(Failure::Timeout, format!("timeout after {:?}: {e}", spec.timeout))
+        }
+        (Stop::Timeout, _) => RunEnd::Failed(
+            Failure::Timeout,
+            format!("timeout: no result within {:?} (plus {grace:?} after cancellation)", spec.timeout),
+        ),
+        (_, _) => RunEnd::Stopped,
+    }
+}
+
+type Joined = Result<Result<(), JobError>, Box<dyn std::any::Any + Send>>;
+
+fn ended(joined: Joined) -> RunEnd {
+    match joined {
+        Ok(Ok(())) => RunEnd::Succeeded,
+        Ok(Err(JobError::Permanent(m))) => RunEnd::Failed(Failure::Permanent, m),
+        Ok(Err(JobError::Transient(m))) => RunEnd::Failed(Failure::Transient, m),
+        Err(panic) => RunEnd::Failed(Failure::Panic, format!("panic: {}", panic_message(panic))),
+    }
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
@@ -275,100 +245,235 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "panic".into())
 }
 
-/// Applies the disposition. Dead letters are published (confirmed) before the ack, so a
-/// crash between the two leaves a duplicate in the DLQ, never a loss.
-#[allow(clippy::too_many_arguments)]
-async fn settle(
-    shared: &Shared,
-    publish: &lapin::Channel,
-    acks: &AckBatcher,
-    queue: &str,
-    delivery: Delivery,
-    job_label: &str,
-    disposition: Disposition,
-    started: Instant,
-) {
-    let tag = delivery.delivery_tag;
-    match disposition {
-        Disposition::Ack => acks.ack(tag, delivery.acker),
-        Disposition::Requeue => {
-            Stats::bump(&shared.stats.requeued);
-            acks.requeue(tag, delivery.acker);
-        }
-        Disposition::Republish { envelope, delay, retry } => {
-            let (exchange, routing_key) = delay::target(&shared.names, queue, delay);
-            let sent = amqp::publish_confirmed(
-                publish,
-                &exchange,
-                &routing_key,
-                &envelope.encode(),
-                envelope.properties(),
-                shared.config.amqp.publish_timeout,
-            )
-            .await;
-            match sent {
-                Ok(()) => {
-                    if retry {
-                        Stats::bump(&shared.stats.retried);
-                        metrics::counter!(telemetry::JOBS_COMPLETED, "job" => job_label.to_string(), "outcome" => outcome::RETRIED)
-                            .increment(1);
-                    } else {
-                        Stats::bump(&shared.stats.redelayed);
-                    }
-                    acks.ack(tag, delivery.acker);
-                }
-                Err(e) => {
-                    error!(error = %e, "cannot publish the delayed copy; requeueing");
-                    Stats::bump(&shared.stats.requeued);
-                    acks.requeue(tag, delivery.acker);
-                }
+/// Renews the lease every third of it; returns only when another owner holds the key. A
+/// record Redis lost is claimed again (new fence) and the job keeps running.
+async fn renew_lease<S: KeyStore>(core: &Core, store: &S, key: &str, owner: &str, fence: &AtomicU64) {
+    let lease = store.lease();
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + lease / 3, lease / 3);
+    loop {
+        tick.tick().await;
+        match store.renew(key, owner).await {
+            Ok(Renewal::Renewed) => {}
+            Ok(Renewal::Recreated { fence: new }) => {
+                warn!(
+                    fence = new,
+                    "redis had lost this job's record; claimed it again, the job keeps running"
+                );
+                fence.store(new, Ordering::Relaxed);
+                Stats::bump(&core.stats.leases_recreated);
             }
-        }
-        Disposition::DeadLetter { reason, error, attempts } => {
-            let mut headers = delivery.properties.headers().clone().unwrap_or_default();
-            put_header(&mut headers, "x-chime-reason", reason.as_str());
-            put_header(&mut headers, "x-chime-error", truncate(&error, MAX_ERROR_LEN));
-            put_header(&mut headers, "x-chime-attempts", &attempts.to_string());
-            put_header(&mut headers, "x-chime-failed-at", &chrono::Utc::now().to_rfc3339());
-            put_header(&mut headers, "x-chime-worker", &shared.worker_id);
-            put_header(&mut headers, "x-chime-queue", queue);
-            put_header(&mut headers, "x-chime-dead-id", &Uuid::now_v7().to_string());
-            let props = delivery.properties.clone().with_headers(headers);
-            let exchange = shared.names.dead_exchange();
-            match amqp::publish_confirmed(
-                publish,
-                &exchange,
-                queue,
-                &delivery.data,
-                props,
-                shared.config.amqp.publish_timeout,
-            )
-            .await
-            {
-                Ok(()) => {
-                    metrics::counter!(telemetry::JOBS_COMPLETED, "job" => job_label.to_string(), "outcome" => outcome::DEAD_LETTERED)
-                        .increment(1);
-                    info!(reason = reason.as_str(), queue, "dead-lettered");
-                    Stats::bump(&shared.stats.dead_lettered);
-                    acks.ack(tag, delivery.acker);
-                }
-                Err(e) => {
-                    error!(error = %e, "cannot publish to the DLQ; requeueing");
-                    acks.requeue(tag, delivery.acker);
-                }
+            Ok(Renewal::Lost) => return,
+            Err(e) => {
+                warn!(error = %e, "lease renewal failed; the job keeps running");
+                core.redis_failed();
             }
         }
     }
-    debug!(elapsed_us = started.elapsed().as_micros() as u64, "delivery settled");
 }
 
-fn truncate(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
+/// Carries the plan out and settles the delivery, last.
+#[allow(clippy::too_many_arguments)]
+async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
+    core: &Core,
+    store: &S,
+    outbox: &O,
+    incoming: &Incoming,
+    label: &str,
+    verdict: Verdict,
+    ticket: Ticket<A>,
+) {
+    let Verdict { plan, env, held, spec } = verdict;
+    let stats = &core.stats;
+    // The hot outcomes use the job's interned handles; the rest look the series up.
+    let interned = spec.as_ref().zip(env.as_ref()).map(|(s, e)| s.metrics(&e.job));
+    let completed = |o: &'static str| match (interned, o) {
+        (Some(m), outcome::SUCCEEDED) => m.succeeded.increment(1),
+        (Some(m), outcome::DUPLICATE) => m.duplicate.increment(1),
+        _ => metrics::counter!(telemetry::JOBS_COMPLETED, "job" => label.to_string(), "outcome" => o)
+            .increment(1),
+    };
+    match plan {
+        Plan::Ack(why) => {
+            match why {
+                Settled::Duplicate => {
+                    debug!("duplicate absorbed");
+                    Stats::bump(&stats.duplicates);
+                    completed(outcome::DUPLICATE);
+                }
+                Settled::Expired => {
+                    Stats::bump(&stats.expired);
+                    completed(outcome::EXPIRED);
+                }
+                Settled::LeaseTaken => Stats::bump(&stats.lost_lease),
+            }
+            ticket.ack();
+        }
+        Plan::Requeue => {
+            Stats::bump(&stats.requeued);
+            ticket.requeue();
+        }
+        Plan::RecordDone => {
+            let Some(h) = held else { return ticket.requeue() };
+            if record_until_done(core, store, &h).await {
+                Stats::bump(&stats.succeeded);
+                completed(outcome::SUCCEEDED);
+                info!("job succeeded");
+                ticket.ack();
+            } else {
+                error!(
+                    "drain deadline passed before `done` could be recorded; requeueing (the job may run again)"
+                );
+                Stats::bump(&stats.requeued);
+                ticket.requeue();
+            }
+        }
+        Plan::Retry { delay } => {
+            let (Some(env), Some(h)) = (env, held) else { return ticket.requeue() };
+            let mut next = env;
+            next.attempt += 1;
+            next.id = Uuid::now_v7();
+            let sent = outbox.delayed(&incoming.queue, &next, delay, FieldTable::default()).await;
+            // Free the key either way: the retry (or the requeued copy) must be able to claim it.
+            best_effort(core, "free the key", || store.finish(&h.key, &h.owner, h.fence, Final::Free)).await;
+            match sent {
+                Ok(()) => {
+                    info!(retry_in = ?delay, attempt = next.attempt, "retry published");
+                    Stats::bump(&stats.retried);
+                    completed(outcome::RETRIED);
+                    ticket.ack();
+                }
+                Err(e) => {
+                    error!(error = %e, "cannot publish the retry; requeueing");
+                    Stats::bump(&stats.requeued);
+                    ticket.requeue();
+                }
+            }
+        }
+        Plan::Redelay { delay, why } => {
+            let Some(env) = env else { return ticket.requeue() };
+            let mut headers = FieldTable::default();
+            if let Redelay::UnknownJob(since) = why {
+                put_header(&mut headers, UNKNOWN_SINCE, &since.to_rfc3339());
+            }
+            match outbox.delayed(&incoming.queue, &env, delay, headers).await {
+                Ok(()) => {
+                    debug!(?delay, ?why, "copy sent round again");
+                    Stats::bump(&stats.redelayed);
+                    ticket.ack();
+                }
+                Err(e) => {
+                    error!(error = %e, "cannot send the copy round again; requeueing");
+                    Stats::bump(&stats.requeued);
+                    ticket.requeue();
+                }
+            }
+        }
+        Plan::DeadLetter { dead, mark } => {
+            if mark == KeyMark::MarkDying
+                && let Some(h) = &held
+            {
+                let marked = best_effort(core, "mark the key dying", || {
+                    store.mark_dying(&h.key, &h.owner, h.fence, &dead)
+                })
+                .await;
+                if marked == Some(Recorded::NotOurs) {
+                    warn!(
+                        "another owner took this key over before it was dead-lettered; that owner settles it"
+                    );
+                    Stats::bump(&stats.lost_lease);
+                    return ticket.ack();
+                }
+            }
+            let props = dead_letter_properties(core, incoming, &dead);
+            match outbox.dead_letter(&incoming.queue, &incoming.data, props).await {
+                Ok(()) => {
+                    if let Some(h) = &held {
+                        best_effort(core, "record dead", || {
+                            store.finish(&h.key, &h.owner, h.fence, Final::Dead)
+                        })
+                        .await;
+                    }
+                    warn!(reason = %dead.reason, error = %dead.error, queue = %incoming.queue, "dead-lettered");
+                    Stats::bump(&stats.dead_lettered);
+                    completed(outcome::DEAD_LETTERED);
+                    ticket.ack();
+                }
+                Err(e) => {
+                    // The key stays `dying` (or unrecorded): the redelivered copy dead-letters again.
+                    error!(error = %e, "cannot publish to the DLQ; requeueing");
+                    Stats::bump(&stats.requeued);
+                    ticket.requeue();
+                }
+            }
+        }
+        Plan::Release => {
+            if let Some(h) = &held {
+                best_effort(core, "free the key", || store.finish(&h.key, &h.owner, h.fence, Final::Free))
+                    .await;
+            }
+            info!("job stopped by the drain deadline; requeued");
+            Stats::bump(&stats.requeued);
+            ticket.requeue();
+        }
     }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
+
+/// The dead letter's properties: the original ones plus chime's `x-chime-*` headers.
+fn dead_letter_properties(core: &Core, incoming: &Incoming, dead: &DeadInfo) -> BasicProperties {
+    let mut headers = incoming.properties.headers().clone().unwrap_or_default();
+    put_header(&mut headers, "x-chime-reason", &dead.reason);
+    put_header(&mut headers, "x-chime-error", &dead.error);
+    put_header(&mut headers, "x-chime-attempts", &dead.attempts.to_string());
+    put_header(&mut headers, "x-chime-failed-at", &Utc::now().to_rfc3339());
+    put_header(&mut headers, "x-chime-worker", &core.worker_id);
+    put_header(&mut headers, "x-chime-queue", &incoming.queue);
+    put_header(&mut headers, "x-chime-dead-id", &Uuid::now_v7().to_string());
+    incoming.properties.clone().with_headers(headers)
+}
+
+/// Records `done`, retrying across a Redis outage until it is written or the drain deadline
+/// passes (`false`): a delivery is never acked with its key left in `run`.
+async fn record_until_done<S: KeyStore>(core: &Core, store: &S, h: &Held) -> bool {
+    let mut wait = Duration::from_millis(100);
+    loop {
+        match store.finish(&h.key, &h.owner, h.fence, Final::Done).await {
+            Ok(Recorded::NotOurs) => {
+                warn!("key taken over by another owner before `done` was recorded; that owner settles it");
+                return true;
+            }
+            Ok(Recorded::Yes | Recorded::Recreated) => return true,
+            Err(e) => {
+                warn!(error = %e, retry_in = ?wait, "cannot record `done` yet; the delivery stays unacked");
+                core.redis_failed();
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = core.hard_stop.cancelled() => return false,
+        }
+        wait = (wait * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// A record whose outcome is already durable elsewhere: a few tries, then logged.
+async fn best_effort<T, F, Fut>(core: &Core, what: &str, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, chime_shared::idempotency::IdemError>>,
+{
+    for attempt in 0..3u32 {
+        match f().await {
+            Ok(v) => return Some(v),
+            Err(e) => {
+                warn!(error = %e, attempt, "cannot {what} in redis yet");
+                core.redis_failed();
+                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            }
+        }
+    }
+    error!("could not {what} in redis; the outcome itself is durable in the broker");
+    None
+}
+
+#[cfg(test)]
+mod tests;

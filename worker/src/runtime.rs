@@ -9,19 +9,16 @@
 //! `worker.shutdown_timeout`, then stop what is left (requeued, claim released) and close.
 
 use chime_shared::amqp;
-use chime_shared::config::{BackoffConfig, Config, ConfigError};
+use chime_shared::config::{Config, ConfigError};
 use chime_shared::health::Health;
 use chime_shared::idempotency::IdemStore;
-use chime_shared::telemetry::{self, outcome};
-use chime_shared::topology::{self, Names, TopologyError};
+use chime_shared::topology::{self, TopologyError};
 use futures_util::StreamExt;
 use futures_util::stream::SelectAll;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
@@ -29,121 +26,11 @@ use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
 
 use crate::ack::AckBatcher;
-use crate::builtin;
-use crate::handler::{Handler, Registry};
-use crate::process;
-
-/// A job this worker can run.
-pub(crate) struct JobSpec {
-    pub handler: Arc<dyn Handler>,
-    pub timeout: Duration,
-    pub backoff: BackoffConfig,
-    /// A scheduled slot started later than slot + deadline is skipped as expired.
-    pub deadline: Option<Duration>,
-    /// Metric handles of this job, registered on first use (after the recorder is installed).
-    metrics: OnceLock<JobMetrics>,
-}
-
-impl JobSpec {
-    fn new(
-        handler: Arc<dyn Handler>,
-        timeout: Duration,
-        backoff: BackoffConfig,
-        deadline: Option<Duration>,
-    ) -> Self {
-        Self { handler, timeout, backoff, deadline, metrics: OnceLock::new() }
-    }
-
-    /// The handles of the per-job series updated on every delivery (looked up once, not per job).
-    pub fn metrics(&self, job: &str) -> &JobMetrics {
-        self.metrics.get_or_init(|| JobMetrics::new(job))
-    }
-}
-
-/// Metric handles updated for every delivery of one job.
-pub(crate) struct JobMetrics {
-    pub succeeded: metrics::Counter,
-    pub duplicate: metrics::Counter,
-    pub lag: metrics::Histogram,
-    pub duration: metrics::Histogram,
-}
-
-impl JobMetrics {
-    fn new(job: &str) -> Self {
-        let completed = |outcome: &'static str| metrics::counter!(telemetry::JOBS_COMPLETED, "job" => job.to_string(), "outcome" => outcome);
-        Self {
-            succeeded: completed(outcome::SUCCEEDED),
-            duplicate: completed(outcome::DUPLICATE),
-            lag: metrics::histogram!(telemetry::JOB_LAG, "job" => job.to_string()),
-            duration: metrics::histogram!(telemetry::JOB_DURATION, "job" => job.to_string()),
-        }
-    }
-}
-
-/// Settled deliveries of this worker, by outcome (for tests, `status` and benchmarks).
-#[derive(Debug, Default)]
-pub struct Stats {
-    pub succeeded: AtomicU64,
-    pub duplicates: AtomicU64,
-    pub dead_lettered: AtomicU64,
-    pub requeued: AtomicU64,
-    pub lost_lease: AtomicU64,
-    /// Failed attempts sent round for another attempt.
-    pub retried: AtomicU64,
-    /// Copies of a busy key sent round again.
-    pub redelayed: AtomicU64,
-    /// Scheduled slots skipped because they started past their deadline.
-    pub expired: AtomicU64,
-}
-
-impl Stats {
-    pub fn get(counter: &AtomicU64) -> u64 {
-        counter.load(Ordering::Relaxed)
-    }
-    pub(crate) fn bump(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// State shared by every delivery task.
-pub(crate) struct Shared {
-    pub config: Arc<Config>,
-    pub names: Names,
-    pub store: IdemStore,
-    pub worker_id: String,
-    /// Makes owner tokens unique across restarts that reuse a host name and pid.
-    nonce: String,
-    owners: AtomicU64,
-    pub stats: Arc<Stats>,
-    /// Every job this worker can run: configured jobs, then registry-only handlers.
-    jobs: HashMap<String, JobSpec>,
-    redis_ok: watch::Sender<bool>,
-    /// Cancelled when shutdown begins: no new work, stop waiting on busy keys.
-    pub intake_stopped: CancellationToken,
-    /// Cancelled at the drain deadline: stop running handlers.
-    pub hard_stop: CancellationToken,
-}
-
-impl Shared {
-    pub fn job(&self, name: &str) -> Option<&JobSpec> {
-        self.jobs.get(name)
-    }
-
-    pub fn knows(&self, name: &str) -> bool {
-        self.jobs.contains_key(name)
-    }
-
-    /// A token unique to one attempt: worker id, a per-process nonce and a counter.
-    pub fn owner_token(&self) -> String {
-        let n = self.owners.fetch_add(1, Ordering::Relaxed);
-        format!("{}/{}/{n}", self.worker_id, self.nonce)
-    }
-
-    /// Called on any Redis error: pauses intake until the monitor sees Redis again.
-    pub fn redis_failed(&self) {
-        self.redis_ok.send_replace(false);
-    }
-}
+use crate::handler::Registry;
+use crate::process::{self, Incoming};
+pub use crate::state::Stats;
+use crate::state::{Core, resolve_jobs};
+use crate::store::BrokerOutbox;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -164,7 +51,8 @@ impl WorkerError {
 
 /// A configured worker, ready to [`run`](Worker::run).
 pub struct Worker {
-    shared: Arc<Shared>,
+    core: Arc<Core>,
+    store: IdemStore,
     queues: Vec<String>,
     concurrency: usize,
     prefetch: u16,
@@ -238,71 +126,18 @@ impl WorkerBuilder {
                 .into());
             }
         }
-        let mut jobs = HashMap::new();
-        for (i, job) in config.jobs.iter().enumerate() {
-            let handler = builtin::for_job(job).or_else(|| self.registry.get(&job.handler));
-            match handler {
-                Some(handler) => {
-                    let timeout = job.timeout.unwrap_or(config.worker.default_timeout);
-                    let limit = config.amqp.consumer_timeout.saturating_sub(Duration::from_secs(60));
-                    if timeout >= limit {
-                        warn!(job = %job.name, ?timeout, consumer_timeout = ?config.amqp.consumer_timeout,
-                            "job timeout is not safely below RabbitMQ's consumer_timeout (minus its 1 min check \
-                             interval): a run that long makes the broker close the channel and requeue every \
-                             unacked delivery on it; raise consumer_timeout on the broker and amqp.consumer_timeout");
-                    }
-                    let backoff = job.backoff.clone().unwrap_or_default();
-                    jobs.insert(job.name.clone(), JobSpec::new(handler, timeout, backoff, job.deadline));
-                }
-                None if queues.iter().any(|q| q == job.queue()) => {
-                    return Err(ConfigError::Invalid {
-                        key: format!("jobs[{i}] ({}).handler", job.name),
-                        message: format!(
-                            "{:?} is neither a built-in handler ({}) nor registered in this worker",
-                            job.handler,
-                            builtin::BUILTINS.join(", ")
-                        ),
-                    }
-                    .into());
-                }
-                None => {}
-            }
-        }
-        for (name, handler) in self.registry.iter() {
-            if !jobs.contains_key(name) {
-                let spec = JobSpec::new(
-                    handler.clone(),
-                    config.worker.default_timeout,
-                    BackoffConfig::default(),
-                    None,
-                );
-                jobs.insert(name.to_string(), spec);
-            }
-        }
-        let names = Names::new(&config.prefix);
-        let store = IdemStore::connect(&config.redis, names.clone())?;
+        let jobs = resolve_jobs(&config, &self.registry, &queues)?;
+        let store = IdemStore::connect(&config.redis, chime_shared::topology::Names::new(&config.prefix))?;
         let worker_id = self.worker_id.unwrap_or_else(default_worker_id);
-        let (redis_ok, redis_rx) = watch::channel(false);
         let prefetch =
             config.worker.prefetch.unwrap_or_else(|| u16::try_from(concurrency).unwrap_or(u16::MAX));
         let health = self.health.unwrap_or_default();
         for c in ["amqp", "redis", "consuming"] {
             health.set(c, false);
         }
-        let shared = Arc::new(Shared {
-            config,
-            names,
-            store,
-            worker_id,
-            nonce: uuid::Uuid::new_v4().simple().to_string()[..8].to_string(),
-            owners: AtomicU64::new(0),
-            stats: Arc::new(Stats::default()),
-            jobs,
-            redis_ok,
-            intake_stopped: CancellationToken::new(),
-            hard_stop: CancellationToken::new(),
-        });
-        Ok(Worker { shared, queues, concurrency, prefetch, health, redis_rx })
+        let core = Arc::new(Core::new(config, self.registry, jobs, worker_id));
+        let redis_rx = core.redis_ok.subscribe();
+        Ok(Worker { core, store, queues, concurrency, prefetch, health, redis_rx })
     }
 }
 
@@ -328,7 +163,13 @@ impl Worker {
 
     /// Outcome counters of this worker.
     pub fn stats(&self) -> Arc<Stats> {
-        self.shared.stats.clone()
+        self.core.stats.clone()
+    }
+
+    /// A handle that replaces the job definitions of the running worker (SIGHUP, a changed
+    /// config file). The queues it consumes and the connection settings stay as they were.
+    pub fn reloader(&self) -> Reloader {
+        Reloader { core: self.core.clone(), queues: self.queues.clone() }
     }
 
     pub fn queues(&self) -> &[String] {
@@ -340,16 +181,21 @@ impl Worker {
     pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), WorkerError> {
         let tracker = TaskTracker::new();
         let semaphore = Arc::new(Semaphore::new(self.concurrency));
-        let monitor = tokio::spawn(redis_monitor(self.shared.clone(), self.health.clone(), shutdown.clone()));
-        info!(worker = %self.shared.worker_id, queues = ?self.queues, concurrency = self.concurrency,
+        let monitor = tokio::spawn(redis_monitor(
+            self.core.clone(),
+            self.store.clone(),
+            self.health.clone(),
+            shutdown.clone(),
+        ));
+        info!(worker = %self.core.worker_id, queues = ?self.queues, concurrency = self.concurrency,
             prefetch = self.prefetch, "worker starting");
 
         let mut delays = reconnect_delays();
         let mut result = Ok(());
         while !shutdown.is_cancelled() {
-            let conn_name = format!("chime-worker {}", self.shared.worker_id);
+            let conn_name = format!("chime-worker {}", self.core.worker_id);
             let conn = tokio::select! {
-                c = amqp::connect(&self.shared.config.amqp, &conn_name) => c,
+                c = amqp::connect(&self.core.config.amqp, &conn_name) => c,
                 _ = shutdown.cancelled() => break,
             };
             let conn = match conn {
@@ -371,6 +217,8 @@ impl Worker {
                     break;
                 }
                 Ok(SessionEnd::ConnectionLost(why)) => {
+                    // Whatever is still open goes: the broker requeues its unacked deliveries.
+                    let _ = conn.close(320, "reconnecting".into()).await;
                     self.health.set("amqp", false);
                     self.health.set("consuming", false);
                     warn!(reason = %why, "RabbitMQ connection lost; reconnecting");
@@ -399,12 +247,12 @@ impl Worker {
 
     /// Waits for in-flight jobs up to the drain deadline, then stops the rest.
     async fn drain(&self, tracker: &TaskTracker) {
-        self.shared.intake_stopped.cancel();
+        self.core.intake_stopped.cancel();
         tracker.close();
-        let deadline = self.shared.config.worker.shutdown_timeout;
+        let deadline = self.core.config.worker.shutdown_timeout;
         if tokio::time::timeout(deadline, tracker.wait()).await.is_err() {
             warn!(in_flight = tracker.len(), ?deadline, "drain deadline passed; stopping the remaining jobs");
-            self.shared.hard_stop.cancel();
+            self.core.hard_stop.cancel();
             let _ = tokio::time::timeout(Duration::from_secs(10), tracker.wait()).await;
         }
     }
@@ -416,7 +264,7 @@ impl Worker {
         semaphore: &Arc<Semaphore>,
         shutdown: &CancellationToken,
     ) -> Result<SessionEnd, TopologyError> {
-        topology::declare(conn, &self.shared.config, &self.queues).await?;
+        topology::declare(conn, &self.core.config, &self.queues).await?;
         let lost = |e: lapin::Error| Ok(SessionEnd::ConnectionLost(e.to_string()));
         let publish = match conn.create_channel().await {
             Ok(c) => c,
@@ -441,7 +289,12 @@ impl Worker {
             }
             channels.push((q.clone(), ch, AckBatcher::spawn()));
         }
-        let publish = Arc::new(publish);
+        let outbox = BrokerOutbox {
+            channel: Arc::new(publish),
+            names: self.core.names.clone(),
+            timeout: self.core.config.amqp.publish_timeout,
+            broken: CancellationToken::new(),
+        };
 
         loop {
             // Intake only while Redis answers: without it no delivery can be decided.
@@ -472,21 +325,22 @@ impl Worker {
                     biased;
                     _ = shutdown.cancelled() => break Pause::Shutdown,
                     _ = redis_becomes(&mut self.redis_rx, false) => break Pause::Redis,
+                    _ = outbox.broken.cancelled() => break Pause::Lost("the broker closed the publish channel".into()),
                     next = streams.next() => match next {
                         Some((queue, acks, Ok(delivery))) => {
-                            acks.delivered(delivery.delivery_tag);
+                            let ticket = acks.delivered(delivery.delivery_tag, delivery.acker);
                             let permit = tokio::select! {
                                 p = semaphore.clone().acquire_owned() => p,
                                 _ = shutdown.cancelled() => {
-                                    acks.requeue(delivery.delivery_tag, delivery.acker);
+                                    ticket.requeue();
                                     break Pause::Shutdown;
                                 }
                             };
                             let Ok(permit) = permit else { break Pause::Shutdown };
-                            let shared = self.shared.clone();
-                            let publish = publish.clone();
+                            let (core, store, outbox) = (self.core.clone(), self.store.clone(), outbox.clone());
+                            let incoming = Incoming { queue, data: delivery.data, properties: delivery.properties };
                             tracker.spawn(async move {
-                                process::handle(&shared, &publish, &acks, &queue, delivery).await;
+                                process::handle(&core, &store, &outbox, incoming, ticket).await;
                                 drop(permit);
                             });
                         }
@@ -505,8 +359,7 @@ impl Worker {
             }
             let requeue = async {
                 while let Some((_, acks, Ok(d))) = streams.next().await {
-                    acks.delivered(d.delivery_tag);
-                    acks.requeue(d.delivery_tag, d.acker);
+                    acks.delivered(d.delivery_tag, d.acker).requeue();
                 }
             };
             let _ = tokio::time::timeout(Duration::from_secs(2), requeue).await;
@@ -521,7 +374,7 @@ impl Worker {
                     acks.flush().await;
                     let _ = ch.close(200, "shutdown".into()).await;
                 }
-                let _ = publish.close(200, "shutdown".into()).await;
+                let _ = outbox.channel.close(200, "shutdown".into()).await;
                 return Ok(SessionEnd::Shutdown);
             }
             warn!("redis unreachable: intake paused until it answers");
@@ -529,10 +382,10 @@ impl Worker {
     }
 
     async fn consume(&self, ch: &Channel, queue: &str) -> Result<lapin::Consumer, lapin::Error> {
-        let tag = format!("{}/{}/{}", self.shared.worker_id, queue, uuid::Uuid::new_v4().simple());
+        let tag = format!("{}/{}/{}", self.core.worker_id, queue, uuid::Uuid::new_v4().simple());
         let consumer = ch
             .basic_consume(
-                self.shared.names.work_queue(queue).into(),
+                self.core.names.work_queue(queue).into(),
                 tag.into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
@@ -567,10 +420,10 @@ enum Pause {
 }
 
 /// Pings Redis every second (every 250 ms while it is down) and publishes the result.
-async fn redis_monitor(shared: Arc<Shared>, health: Health, shutdown: CancellationToken) {
+async fn redis_monitor(core: Arc<Core>, store: IdemStore, health: Health, shutdown: CancellationToken) {
     let mut was_ok = None;
     loop {
-        let ok = shared.store.ping().await.is_ok();
+        let ok = store.ping().await.is_ok();
         if was_ok != Some(ok) {
             if ok {
                 info!("redis reachable");
@@ -580,7 +433,7 @@ async fn redis_monitor(shared: Arc<Shared>, health: Health, shutdown: Cancellati
             was_ok = Some(ok);
         }
         health.set("redis", ok);
-        shared.redis_ok.send_if_modified(|v| {
+        core.redis_ok.send_if_modified(|v| {
             let changed = *v != ok;
             *v = ok;
             changed
@@ -590,5 +443,27 @@ async fn redis_monitor(shared: Arc<Shared>, health: Health, shutdown: Cancellati
             _ = tokio::time::sleep(period) => {}
             _ = shutdown.cancelled() => return,
         }
+    }
+}
+
+/// Replaces a running worker's job definitions (see [`Worker::reloader`]).
+#[derive(Clone)]
+pub struct Reloader {
+    core: Arc<Core>,
+    queues: Vec<String>,
+}
+
+impl Reloader {
+    /// Applies the jobs of `config` (validated, resolved to handlers) to the running worker:
+    /// jobs it did not know are run from now on, changed timeouts and backoffs apply to the
+    /// next delivery. Deliveries already running keep their definition.
+    pub fn reload(&self, config: &Config) -> Result<(), WorkerError> {
+        let jobs = resolve_jobs(config, &self.core.registry, &self.queues)?;
+        if config.worker_queues() != self.queues && config.worker.queues != self.queues {
+            warn!("the reloaded config names other queues; restart the worker to consume them");
+        }
+        info!(jobs = jobs.len(), "job definitions reloaded");
+        self.core.set_jobs(jobs);
+        Ok(())
     }
 }

@@ -6,6 +6,8 @@ mod cli;
 mod common;
 mod dead_letters;
 mod dlq_ops;
+mod idempotency;
+mod loss_windows;
 mod pipeline;
 mod processes;
 mod project;

@@ -49,10 +49,15 @@ async fn worker_killed_mid_job_completes_elsewhere_after_the_lease_once() {
     })
     .await;
     let lines = ledger_lines(&ledger);
-    assert_eq!(
-        lines,
-        vec![format!("start {key} 1"), format!("start {key} 2"), format!("done {key} 2")],
-        "B ran it once, with the next fence; A's child never finished:\n{}",
+    let fence = |l: &str| l.rsplit(' ').next().and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    let (a_start, b_start, b_done) = (&lines[0], &lines[1], &lines[2]);
+    assert!(
+        a_start.starts_with(&format!("start {key} "))
+            && b_start.starts_with(&format!("start {key} "))
+            && b_done == &format!("done {key} {}", fence(b_start))
+            && fence(b_start) > fence(a_start),
+        "B ran it once, with a higher fence; A's child never finished: {lines:?}\n{}",
         b.log_text()
     );
     // The child writes its last ledger line before it exits and B records the outcome.
@@ -90,7 +95,9 @@ async fn sigterm_drains_in_flight_jobs_and_exits_zero() {
     wait_started(&ledger).await;
     w.signal(15);
     assert_eq!(exit_code(&mut w, Duration::from_secs(30)).await, 0, "{}", w.log_text());
-    assert_eq!(ledger_lines(&ledger), vec![format!("start {} 1", job.key), format!("done {} 1", job.key)]);
+    let lines = ledger_lines(&ledger);
+    let fence = lines.first().and_then(|l| l.rsplit(' ').next()).unwrap_or("").to_string();
+    assert_eq!(lines, vec![format!("start {} {fence}", job.key), format!("done {} {fence}", job.key)]);
     assert_eq!(depth(&env.names().work_queue("default")).await, 0, "acked before exit:\n{}", w.log_text());
     assert_eq!(idem_state(&env, &job.key.to_string()).await.as_deref(), Some("done"));
 }
@@ -122,7 +129,9 @@ async fn drain_deadline_stops_the_job_kills_its_process_group_and_requeues() {
     })
     .await;
     assert_eq!(idem_state(&env, &key).await.as_deref(), Some("free"));
-    assert_eq!(ledger_lines(&ledger), vec![format!("start {key} 1")]);
+    let lines = ledger_lines(&ledger);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].starts_with(&format!("start {key} ")), "{lines:?}");
 }
 
 #[tokio::test]
@@ -149,6 +158,8 @@ async fn exec_gets_payload_on_stdin_and_facts_in_env() {
         serde_json::json!({"greeting": "hi"})
     );
     let envs = std::fs::read_to_string(out.with_extension("env")).unwrap();
-    assert_eq!(envs.trim(), format!("show|{}|1||1", job.key));
+    let (facts, fence) = envs.trim().rsplit_once('|').unwrap();
+    assert_eq!(facts, format!("show|{}|1|", job.key));
+    assert!(fence.parse::<u64>().unwrap() > 1_000_000_000_000_000, "the fence is Redis time in µs: {fence}");
     worker.stop().await;
 }

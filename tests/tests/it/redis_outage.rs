@@ -57,7 +57,7 @@ async fn redis_restart_loses_nothing_and_pauses_intake() {
 /// scripts again and succeed; a claim resent by the same owner gets the same fence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_store_answers_each_call_and_survives_script_flush() {
-    use chime_shared::idempotency::{Claim, Final, IdemStore};
+    use chime_shared::idempotency::{Claim, Final, IdemStore, Recorded};
     let redis = PrivateRedis::start().await;
     let mut env = TestEnv::new("idembatch");
     env.redis_url = redis.url();
@@ -68,12 +68,12 @@ async fn batched_store_answers_each_call_and_survives_script_flush() {
     // connection die with it. The store starts a new batching task in the next caller's
     // runtime; the connection manager reconnects after reporting the broken connection once.
     let other = store.clone();
-    std::thread::spawn(move || {
+    let first = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        assert!(matches!(
-            rt.block_on(other.claim("first-runtime", "o")).unwrap(),
-            Claim::Claimed { fence: 1 }
-        ));
+        match rt.block_on(other.claim("first-runtime", "o")).unwrap() {
+            Claim::Claimed { fence } => fence,
+            other => panic!("{other:?}"),
+        }
     })
     .join()
     .unwrap();
@@ -83,7 +83,7 @@ async fn batched_store_answers_each_call_and_survives_script_flush() {
         async move { s2.claim("first-runtime", "o").await.is_ok() }
     })
     .await;
-    assert!(store.finish("first-runtime", "o", 1, Final::Done).await.unwrap());
+    assert_eq!(store.finish("first-runtime", "o", first, Final::Done).await.unwrap(), Recorded::Yes);
 
     let calls = (0..2000).map(|i| {
         let store = store.clone();
@@ -100,18 +100,20 @@ async fn batched_store_answers_each_call_and_survives_script_flush() {
             );
             assert!(matches!(store.claim(&key, "someone else").await.unwrap(), Claim::Busy { .. }));
             let state = if i % 2 == 0 { Final::Done } else { Final::Dead };
-            assert!(store.finish(&key, &owner, fence, state).await.unwrap());
-            store.claim(&key, "late duplicate").await.unwrap()
+            assert_eq!(store.finish(&key, &owner, fence, state).await.unwrap(), Recorded::Yes);
+            (fence, store.claim(&key, "late duplicate").await.unwrap())
         }
     });
     let answers = futures_util::future::join_all(calls).await;
-    for (i, a) in answers.iter().enumerate() {
-        let want = if i % 2 == 0 { Claim::Done { fence: 1 } } else { Claim::Dead { fence: 1 } };
+    for (i, (fence, a)) in answers.iter().enumerate() {
+        let want = if i % 2 == 0 { Claim::Done { fence: *fence } } else { Claim::Dead { fence: *fence } };
         assert_eq!(*a, want, "key k{i}");
     }
 
     let mut conn = connect_redis(&redis.url()).await;
     let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut conn).await.unwrap();
-    assert!(matches!(store.claim("after-flush", "o").await.unwrap(), Claim::Claimed { fence: 1 }));
-    assert!(store.finish("after-flush", "o", 1, Final::Done).await.unwrap());
+    let Claim::Claimed { fence } = store.claim("after-flush", "o").await.unwrap() else {
+        panic!("not claimed")
+    };
+    assert_eq!(store.finish("after-flush", "o", fence, Final::Done).await.unwrap(), Recorded::Yes);
 }

@@ -5,7 +5,7 @@
 use chime_tests::reliability::{self, Outcome, TABLE_HEAD};
 
 fn check(o: Outcome) {
-    println!("{TABLE_HEAD}\n{}", o.row());
+    println!("{TABLE_HEAD}\n{}\n{}", o.row(), o.note);
     assert!(o.passed(), "{}", o.row());
 }
 
@@ -79,4 +79,44 @@ async fn reliability_handler_panic() {
 #[ignore]
 async fn reliability_consumer_timeout() {
     check(reliability::consumer_timeout().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_long_jobs_redis_restarted_empty() {
+    check(reliability::long_jobs_redis_restarted_empty().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_redis_failover_to_lagging_replica() {
+    check(reliability::redis_failover_to_lagging_replica().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_connection_closed_while_failing() {
+    check(reliability::connection_closed_while_failing().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_dead_exchange_missing() {
+    check(reliability::dead_exchange_missing().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_memory_alarm() {
+    check(reliability::memory_alarm().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_ticker_clock_skew() {
+    check(reliability::ticker_clock_skew().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_rolling_deploy() {
+    check(reliability::rolling_deploy().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_sigkill_loop() {
+    check(reliability::sigkill_loop().await);
 }

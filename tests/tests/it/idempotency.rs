@@ -1,0 +1,171 @@
+//! Every branch of the idempotency scripts (CLAIM, RENEW, FINISH, DYING, REVIVE) against real
+//! Redis, under the test's own prefix.
+
+use crate::common::*;
+use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemStore, Recorded, Renewal};
+use std::time::Duration;
+
+struct Keys {
+    env: TestEnv,
+    store: IdemStore,
+    conn: redis::aio::MultiplexedConnection,
+}
+
+impl Keys {
+    async fn new(name: &str) -> Self {
+        let env = TestEnv::new(name);
+        let config = env.config("quorum", "lease = \"1s\"", "", "");
+        let store = IdemStore::connect(&config.redis, env.names()).unwrap();
+        let conn = connect_redis(&env.redis_url).await;
+        Self { env, store, conn }
+    }
+    fn key(&self, k: &str) -> String {
+        self.env.names().idem_key(k)
+    }
+    async fn field(&mut self, k: &str, f: &str) -> Option<String> {
+        redis::cmd("HGET").arg(self.key(k)).arg(f).query_async(&mut self.conn).await.unwrap()
+    }
+    async fn ttl_ms(&mut self, k: &str) -> i64 {
+        redis::cmd("PTTL").arg(self.key(k)).query_async(&mut self.conn).await.unwrap()
+    }
+    async fn forget(&mut self, k: &str) {
+        let _: i64 = redis::cmd("DEL").arg(self.key(k)).query_async(&mut self.conn).await.unwrap();
+    }
+    async fn claimed(&self, k: &str, owner: &str) -> u64 {
+        match self.store.claim(k, owner).await.unwrap() {
+            Claim::Claimed { fence } => fence,
+            other => panic!("{k}: {other:?}"),
+        }
+    }
+}
+
+/// Seven days, the default retention, in ms.
+const RETENTION_MS: i64 = 7 * 86_400_000;
+
+#[tokio::test]
+async fn claim_branches() {
+    let mut t = Keys::new("lua-claim").await;
+    // Fresh: claimed with a fence from Redis TIME (microseconds, so > 10^15 today).
+    let f1 = t.claimed("a", "o1").await;
+    assert!(f1 > 1_000_000_000_000_000, "fence {f1} is Redis time in µs");
+    assert!(t.ttl_ms("a").await > RETENTION_MS - 60_000);
+    // The same owner again (a resent command): the same fence.
+    assert_eq!(t.claimed("a", "o1").await, f1);
+    // Another owner within the lease: busy, with what is left of it.
+    let Claim::Busy { fence, remaining } = t.store.claim("a", "o2").await.unwrap() else {
+        panic!("not busy")
+    };
+    assert_eq!(fence, f1);
+    assert!(remaining <= Duration::from_secs(1));
+    // After the lease: claimed by the other owner, with a higher fence.
+    let store = t.store.clone();
+    wait_until("the 1 s lease lapses", Duration::from_secs(5), || {
+        let store = store.clone();
+        async move { matches!(store.claim("a", "o2").await, Ok(Claim::Claimed { .. })) }
+    })
+    .await;
+    let f2 = t.claimed("a", "o2").await;
+    assert!(f2 > f1);
+    // done and dead are duplicates, with their fence.
+    assert_eq!(t.store.finish("a", "o2", f2, Final::Done).await.unwrap(), Recorded::Yes);
+    assert_eq!(t.store.claim("a", "o3").await.unwrap(), Claim::Done { fence: f2 });
+    let f = t.claimed("b", "o1").await;
+    t.store.finish("b", "o1", f, Final::Dead).await.unwrap();
+    assert_eq!(t.store.claim("b", "o3").await.unwrap(), Claim::Dead { fence: f });
+    // free: claimable again, the fence grows.
+    let f = t.claimed("c", "o1").await;
+    t.store.finish("c", "o1", f, Final::Free).await.unwrap();
+    assert!(t.claimed("c", "o2").await > f);
+    // A record Redis lost: claimed again with a fence still above every earlier one.
+    t.forget("c").await;
+    let after_loss = t.claimed("c", "o3").await;
+    assert!(after_loss > f, "fences never go backwards after data loss ({after_loss} ≤ {f})");
+    // A fence from an older release (a small counter) is raised to Redis time.
+    let _: () = redis::cmd("HSET")
+        .arg(t.key("old"))
+        .arg(&["s", "free", "o", "x", "u", "0", "f", "41"])
+        .query_async(&mut t.conn)
+        .await
+        .unwrap();
+    assert!(t.claimed("old", "o1").await > 1_000_000_000_000_000);
+}
+
+#[tokio::test]
+async fn dying_keys_are_handed_to_the_next_claimer() {
+    let mut t = Keys::new("lua-dying").await;
+    let dead = DeadInfo { reason: "exhausted".into(), error: "exit code 1".into(), attempts: 5 };
+    let f = t.claimed("d", "o1").await;
+    assert_eq!(t.store.mark_dying("d", "o1", f, &dead).await.unwrap(), Recorded::Yes);
+    assert_eq!(t.field("d", "s").await.as_deref(), Some("dying"));
+    // Someone else cannot mark a key it does not hold.
+    let f2 = t.claimed("e", "o1").await;
+    assert_eq!(t.store.mark_dying("e", "o2", f2, &dead).await.unwrap(), Recorded::NotOurs);
+    // The next copy gets the dead letter's facts and becomes the owner.
+    assert_eq!(t.store.claim("d", "o2").await.unwrap(), Claim::Dying { fence: f, dead: dead.clone() });
+    assert_eq!(
+        t.store.finish("d", "o1", f, Final::Dead).await.unwrap(),
+        Recorded::NotOurs,
+        "the old owner lost it"
+    );
+    assert_eq!(t.store.finish("d", "o2", f, Final::Dead).await.unwrap(), Recorded::Yes);
+    assert_eq!(t.field("d", "s").await.as_deref(), Some("dead"));
+    assert_eq!(t.field("d", "r").await, None, "the dead letter's facts are dropped once it is confirmed");
+    // Marking a record Redis lost writes it anew.
+    assert_eq!(t.store.mark_dying("gone", "o1", 7, &dead).await.unwrap(), Recorded::Recreated);
+    assert!(matches!(t.store.claim("gone", "o9").await.unwrap(), Claim::Dying { .. }));
+}
+
+#[tokio::test]
+async fn renew_branches() {
+    let mut t = Keys::new("lua-renew").await;
+    let f = t.claimed("r", "o1").await;
+    // Renewed, and the TTL refreshed to the retention.
+    let _: i64 = redis::cmd("PEXPIRE").arg(t.key("r")).arg(5_000).query_async(&mut t.conn).await.unwrap();
+    assert_eq!(t.store.renew("r", "o1").await.unwrap(), Renewal::Renewed);
+    assert!(t.ttl_ms("r").await > RETENTION_MS - 60_000, "renewal refreshes the TTL");
+    // Another owner's key: lost.
+    assert_eq!(t.store.renew("r", "o2").await.unwrap(), Renewal::Lost);
+    // A settled key: lost.
+    t.store.finish("r", "o1", f, Final::Done).await.unwrap();
+    assert_eq!(t.store.renew("r", "o1").await.unwrap(), Renewal::Lost);
+    // The record is gone (Redis restarted empty): re-created for the same owner, new fence.
+    let f = t.claimed("m", "o1").await;
+    t.forget("m").await;
+    let Renewal::Recreated { fence } = t.store.renew("m", "o1").await.unwrap() else {
+        panic!("not recreated")
+    };
+    assert!(fence > f);
+    assert_eq!(t.field("m", "s").await.as_deref(), Some("run"));
+    assert_eq!(t.field("m", "o").await.as_deref(), Some("o1"));
+    assert!(
+        matches!(t.store.claim("m", "o2").await.unwrap(), Claim::Busy { .. }),
+        "a copy sees it busy again"
+    );
+}
+
+#[tokio::test]
+async fn finish_and_revive_branches() {
+    let mut t = Keys::new("lua-finish").await;
+    let f = t.claimed("f", "o1").await;
+    assert_eq!(t.store.finish("f", "o2", f, Final::Done).await.unwrap(), Recorded::NotOurs);
+    assert_eq!(t.field("f", "s").await.as_deref(), Some("run"));
+    assert_eq!(t.store.finish("f", "o1", f, Final::Done).await.unwrap(), Recorded::Yes);
+    assert!(t.ttl_ms("f").await > RETENTION_MS - 60_000);
+    // A record Redis lost: done and dead are written anew; free writes nothing.
+    assert_eq!(t.store.finish("lost-done", "o1", 9, Final::Done).await.unwrap(), Recorded::Recreated);
+    assert_eq!(t.field("lost-done", "s").await.as_deref(), Some("done"));
+    assert_eq!(t.store.finish("lost-free", "o1", 9, Final::Free).await.unwrap(), Recorded::Recreated);
+    assert_eq!(t.field("lost-free", "s").await, None);
+    // Revive: only a dead key comes back.
+    let f = t.claimed("v", "o1").await;
+    assert!(!t.store.revive("v").await.unwrap());
+    t.store.finish("v", "o1", f, Final::Dead).await.unwrap();
+    assert!(t.store.revive("v").await.unwrap());
+    assert!(t.claimed("v", "o2").await > f);
+    // A dying key (its worker died after the dead letter's confirm) is revived by a replay.
+    let f = t.claimed("w", "o1").await;
+    let dead = DeadInfo { reason: "permanent".into(), error: "e".into(), attempts: 1 };
+    t.store.mark_dying("w", "o1", f, &dead).await.unwrap();
+    assert!(t.store.revive("w").await.unwrap());
+    assert!(t.claimed("w", "o2").await > f);
+}

@@ -1,0 +1,245 @@
+use super::*;
+use proptest::prelude::*;
+use std::sync::{Arc, Mutex};
+
+/// What the application does next.
+#[derive(Debug, Clone)]
+enum Op {
+    /// The broker delivers the next tag; the worker registers it, or loses it on the way (a
+    /// consumer cancelled and re-created on the same channel, a stream item never read).
+    Deliver {
+        registered: bool,
+    },
+    /// The worker settles the n-th delivery still in progress.
+    Settle {
+        nth: usize,
+        ack: bool,
+    },
+    /// A delivery is settled a second time (a bug elsewhere must not reach the wire).
+    SettleAgain {
+        nth: usize,
+        ack: bool,
+    },
+    Tick {
+        ms: u64,
+    },
+    Flush,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => prop_oneof![9 => Just(true), 1 => Just(false)].prop_map(|registered| Op::Deliver { registered }),
+        4 => (any::<usize>(), prop_oneof![4 => Just(true), 1 => Just(false)]).prop_map(|(nth, ack)| Op::Settle { nth, ack }),
+        1 => (any::<usize>(), any::<bool>()).prop_map(|(nth, ack)| Op::SettleAgain { nth, ack }),
+        2 => (0..40u64).prop_map(|ms| Op::Tick { ms }),
+        1 => Just(Op::Flush),
+    ]
+}
+
+/// The broker's view of one channel, and what the application decided.
+#[derive(Default)]
+struct Model {
+    next: u64,
+    /// Delivered and not yet acked or requeued at the broker.
+    outstanding: BTreeSet<u64>,
+    in_progress: Vec<u64>,
+    settled_ack: BTreeSet<u64>,
+    settled_requeue: BTreeSet<u64>,
+    settled: Vec<u64>,
+}
+
+impl Model {
+    /// Applies frames as the broker would, failing on any frame that breaks the invariant.
+    fn wire(&mut self, frames: Vec<Wire>) -> Result<(), TestCaseError> {
+        for w in frames {
+            match w {
+                Wire::Ack { tag, multiple: false } => {
+                    prop_assert!(
+                        self.outstanding.remove(&tag),
+                        "ack of tag {} not outstanding (double ack)",
+                        tag
+                    );
+                    prop_assert!(self.settled_ack.contains(&tag), "ack of tag {} not settled by ack", tag);
+                }
+                Wire::Ack { tag, multiple: true } => {
+                    prop_assert!(
+                        self.outstanding.contains(&tag),
+                        "multiple ack of tag {} not outstanding",
+                        tag
+                    );
+                    let covered: Vec<u64> = self.outstanding.range(..=tag).copied().collect();
+                    for t in covered {
+                        prop_assert!(
+                            self.settled_ack.contains(&t),
+                            "multiple ack up to {} covers tag {}, which is not settled by ack",
+                            tag,
+                            t
+                        );
+                        self.outstanding.remove(&t);
+                    }
+                }
+                Wire::Requeue { tag } => {
+                    prop_assert!(self.outstanding.remove(&tag), "requeue of tag {} not outstanding", tag);
+                    prop_assert!(
+                        self.settled_requeue.contains(&tag),
+                        "requeue of tag {} not settled by requeue",
+                        tag
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let start = Instant::now();
+    let mut now = start;
+    let mut ledger = AckLedger::default();
+    let mut m = Model { next: 1, ..Model::default() };
+    for op in ops {
+        match op {
+            Op::Deliver { registered } => {
+                let tag = m.next;
+                m.next += 1;
+                m.outstanding.insert(tag);
+                if registered {
+                    ledger.delivered(tag);
+                    m.in_progress.push(tag);
+                }
+            }
+            Op::Settle { nth, ack } if !m.in_progress.is_empty() => {
+                let tag = m.in_progress.remove(nth % m.in_progress.len());
+                m.settled.push(tag);
+                let frames = if ack {
+                    m.settled_ack.insert(tag);
+                    ledger.ack(tag, now)
+                } else {
+                    m.settled_requeue.insert(tag);
+                    ledger.requeue(tag)
+                };
+                m.wire(frames)?;
+            }
+            Op::Settle { .. } => {}
+            Op::SettleAgain { nth, ack } if !m.settled.is_empty() => {
+                let tag = m.settled[nth % m.settled.len()];
+                let frames = if ack { ledger.ack(tag, now) } else { ledger.requeue(tag) };
+                prop_assert!(frames.is_empty(), "settling tag {} twice sent {:?}", tag, frames);
+            }
+            Op::SettleAgain { .. } => {}
+            Op::Tick { ms } => {
+                now += Duration::from_millis(ms);
+                m.wire(ledger.tick(now))?;
+            }
+            Op::Flush => m.wire(ledger.flush())?,
+        }
+    }
+    // Settle the rest, flush: every registered delivery is then off the broker's books; only
+    // the lost ones stay outstanding (the broker redelivers them when the channel closes).
+    for tag in std::mem::take(&mut m.in_progress) {
+        m.settled_ack.insert(tag);
+        let frames = ledger.ack(tag, now);
+        m.wire(frames)?;
+    }
+    m.wire(ledger.flush())?;
+    let left: Vec<u64> = m
+        .outstanding
+        .iter()
+        .filter(|t| m.settled_ack.contains(t) || m.settled_requeue.contains(t))
+        .copied()
+        .collect();
+    prop_assert!(left.is_empty(), "settled but never sent: {:?}", left);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2_000, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_multiple_ack_never_covers_an_unsettled_or_unknown_delivery(ops in proptest::collection::vec(op(), 1..200)) {
+        run_ops(ops)?;
+    }
+}
+
+#[test]
+fn a_lost_tag_blocks_multiple_acks_past_it() {
+    let t = Instant::now();
+    let mut l = AckLedger::default();
+    l.delivered(1);
+    // Tag 2 was delivered to the channel but never reached the ledger.
+    l.delivered(3);
+    assert_eq!(l.ack(1, t), vec![Wire::Ack { tag: 1, multiple: true }]);
+    assert!(l.ack(3, t).is_empty(), "3 must not be acked with multiple=true over 2");
+    assert_eq!(l.tick(t + HOLD), vec![Wire::Ack { tag: 3, multiple: false }]);
+}
+
+#[test]
+fn requeues_go_out_at_once_and_unblock_the_prefix() {
+    let t = Instant::now();
+    let mut l = AckLedger::default();
+    for tag in 1..=3 {
+        l.delivered(tag);
+    }
+    assert!(l.ack(2, t).is_empty());
+    assert!(l.ack(3, t).is_empty());
+    assert_eq!(l.requeue(1), vec![Wire::Requeue { tag: 1 }, Wire::Ack { tag: 3, multiple: true }]);
+    assert!(!l.is_open(1));
+}
+
+/// Records what a delivery's acker was asked to do.
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<(u64, &'static str)>>>, u64);
+
+impl AckSink for Recorder {
+    fn ack(&self, multiple: bool) -> BoxFuture<'_, Result<(), String>> {
+        self.0.lock().unwrap().push((self.1, if multiple { "ack-multiple" } else { "ack" }));
+        Box::pin(async { Ok(()) })
+    }
+    fn requeue(&self) -> BoxFuture<'_, Result<(), String>> {
+        self.0.lock().unwrap().push((self.1, "requeue"));
+        Box::pin(async { Ok(()) })
+    }
+}
+
+async fn wait_for(log: &Recorder, n: usize) -> Vec<(u64, &'static str)> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let seen = log.0.lock().unwrap().clone();
+        if seen.len() >= n || Instant::now() > deadline {
+            return seen;
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_panic_anywhere_in_a_delivery_task_requeues_it() {
+    let log = Recorder::default();
+    let batcher: AckBatcher<Recorder> = AckBatcher::spawn();
+    let ticket = batcher.delivered(1, Recorder(log.0.clone(), 1));
+    let task = tokio::spawn(async move {
+        let _ticket = ticket;
+        panic!("a bug outside the handler");
+    });
+    assert!(task.await.is_err());
+    assert_eq!(wait_for(&log, 1).await, vec![(1, "requeue")]);
+}
+
+#[tokio::test]
+async fn tickets_settle_once_through_the_batcher() {
+    let log = Recorder::default();
+    let batcher: AckBatcher<Recorder> = AckBatcher::spawn();
+    let tickets: Vec<_> = (1..=3).map(|t| batcher.delivered(t, Recorder(log.0.clone(), t))).collect();
+    let mut it = tickets.into_iter();
+    let (a, b, c) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
+    b.ack();
+    c.requeue();
+    a.ack();
+    batcher.flush().await;
+    let seen = wait_for(&log, 2).await;
+    assert!(seen.contains(&(3, "requeue")), "{seen:?}");
+    // 1 and 2 go out as one multiple ack through tag 2's acker.
+    assert!(seen.contains(&(2, "ack-multiple")), "{seen:?}");
+    assert_eq!(seen.len(), 2, "{seen:?}");
+}

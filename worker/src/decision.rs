@@ -1,0 +1,247 @@
+//! The per-delivery decision, as a table of pure functions: what the claim said and how the
+//! run ended decide a [`Plan`]; `process` carries it out, and the order of its steps is the
+//! invariant: **a delivery is acked only after its outcome is durable where the next reader
+//! looks** — `done` recorded in Redis, or the retry or dead-letter copy confirmed by the broker.
+//!
+//! | claim | run | attempts | plan: steps in order | if the publish fails |
+//! |---|---|---|---|---|
+//! | Redis error | — | — | requeue (intake pauses) | |
+//! | `done` / `dead` | — | — | ack (duplicate) | |
+//! | `busy` (another live owner) | — | — | re-delay this copy by the remaining lease, ack | requeue |
+//! | `dying` (a dead letter not known to be confirmed) | — | — | publish the dead letter again, record `dead`, ack | requeue |
+//! | claimed | succeeded | — | record `done` (retried until it is), ack | (not recorded by the drain deadline: requeue) |
+//! | claimed | transient, timeout, panic | < max | publish attempt + 1 after the backoff, free the key, ack | free the key, requeue |
+//! | claimed | transient, timeout, panic | = max | mark `dying`, publish the dead letter, record `dead`, ack | requeue (`dying` stays: the next copy dead-letters) |
+//! | claimed | permanent | any | as above | as above |
+//! | claimed | lease taken over by another owner | — | ack (that owner settles its own copy) | |
+//! | claimed | stopped at the drain deadline | — | free the key, requeue | |
+//! | (no handler for the job) | — | — | re-delay for `worker.unknown_job_grace`, then dead-letter `unknown_job` | requeue |
+//! | (malformed, too large) | — | — | dead-letter, ack | requeue |
+//! | (scheduled slot past its deadline) | — | — | ack (expired) | |
+
+use chime_shared::config::BackoffConfig;
+use chime_shared::idempotency::{Claim, DeadInfo, IdemError};
+use chrono::{DateTime, Utc};
+use std::time::Duration;
+use uuid::Uuid;
+
+use crate::retry::{self, DeadReason, Decision, Failure};
+
+/// Longest `x-chime-error` kept.
+pub(crate) const MAX_ERROR_LEN: usize = 1000;
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RunEnd {
+    Succeeded,
+    Failed(Failure, String),
+    /// Another owner claimed the key while we ran (our lease lapsed).
+    LeaseTaken,
+    /// Stopped by the drain deadline without a result.
+    Stopped,
+}
+
+/// Why a delivery is acked without a new record or message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settled {
+    Duplicate,
+    Expired,
+    LeaseTaken,
+}
+
+/// Why a copy is sent round again unchanged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Redelay {
+    Busy,
+    /// First seen without a handler at this instant (carried in `x-chime-unknown-since`).
+    UnknownJob(DateTime<Utc>),
+}
+
+/// What a dead letter does to the key's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KeyMark {
+    /// No usable key (malformed, too large, unknown job): nothing recorded.
+    None,
+    /// A run failed for good: mark `dying` before publishing, `dead` after.
+    MarkDying,
+    /// The claim found the key `dying` and made us its owner: `dead` after publishing.
+    AlreadyDying,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Plan {
+    Ack(Settled),
+    /// Nothing decided (Redis unreachable before the claim).
+    Requeue,
+    RecordDone,
+    Retry {
+        delay: Duration,
+    },
+    Redelay {
+        delay: Duration,
+        why: Redelay,
+    },
+    DeadLetter {
+        dead: DeadInfo,
+        mark: KeyMark,
+    },
+    /// Stopped at the drain deadline: free the key, requeue.
+    Release,
+}
+
+/// After the claim: the fence to run with, or the plan that replaces the run.
+pub(crate) fn on_claim(claim: Result<Claim, &IdemError>) -> Result<u64, Plan> {
+    match claim {
+        Err(_) => Err(Plan::Requeue),
+        Ok(Claim::Claimed { fence }) => Ok(fence),
+        Ok(Claim::Done { .. } | Claim::Dead { .. }) => Err(Plan::Ack(Settled::Duplicate)),
+        // Never drop a busy copy (its owner may die): send it round after the remaining lease.
+        Ok(Claim::Busy { remaining, .. }) => {
+            Err(Plan::Redelay { delay: remaining.max(Duration::from_secs(1)), why: Redelay::Busy })
+        }
+        Ok(Claim::Dying { dead, .. }) => Err(Plan::DeadLetter { dead, mark: KeyMark::AlreadyDying }),
+    }
+}
+
+/// After the run of attempt `attempt` of `max_attempts`.
+pub(crate) fn on_run(
+    end: RunEnd,
+    attempt: u32,
+    max_attempts: u32,
+    backoff: &BackoffConfig,
+    key: Uuid,
+) -> Plan {
+    match end {
+        RunEnd::Succeeded => Plan::RecordDone,
+        RunEnd::LeaseTaken => Plan::Ack(Settled::LeaseTaken),
+        RunEnd::Stopped => Plan::Release,
+        RunEnd::Failed(failure, error) => match retry::decide(attempt, max_attempts, failure, backoff, key) {
+            Decision::Retry(delay) => Plan::Retry { delay },
+            Decision::Dead(reason) => {
+                Plan::DeadLetter { dead: dead_info(reason, &error, attempt), mark: KeyMark::MarkDying }
+            }
+        },
+    }
+}
+
+/// A job this worker has no handler for, first seen without one at `since`.
+pub(crate) fn unknown_job(
+    job: &str,
+    attempt: u32,
+    since: DateTime<Utc>,
+    now: DateTime<Utc>,
+    grace: Duration,
+) -> Plan {
+    let waited = (now - since).to_std().unwrap_or(Duration::ZERO);
+    match grace.checked_sub(waited) {
+        Some(left) if !left.is_zero() => Plan::Redelay {
+            delay: left.clamp(Duration::from_secs(1), Duration::from_secs(10)),
+            why: Redelay::UnknownJob(since),
+        },
+        _ => Plan::DeadLetter {
+            dead: dead_info(
+                DeadReason::UnknownJob,
+                &format!(
+                    "no handler for job {job:?} on any worker within worker.unknown_job_grace ({grace:?})"
+                ),
+                attempt.saturating_sub(1),
+            ),
+            mark: KeyMark::None,
+        },
+    }
+}
+
+/// A delivery that is not a job (malformed, too large): straight to the DLQ.
+pub(crate) fn rejected(reason: DeadReason, error: &str) -> Plan {
+    Plan::DeadLetter { dead: dead_info(reason, error, 0), mark: KeyMark::None }
+}
+
+pub(crate) fn dead_info(reason: DeadReason, error: &str, attempts: u32) -> DeadInfo {
+    DeadInfo {
+        reason: reason.as_str().to_string(),
+        error: truncate(error, MAX_ERROR_LEN).to_string(),
+        attempts,
+    }
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backoff() -> BackoffConfig {
+        BackoffConfig { initial: Duration::from_secs(1), factor: 2.0, max: Duration::from_secs(60) }
+    }
+
+    #[test]
+    fn claims_map_to_plans() {
+        assert_eq!(on_claim(Ok(Claim::Claimed { fence: 7 })), Ok(7));
+        assert_eq!(on_claim(Ok(Claim::Done { fence: 7 })), Err(Plan::Ack(Settled::Duplicate)));
+        assert_eq!(on_claim(Ok(Claim::Dead { fence: 7 })), Err(Plan::Ack(Settled::Duplicate)));
+        let busy = Claim::Busy { fence: 1, remaining: Duration::from_millis(300) };
+        assert_eq!(
+            on_claim(Ok(busy)),
+            Err(Plan::Redelay { delay: Duration::from_secs(1), why: Redelay::Busy })
+        );
+        let dead = DeadInfo { reason: "permanent".into(), error: "x".into(), attempts: 2 };
+        assert_eq!(
+            on_claim(Ok(Claim::Dying { fence: 1, dead: dead.clone() })),
+            Err(Plan::DeadLetter { dead, mark: KeyMark::AlreadyDying })
+        );
+        let down = IdemError::Protocol("down".into());
+        assert_eq!(on_claim(Err(&down)), Err(Plan::Requeue));
+    }
+
+    #[test]
+    fn runs_map_to_plans() {
+        let k = Uuid::nil();
+        assert_eq!(on_run(RunEnd::Succeeded, 1, 3, &backoff(), k), Plan::RecordDone);
+        assert_eq!(on_run(RunEnd::LeaseTaken, 1, 3, &backoff(), k), Plan::Ack(Settled::LeaseTaken));
+        assert_eq!(on_run(RunEnd::Stopped, 1, 3, &backoff(), k), Plan::Release);
+        assert!(matches!(
+            on_run(RunEnd::Failed(Failure::Transient, "e".into()), 1, 3, &backoff(), k),
+            Plan::Retry { .. }
+        ));
+        let Plan::DeadLetter { dead, mark } =
+            on_run(RunEnd::Failed(Failure::Timeout, "t".into()), 3, 3, &backoff(), k)
+        else {
+            panic!("exhausted attempts dead-letter");
+        };
+        assert_eq!((dead.reason.as_str(), dead.attempts, mark), ("timeout", 3, KeyMark::MarkDying));
+        let Plan::DeadLetter { dead, .. } =
+            on_run(RunEnd::Failed(Failure::Permanent, "é".repeat(800)), 1, 3, &backoff(), k)
+        else {
+            panic!("permanent failures dead-letter");
+        };
+        assert_eq!((dead.reason.as_str(), dead.error.len()), ("permanent", 1000));
+    }
+
+    #[test]
+    fn unknown_jobs_wait_out_the_grace_then_dead_letter() {
+        let since: DateTime<Utc> = "2026-01-01T00:00:00Z".parse().unwrap();
+        let grace = Duration::from_secs(60);
+        let at = |s: i64| since + chrono::Duration::seconds(s);
+        assert_eq!(
+            unknown_job("j", 1, since, at(0), grace),
+            Plan::Redelay { delay: Duration::from_secs(10), why: Redelay::UnknownJob(since) }
+        );
+        assert_eq!(
+            unknown_job("j", 1, since, at(55), grace),
+            Plan::Redelay { delay: Duration::from_secs(5), why: Redelay::UnknownJob(since) }
+        );
+        let Plan::DeadLetter { dead, mark } = unknown_job("j", 1, since, at(60), grace) else {
+            panic!("past the grace");
+        };
+        assert_eq!((dead.reason.as_str(), mark), ("unknown_job", KeyMark::None));
+    }
+}

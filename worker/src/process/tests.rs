@@ -1,0 +1,582 @@
+//! The per-delivery decision, carried out end to end against in-memory fakes of the key store
+//! and the broker (no services): every combination of claim result × handler outcome ×
+//! attempts × publish result, checked against the table in `decision.rs` and against the
+//! invariant that an ack only follows a durable outcome.
+
+use super::*;
+use crate::ack::AckBatcher;
+use crate::handler::{Registry, raw_handler_fn};
+use crate::state::resolve_jobs;
+use chime_shared::amqp::AmqpError;
+use chime_shared::config::Config;
+use chime_shared::envelope::{Source, adhoc_key};
+use chime_shared::idempotency::{Claim, IdemError};
+use futures_util::future::BoxFuture;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::{Arc, Mutex};
+
+// ----------------------------------------------------------------------------- fakes
+
+#[derive(Debug, Clone)]
+struct Rec {
+    state: &'static str,
+    owner: String,
+    fence: u64,
+    until: std::time::Instant,
+    dead: Option<DeadInfo>,
+}
+
+/// The Lua scripts' semantics over a map.
+#[derive(Default)]
+struct FakeStore {
+    recs: Mutex<HashMap<String, Rec>>,
+    /// Every command fails (Redis unreachable).
+    down: AtomicBool,
+    /// `finish` fails (Redis went away after the claim).
+    finish_down: AtomicBool,
+    lease_ms: u64,
+}
+
+impl FakeStore {
+    fn new() -> Self {
+        Self { lease_ms: 30_000, ..Self::default() }
+    }
+    fn err() -> IdemError {
+        IdemError::Protocol("connection refused".into())
+    }
+    fn state(&self, key: &str) -> Option<&'static str> {
+        self.recs.lock().unwrap().get(key).map(|r| r.state)
+    }
+    fn set(&self, key: &str, state: &'static str, owner: &str) {
+        let rec = Rec {
+            state,
+            owner: owner.into(),
+            fence: 1,
+            until: std::time::Instant::now() + Duration::from_secs(30),
+            dead: (state == "dying").then(|| DeadInfo {
+                reason: "permanent".into(),
+                error: "earlier".into(),
+                attempts: 1,
+            }),
+        };
+        self.recs.lock().unwrap().insert(key.into(), rec);
+    }
+}
+
+impl KeyStore for FakeStore {
+    fn lease(&self) -> Duration {
+        Duration::from_millis(self.lease_ms)
+    }
+    async fn claim(&self, key: &str, owner: &str) -> Result<Claim, IdemError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(Self::err());
+        }
+        let mut recs = self.recs.lock().unwrap();
+        let now = std::time::Instant::now();
+        if let Some(r) = recs.get_mut(key) {
+            match r.state {
+                "done" => return Ok(Claim::Done { fence: r.fence }),
+                "dead" => return Ok(Claim::Dead { fence: r.fence }),
+                "dying" => {
+                    r.owner = owner.into();
+                    return Ok(Claim::Dying {
+                        fence: r.fence,
+                        dead: r.dead.clone().unwrap_or(DeadInfo {
+                            reason: String::new(),
+                            error: String::new(),
+                            attempts: 0,
+                        }),
+                    });
+                }
+                "run" if r.owner == owner => return Ok(Claim::Claimed { fence: r.fence }),
+                "run" if r.until > now => {
+                    return Ok(Claim::Busy { fence: r.fence, remaining: r.until - now });
+                }
+                _ => {}
+            }
+        }
+        let fence = recs.get(key).map_or(0, |r| r.fence) + 1;
+        let until = now + self.lease();
+        recs.insert(key.into(), Rec { state: "run", owner: owner.into(), fence, until, dead: None });
+        Ok(Claim::Claimed { fence })
+    }
+    async fn renew(&self, key: &str, owner: &str) -> Result<Renewal, IdemError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(Self::err());
+        }
+        let mut recs = self.recs.lock().unwrap();
+        let until = std::time::Instant::now() + self.lease();
+        match recs.get_mut(key) {
+            None => {
+                recs.insert(
+                    key.into(),
+                    Rec { state: "run", owner: owner.into(), fence: 1000, until, dead: None },
+                );
+                Ok(Renewal::Recreated { fence: 1000 })
+            }
+            Some(r) if r.state == "run" && r.owner == owner => {
+                r.until = until;
+                Ok(Renewal::Renewed)
+            }
+            Some(_) => Ok(Renewal::Lost),
+        }
+    }
+    async fn finish(&self, key: &str, owner: &str, fence: u64, state: Final) -> Result<Recorded, IdemError> {
+        if self.down.load(Ordering::SeqCst) || self.finish_down.load(Ordering::SeqCst) {
+            return Err(Self::err());
+        }
+        let name = match state {
+            Final::Done => "done",
+            Final::Dead => "dead",
+            Final::Free => "free",
+        };
+        let mut recs = self.recs.lock().unwrap();
+        let now = std::time::Instant::now();
+        match recs.get_mut(key) {
+            None => {
+                if state != Final::Free {
+                    recs.insert(
+                        key.into(),
+                        Rec { state: name, owner: owner.into(), fence, until: now, dead: None },
+                    );
+                }
+                Ok(Recorded::Recreated)
+            }
+            Some(r) if (r.state == "run" || r.state == "dying") && r.owner == owner => {
+                r.state = name;
+                r.dead = None;
+                Ok(Recorded::Yes)
+            }
+            Some(_) => Ok(Recorded::NotOurs),
+        }
+    }
+    async fn mark_dying(
+        &self,
+        key: &str,
+        owner: &str,
+        fence: u64,
+        dead: &DeadInfo,
+    ) -> Result<Recorded, IdemError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(Self::err());
+        }
+        let mut recs = self.recs.lock().unwrap();
+        let now = std::time::Instant::now();
+        match recs.get(key) {
+            Some(r) if !(r.state == "run" && r.owner == owner) => Ok(Recorded::NotOurs),
+            found => {
+                let existed = found.is_some();
+                recs.insert(
+                    key.into(),
+                    Rec { state: "dying", owner: owner.into(), fence, until: now, dead: Some(dead.clone()) },
+                );
+                Ok(if existed { Recorded::Yes } else { Recorded::Recreated })
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Sent {
+    Delayed { attempt: u32, delay: Duration, unknown_since: Option<String> },
+    Dead { reason: String, attempts: String },
+}
+
+#[derive(Default)]
+struct FakeOutbox {
+    sent: Mutex<Vec<Sent>>,
+    fail: AtomicBool,
+}
+
+impl Outbox for FakeOutbox {
+    async fn delayed(
+        &self,
+        _queue: &str,
+        env: &Envelope,
+        delay: Duration,
+        headers: FieldTable,
+    ) -> Result<(), AmqpError> {
+        if self.fail.load(Ordering::SeqCst) {
+            return Err(AmqpError::ConfirmTimeout(Duration::from_secs(1)));
+        }
+        let props = BasicProperties::default().with_headers(headers);
+        let unknown_since = header_str(&props, UNKNOWN_SINCE);
+        self.sent.lock().unwrap().push(Sent::Delayed { attempt: env.attempt, delay, unknown_since });
+        Ok(())
+    }
+    async fn dead_letter(&self, _queue: &str, _body: &[u8], props: BasicProperties) -> Result<(), AmqpError> {
+        if self.fail.load(Ordering::SeqCst) {
+            return Err(AmqpError::Nacked { exchange: "dead".into(), routing_key: "q".into() });
+        }
+        let h = |n| header_str(&props, n).unwrap_or_default();
+        self.sent
+            .lock()
+            .unwrap()
+            .push(Sent::Dead { reason: h("x-chime-reason"), attempts: h("x-chime-attempts") });
+        Ok(())
+    }
+}
+
+/// What the delivery's acker was told.
+#[derive(Clone, Default)]
+struct Settles(Arc<Mutex<Vec<&'static str>>>);
+
+impl AckSink for Settles {
+    fn ack(&self, _multiple: bool) -> BoxFuture<'_, Result<(), String>> {
+        self.0.lock().unwrap().push("ack");
+        Box::pin(async { Ok(()) })
+    }
+    fn requeue(&self) -> BoxFuture<'_, Result<(), String>> {
+        self.0.lock().unwrap().push("requeue");
+        Box::pin(async { Ok(()) })
+    }
+}
+
+// ----------------------------------------------------------------------------- harness
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Behaviour {
+    Ok,
+    Transient,
+    Permanent,
+    Panic,
+    /// Ignores cancellation; outlives its timeout and the grace.
+    Hang,
+}
+
+const ALL: [Behaviour; 5] =
+    [Behaviour::Ok, Behaviour::Transient, Behaviour::Permanent, Behaviour::Panic, Behaviour::Hang];
+
+struct Harness {
+    core: Core,
+    store: FakeStore,
+    outbox: FakeOutbox,
+    runs: Arc<AtomicUsize>,
+    /// Set by the `cooperative` handler when it saw its cancellation token fire.
+    saw_cancel: Arc<AtomicBool>,
+}
+
+fn harness() -> Harness {
+    let text = "[worker]\ncancel_grace = \"50ms\"\nunknown_job_grace = \"1m\"\n\
+                [[jobs]]\nname = \"job\"\nhandler = \"job\"\ntimeout = \"200ms\"\n\
+                [[jobs]]\nname = \"cooperative\"\nhandler = \"cooperative\"\ntimeout = \"100ms\"\n\
+                [[jobs]]\nname = \"long\"\nhandler = \"long\"\n";
+    let config = Config::from_toml_str(text).unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let saw_cancel = Arc::new(AtomicBool::new(false));
+    let mut registry = Registry::new();
+    let r = runs.clone();
+    registry.register(
+        "job",
+        raw_handler_fn(move |_ctx, payload| {
+            r.fetch_add(1, Ordering::SeqCst);
+            async move {
+                match payload.as_str() {
+                    Some("ok") => Ok(()),
+                    Some("transient") => Err(JobError::Transient("blip".into())),
+                    Some("permanent") => Err(JobError::Permanent("bad input".into())),
+                    Some("panic") => panic!("handler bug"),
+                    _ => {
+                        tokio::time::sleep(Duration::from_secs(30)).await;
+                        Ok(())
+                    }
+                }
+            }
+        }),
+    );
+    let saw = saw_cancel.clone();
+    registry.register(
+        "cooperative",
+        raw_handler_fn(move |ctx: JobContext, _| {
+            let saw = saw.clone();
+            async move {
+                ctx.cancel.cancelled().await;
+                saw.store(true, Ordering::SeqCst);
+                Err(JobError::Transient("stopped on cancellation".into()))
+            }
+        }),
+    );
+    registry.register(
+        "long",
+        raw_handler_fn(|_, _| async {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            Ok(())
+        }),
+    );
+    let jobs = resolve_jobs(&config, &registry, &["default".to_string()]).unwrap();
+    let core = Core::new(Arc::new(config), registry, jobs, "test".into());
+    Harness { core, store: FakeStore::new(), outbox: FakeOutbox::default(), runs, saw_cancel }
+}
+
+fn envelope(job: &str, payload: &str, attempt: u32, max: u32) -> Envelope {
+    let mut env =
+        Envelope::new(job, "default", adhoc_key(job, "k"), payload.into(), None, max, Source::Adhoc);
+    env.attempt = attempt;
+    env
+}
+
+fn incoming(env: &Envelope) -> Incoming {
+    Incoming { queue: "default".into(), data: env.encode(), properties: env.properties() }
+}
+
+impl Harness {
+    /// Handles one delivery; returns how it was settled.
+    async fn deliver(&self, incoming: Incoming) -> Vec<&'static str> {
+        let settles = Settles::default();
+        let batcher: AckBatcher<Settles> = AckBatcher::spawn();
+        let ticket = batcher.delivered(1, settles.clone());
+        handle(&self.core, &self.store, &self.outbox, incoming, ticket).await;
+        batcher.flush().await;
+        settles.0.lock().unwrap().clone()
+    }
+    fn sent(&self) -> Vec<Sent> {
+        self.outbox.sent.lock().unwrap().clone()
+    }
+}
+
+// ----------------------------------------------------------------------------- the table
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Before {
+    Fresh,
+    Done,
+    Dead,
+    Busy,
+    Dying,
+    RedisDown,
+}
+
+/// What the table in `decision.rs` says: how the delivery settles, what the broker got, and
+/// the key's state after.
+fn expected(
+    before: Before,
+    b: Behaviour,
+    last: bool,
+    publish_ok: bool,
+) -> (&'static str, Option<&'static str>, Option<&'static str>) {
+    let publish = |sent, state_ok, state_fail| {
+        if publish_ok { ("ack", Some(sent), state_ok) } else { ("requeue", None, state_fail) }
+    };
+    match before {
+        Before::RedisDown => ("requeue", None, None),
+        Before::Done => ("ack", None, Some("done")),
+        Before::Dead => ("ack", None, Some("dead")),
+        Before::Busy => publish("redelay", Some("run"), Some("run")),
+        Before::Dying => publish("dead", Some("dead"), Some("dying")),
+        Before::Fresh => match b {
+            Behaviour::Ok => ("ack", None, Some("done")),
+            Behaviour::Permanent => publish("dead", Some("dead"), Some("dying")),
+            _ if last => publish("dead", Some("dead"), Some("dying")),
+            _ => publish("retry", Some("free"), Some("free")),
+        },
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_claim_outcome_attempt_and_publish_result_settles_by_the_table() {
+    let mut checked = 0;
+    for before in [Before::Fresh, Before::Done, Before::Dead, Before::Busy, Before::Dying, Before::RedisDown]
+    {
+        for b in ALL {
+            for last in [false, true] {
+                for publish_ok in [true, false] {
+                    let h = harness();
+                    let payload = format!("{b:?}").to_lowercase();
+                    let payload = if b == Behaviour::Hang { "hang".to_string() } else { payload };
+                    let env = envelope("job", &payload, if last { 3 } else { 1 }, 3);
+                    let key = env.key.to_string();
+                    match before {
+                        Before::Fresh => {}
+                        Before::Done => h.store.set(&key, "done", "other"),
+                        Before::Dead => h.store.set(&key, "dead", "other"),
+                        Before::Busy => h.store.set(&key, "run", "other"),
+                        Before::Dying => h.store.set(&key, "dying", "crashed-worker"),
+                        Before::RedisDown => h.store.down.store(true, Ordering::SeqCst),
+                    }
+                    h.outbox.fail.store(!publish_ok, Ordering::SeqCst);
+                    let settled = h.deliver(incoming(&env)).await;
+                    let case = format!("{before:?} × {b:?} × last attempt {last} × publish ok {publish_ok}");
+                    let (settle, sent, state) = expected(before, b, last, publish_ok);
+                    assert_eq!(settled, [settle], "{case}: settled");
+                    let sent_kind = h.sent().first().map(|s| match s {
+                        Sent::Delayed { attempt, .. } if *attempt == env.attempt + 1 => "retry",
+                        Sent::Delayed { .. } => "redelay",
+                        Sent::Dead { .. } => "dead",
+                    });
+                    assert_eq!(sent_kind, sent, "{case}: published {:?}", h.sent());
+                    assert!(h.sent().len() <= 1, "{case}: {:?}", h.sent());
+                    if before != Before::RedisDown {
+                        assert_eq!(h.store.state(&key), state, "{case}: key state");
+                    }
+                    // The invariant, independently of the table: an ack follows a durable outcome.
+                    if settle == "ack" {
+                        let durable = matches!(h.store.state(&key), Some("done" | "dead")) || sent.is_some();
+                        assert!(
+                            durable || matches!(before, Before::Done | Before::Dead),
+                            "{case}: acked without a durable outcome"
+                        );
+                    }
+                    let ran = h.runs.load(Ordering::SeqCst);
+                    assert_eq!(ran, usize::from(before == Before::Fresh), "{case}: handler runs");
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 6 * 5 * 2 * 2);
+}
+
+#[tokio::test]
+async fn a_dead_letter_whose_publish_failed_is_dead_lettered_again_by_the_next_copy() {
+    let h = harness();
+    let env = envelope("job", "permanent", 1, 3);
+    let key = env.key.to_string();
+    h.outbox.fail.store(true, Ordering::SeqCst);
+    assert_eq!(h.deliver(incoming(&env)).await, ["requeue"]);
+    assert_eq!(h.store.state(&key), Some("dying"), "the decision survives the failed publish");
+    h.outbox.fail.store(false, Ordering::SeqCst);
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert_eq!(h.sent(), [Sent::Dead { reason: "permanent".into(), attempts: "1".into() }]);
+    assert_eq!(h.store.state(&key), Some("dead"));
+    assert_eq!(h.runs.load(Ordering::SeqCst), 1, "the redelivered copy does not run the handler again");
+    // A third copy is a duplicate.
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert_eq!(h.sent().len(), 1);
+}
+
+#[tokio::test]
+async fn done_that_cannot_be_recorded_keeps_the_delivery_unacked_until_the_drain_deadline() {
+    let h = harness();
+    let env = envelope("job", "ok", 1, 3);
+    h.store.finish_down.store(true, Ordering::SeqCst);
+    let settles = Settles::default();
+    let batcher: AckBatcher<Settles> = AckBatcher::spawn();
+    let ticket = batcher.delivered(1, settles.clone());
+    let h = Arc::new(h);
+    let task = {
+        let h = h.clone();
+        tokio::spawn(async move { handle(&h.core, &h.store, &h.outbox, incoming(&env), ticket).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !task.is_finished() && settles.0.lock().unwrap().is_empty(),
+        "no ack while `done` is not recorded"
+    );
+    h.core.hard_stop.cancel();
+    task.await.unwrap();
+    batcher.flush().await;
+    assert_eq!(*settles.0.lock().unwrap(), ["requeue"]);
+}
+
+#[tokio::test]
+async fn done_recorded_once_redis_answers_again_then_acked() {
+    let h = Arc::new(harness());
+    let env = envelope("job", "ok", 1, 3);
+    let key = env.key.to_string();
+    h.store.finish_down.store(true, Ordering::SeqCst);
+    let task = {
+        let h = h.clone();
+        tokio::spawn(async move { h.deliver(incoming(&env)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.store.finish_down.store(false, Ordering::SeqCst);
+    assert_eq!(task.await.unwrap(), ["ack"]);
+    assert_eq!(h.store.state(&key), Some("done"));
+}
+
+#[tokio::test]
+async fn a_record_lost_mid_run_is_claimed_again_and_the_job_completes() {
+    let mut h = harness();
+    h.store.lease_ms = 150; // renewed every 50 ms
+    let h = Arc::new(h);
+    let env = envelope("long", "", 1, 3);
+    let key = env.key.to_string();
+    let task = {
+        let h = h.clone();
+        tokio::spawn(async move { h.deliver(incoming(&env)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.store.recs.lock().unwrap().clear(); // Redis restarted empty
+    assert_eq!(task.await.unwrap(), ["ack"]);
+    assert_eq!(h.store.state(&key), Some("done"));
+    assert!(Stats::get(&h.core.stats.leases_recreated) >= 1);
+    assert_eq!(Stats::get(&h.core.stats.lost_lease), 0);
+}
+
+#[tokio::test]
+async fn a_lease_really_taken_over_cancels_the_run_and_leaves_the_key_to_its_owner() {
+    let mut h = harness();
+    h.store.lease_ms = 150;
+    let h = Arc::new(h);
+    let env = envelope("long", "", 1, 3);
+    let key = env.key.to_string();
+    let task = {
+        let h = h.clone();
+        tokio::spawn(async move { h.deliver(incoming(&env)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.store.set(&key, "run", "another-worker");
+    assert_eq!(task.await.unwrap(), ["ack"]);
+    assert_eq!(h.store.state(&key), Some("run"), "the other owner's claim is untouched");
+    assert_eq!(Stats::get(&h.core.stats.lost_lease), 1);
+}
+
+#[tokio::test]
+async fn on_timeout_the_token_fires_before_the_future_is_dropped() {
+    let h = harness();
+    let env = envelope("cooperative", "", 1, 1);
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert!(h.saw_cancel.load(Ordering::SeqCst), "the handler observed its cancellation within the grace");
+    assert_eq!(h.sent(), [Sent::Dead { reason: "timeout".into(), attempts: "1".into() }]);
+}
+
+#[tokio::test]
+async fn unknown_jobs_are_sent_round_within_the_grace_then_dead_lettered() {
+    let h = harness();
+    let env = envelope("not-deployed-yet", "", 1, 3);
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    let Some(Sent::Delayed { delay, unknown_since: Some(since), .. }) = h.sent().first().cloned() else {
+        panic!("{:?}", h.sent());
+    };
+    assert_eq!(delay, Duration::from_secs(10));
+    // The copy comes back carrying when it was first seen; past the grace it is dead-lettered.
+    let mut back = incoming(&env);
+    let mut headers = FieldTable::default();
+    let long_ago = (Utc::now() - chrono::Duration::minutes(2)).to_rfc3339();
+    put_header(&mut headers, UNKNOWN_SINCE, &long_ago);
+    back.properties = back.properties.with_headers(headers);
+    assert!(since.parse::<DateTime<Utc>>().is_ok());
+    assert_eq!(h.deliver(back).await, ["ack"]);
+    assert_eq!(h.sent()[1], Sent::Dead { reason: "unknown_job".into(), attempts: "0".into() });
+}
+
+#[tokio::test]
+async fn malformed_and_too_large_bodies_are_dead_lettered_with_their_reason() {
+    let h = harness();
+    let garbage = Incoming {
+        queue: "default".into(),
+        data: b"not json".to_vec(),
+        properties: BasicProperties::default(),
+    };
+    assert_eq!(h.deliver(garbage).await, ["ack"]);
+    let huge = Incoming {
+        queue: "default".into(),
+        data: vec![b' '; 2 << 20],
+        properties: BasicProperties::default(),
+    };
+    assert_eq!(h.deliver(huge).await, ["ack"]);
+    let reasons: Vec<_> = h
+        .sent()
+        .into_iter()
+        .map(|s| match s {
+            Sent::Dead { reason, .. } => reason,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(reasons, ["malformed", "too_large"]);
+    h.outbox.fail.store(true, Ordering::SeqCst);
+    let garbage =
+        Incoming { queue: "default".into(), data: b"{".to_vec(), properties: BasicProperties::default() };
+    assert_eq!(h.deliver(garbage).await, ["requeue"], "a dead letter that was not confirmed is not acked");
+}

@@ -1,0 +1,207 @@
+//! What every delivery task of a worker shares: its jobs (reloadable), counters, tokens, and
+//! the Redis health flag. No I/O lives here, so `process` (one delivery) and `runtime` (the
+//! consumers) both build on it without depending on each other.
+
+use chime_shared::config::{BackoffConfig, Config, ConfigError};
+use chime_shared::telemetry::{self, outcome};
+use chime_shared::topology::Names;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::builtin;
+use crate::handler::{Handler, Registry};
+
+/// A job this worker can run.
+pub(crate) struct JobSpec {
+    pub handler: Arc<dyn Handler>,
+    pub timeout: Duration,
+    pub backoff: BackoffConfig,
+    /// A scheduled slot started later than slot + deadline is skipped as expired.
+    pub deadline: Option<Duration>,
+    /// Metric handles of this job, registered on first use (after the recorder is installed).
+    metrics: OnceLock<JobMetrics>,
+}
+
+impl JobSpec {
+    pub fn new(
+        handler: Arc<dyn Handler>,
+        timeout: Duration,
+        backoff: BackoffConfig,
+        deadline: Option<Duration>,
+    ) -> Self {
+        Self { handler, timeout, backoff, deadline, metrics: OnceLock::new() }
+    }
+
+    /// The handles of the per-job series updated on every delivery (looked up once, not per job).
+    pub fn metrics(&self, job: &str) -> &JobMetrics {
+        self.metrics.get_or_init(|| JobMetrics::new(job))
+    }
+}
+
+/// Metric handles updated for every delivery of one job.
+pub(crate) struct JobMetrics {
+    pub succeeded: metrics::Counter,
+    pub duplicate: metrics::Counter,
+    pub lag: metrics::Histogram,
+    pub duration: metrics::Histogram,
+}
+
+impl JobMetrics {
+    fn new(job: &str) -> Self {
+        let completed = |outcome: &'static str| metrics::counter!(telemetry::JOBS_COMPLETED, "job" => job.to_string(), "outcome" => outcome);
+        Self {
+            succeeded: completed(outcome::SUCCEEDED),
+            duplicate: completed(outcome::DUPLICATE),
+            lag: metrics::histogram!(telemetry::JOB_LAG, "job" => job.to_string()),
+            duration: metrics::histogram!(telemetry::JOB_DURATION, "job" => job.to_string()),
+        }
+    }
+}
+
+/// Settled deliveries of this worker, by outcome (for tests, `status` and benchmarks).
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub succeeded: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub requeued: AtomicU64,
+    /// Runs whose key another owner took over (that owner settles its own copy).
+    pub lost_lease: AtomicU64,
+    /// Failed attempts sent round for another attempt.
+    pub retried: AtomicU64,
+    /// Copies of a busy key, or of a job this worker does not know yet, sent round again.
+    pub redelayed: AtomicU64,
+    /// Scheduled slots skipped because they started past their deadline.
+    pub expired: AtomicU64,
+    /// Leases whose record Redis had lost, claimed again while the job kept running.
+    pub leases_recreated: AtomicU64,
+}
+
+impl Stats {
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Job name → what runs it.
+pub(crate) type Jobs = HashMap<String, Arc<JobSpec>>;
+
+/// Resolves every configured job to a handler (built-in or registered), then adds the
+/// registry-only handlers. A job on a consumed queue whose handler this worker does not have
+/// is a config error naming the job.
+pub(crate) fn resolve_jobs(
+    config: &Config,
+    registry: &Registry,
+    queues: &[String],
+) -> Result<Jobs, ConfigError> {
+    let mut jobs = Jobs::new();
+    for (i, job) in config.jobs.iter().enumerate() {
+        let handler = builtin::for_job(job).or_else(|| registry.get(&job.handler));
+        match handler {
+            Some(handler) => {
+                let timeout = job.timeout.unwrap_or(config.worker.default_timeout);
+                let limit = config.amqp.consumer_timeout.saturating_sub(Duration::from_secs(60));
+                if timeout >= limit {
+                    warn!(job = %job.name, ?timeout, consumer_timeout = ?config.amqp.consumer_timeout,
+                        "job timeout is not safely below RabbitMQ's consumer_timeout (minus its 1 min check \
+                         interval): a run that long makes the broker close the channel and requeue every \
+                         unacked delivery on it; raise consumer_timeout on the broker and amqp.consumer_timeout");
+                }
+                let backoff = job.backoff.clone().unwrap_or_default();
+                jobs.insert(
+                    job.name.clone(),
+                    Arc::new(JobSpec::new(handler, timeout, backoff, job.deadline)),
+                );
+            }
+            None if queues.iter().any(|q| q == job.queue()) => {
+                return Err(ConfigError::Invalid {
+                    key: format!("jobs[{i}] ({}).handler", job.name),
+                    message: format!(
+                        "{:?} is neither a built-in handler ({}) nor registered in this worker",
+                        job.handler,
+                        builtin::BUILTINS.join(", ")
+                    ),
+                });
+            }
+            None => {}
+        }
+    }
+    for (name, handler) in registry.iter() {
+        if !jobs.contains_key(name) {
+            let spec =
+                JobSpec::new(handler.clone(), config.worker.default_timeout, BackoffConfig::default(), None);
+            jobs.insert(name.to_string(), Arc::new(spec));
+        }
+    }
+    Ok(jobs)
+}
+
+/// State shared by every delivery task (everything but the Redis store and the broker).
+pub(crate) struct Core {
+    pub config: Arc<Config>,
+    pub names: Names,
+    pub worker_id: String,
+    /// Makes owner tokens unique across restarts that reuse a host name and pid.
+    nonce: String,
+    owners: AtomicU64,
+    pub stats: Arc<Stats>,
+    /// Every job this worker can run; replaced whole on reload.
+    jobs: RwLock<Arc<Jobs>>,
+    pub registry: Registry,
+    pub redis_ok: watch::Sender<bool>,
+    /// Cancelled when shutdown begins: no new work, stop waiting on busy keys.
+    pub intake_stopped: CancellationToken,
+    /// Cancelled at the drain deadline: stop running handlers.
+    pub hard_stop: CancellationToken,
+}
+
+impl Core {
+    pub fn new(config: Arc<Config>, registry: Registry, jobs: Jobs, worker_id: String) -> Self {
+        let names = Names::new(&config.prefix);
+        Self {
+            config,
+            names,
+            worker_id,
+            nonce: uuid::Uuid::new_v4().simple().to_string()[..8].to_string(),
+            owners: AtomicU64::new(0),
+            stats: Arc::new(Stats::default()),
+            jobs: RwLock::new(Arc::new(jobs)),
+            registry,
+            redis_ok: watch::channel(false).0,
+            intake_stopped: CancellationToken::new(),
+            hard_stop: CancellationToken::new(),
+        }
+    }
+
+    pub fn job(&self, name: &str) -> Option<Arc<JobSpec>> {
+        self.jobs.read().unwrap_or_else(|p| p.into_inner()).get(name).cloned()
+    }
+
+    pub fn knows(&self, name: &str) -> bool {
+        self.jobs.read().unwrap_or_else(|p| p.into_inner()).contains_key(name)
+    }
+
+    /// Replaces the job definitions (a reload); deliveries already running keep theirs.
+    pub fn set_jobs(&self, jobs: Jobs) {
+        *self.jobs.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(jobs);
+    }
+
+    /// A token unique to one attempt: worker id, a per-process nonce and a counter.
+    pub fn owner_token(&self) -> String {
+        let n = self.owners.fetch_add(1, Ordering::Relaxed);
+        format!("{}/{}/{n}", self.worker_id, self.nonce)
+    }
+
+    /// Called on any Redis error: pauses intake until the monitor sees Redis again.
+    pub fn redis_failed(&self) {
+        self.redis_ok.send_replace(false);
+    }
+}

@@ -1,0 +1,136 @@
+//! The two things a delivery's fate is written to: the key's record ([`KeyStore`], Redis in
+//! production) and the broker ([`Outbox`]: delayed copies and dead letters, each confirmed).
+//! `process` is written against these traits, so the whole per-delivery decision is tested
+//! without services (`process/tests.rs`); the real implementations are below.
+
+use chime_shared::amqp::{self, AmqpError};
+use chime_shared::delay;
+use chime_shared::envelope::Envelope;
+use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, IdemStore, Recorded, Renewal};
+use chime_shared::topology::Names;
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// A key's record: claim, renew, finish, and the `dying` mark of a dead letter in flight.
+pub(crate) trait KeyStore: Send + Sync + 'static {
+    fn lease(&self) -> Duration;
+    fn claim(&self, key: &str, owner: &str) -> impl Future<Output = Result<Claim, IdemError>> + Send;
+    fn renew(&self, key: &str, owner: &str) -> impl Future<Output = Result<Renewal, IdemError>> + Send;
+    fn finish(
+        &self,
+        key: &str,
+        owner: &str,
+        fence: u64,
+        state: Final,
+    ) -> impl Future<Output = Result<Recorded, IdemError>> + Send;
+    fn mark_dying(
+        &self,
+        key: &str,
+        owner: &str,
+        fence: u64,
+        dead: &DeadInfo,
+    ) -> impl Future<Output = Result<Recorded, IdemError>> + Send;
+}
+
+impl KeyStore for IdemStore {
+    fn lease(&self) -> Duration {
+        IdemStore::lease(self)
+    }
+    fn claim(&self, key: &str, owner: &str) -> impl Future<Output = Result<Claim, IdemError>> + Send {
+        IdemStore::claim(self, key, owner)
+    }
+    fn renew(&self, key: &str, owner: &str) -> impl Future<Output = Result<Renewal, IdemError>> + Send {
+        IdemStore::renew(self, key, owner)
+    }
+    fn finish(
+        &self,
+        key: &str,
+        owner: &str,
+        fence: u64,
+        state: Final,
+    ) -> impl Future<Output = Result<Recorded, IdemError>> + Send {
+        IdemStore::finish(self, key, owner, fence, state)
+    }
+    fn mark_dying(
+        &self,
+        key: &str,
+        owner: &str,
+        fence: u64,
+        dead: &DeadInfo,
+    ) -> impl Future<Output = Result<Recorded, IdemError>> + Send {
+        IdemStore::mark_dying(self, key, owner, fence, dead)
+    }
+}
+
+/// Confirmed publishes of a delivery's follow-up messages.
+pub(crate) trait Outbox: Send + Sync + 'static {
+    /// `envelope` back to `queue` after `delay` (through the delay chain; at once if zero),
+    /// with fresh properties plus `headers`.
+    fn delayed(
+        &self,
+        queue: &str,
+        envelope: &Envelope,
+        delay: Duration,
+        headers: FieldTable,
+    ) -> impl Future<Output = Result<(), AmqpError>> + Send;
+    /// The original body, with its dead-letter headers, to the queue's DLQ.
+    fn dead_letter(
+        &self,
+        queue: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> impl Future<Output = Result<(), AmqpError>> + Send;
+}
+
+/// The worker's publish channel (confirm mode), shared by every delivery of a session.
+#[derive(Clone)]
+pub(crate) struct BrokerOutbox {
+    pub channel: Arc<Channel>,
+    pub names: Names,
+    pub timeout: Duration,
+    /// Cancelled when the broker closed the channel (a publish to an exchange that is gone,
+    /// say): the session then reconnects and declares the topology again.
+    pub broken: CancellationToken,
+}
+
+impl BrokerOutbox {
+    fn check<T>(&self, result: Result<T, AmqpError>) -> Result<T, AmqpError> {
+        if result.is_err() && !self.channel.status().connected() {
+            self.broken.cancel();
+        }
+        result
+    }
+}
+
+impl Outbox for BrokerOutbox {
+    async fn delayed(
+        &self,
+        queue: &str,
+        envelope: &Envelope,
+        delay: Duration,
+        headers: FieldTable,
+    ) -> Result<(), AmqpError> {
+        let (exchange, routing_key) = delay::target(&self.names, queue, delay);
+        let props = envelope.properties();
+        let props = if headers.inner().is_empty() { props } else { props.with_headers(headers) };
+        let sent = amqp::publish_confirmed(
+            &self.channel,
+            &exchange,
+            &routing_key,
+            &envelope.encode(),
+            props,
+            self.timeout,
+        )
+        .await;
+        self.check(sent)
+    }
+
+    async fn dead_letter(&self, queue: &str, body: &[u8], props: BasicProperties) -> Result<(), AmqpError> {
+        let exchange = self.names.dead_exchange();
+        self.check(amqp::publish_confirmed(&self.channel, &exchange, queue, body, props, self.timeout).await)
+    }
+}
