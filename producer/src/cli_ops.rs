@@ -9,7 +9,6 @@ use chrono::{DateTime, Utc};
 use clap::Subcommand;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -136,45 +135,24 @@ pub async fn tick(config: Config, path: PathBuf, listen: Option<String>) -> Resu
     Ok(())
 }
 
-/// Signals and config-file changes.
+/// Signals and config-file changes: reload on SIGHUP or a changed file, stop on SIGTERM/SIGINT.
 async fn reloads(path: PathBuf, tx: watch::Sender<Arc<Config>>, token: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) =
-        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
-    else {
-        warn!("cannot install signal handlers");
-        return;
-    };
-    let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let mut seen = mtime(&path);
-    let mut poll = tokio::time::interval(Duration::from_secs(2));
-    loop {
-        let reload = tokio::select! {
-            _ = term.recv() => break,
-            _ = int.recv() => break,
-            _ = hup.recv() => true,
-            _ = poll.tick() => {
-                let now = mtime(&path);
-                let changed = now != seen;
-                seen = now;
-                changed
-            }
-        };
-        if reload {
-            match Config::load(Some(&path)).and_then(|c| {
-                scheduled_jobs(&c).map_err(|(job, e)| chime_shared::ConfigError::Invalid {
-                    key: format!("jobs ({job}).schedule"),
-                    message: e.to_string(),
-                })?;
-                Ok(c)
-            }) {
-                Ok(c) => {
-                    info!(path = %path.display(), "config reloaded");
-                    tx.send_replace(Arc::new(c));
-                }
-                Err(e) => warn!(error = %e, "config reload rejected; keeping the running config"),
-            }
+    let reload = || match Config::load(Some(&path)).and_then(|c| {
+        scheduled_jobs(&c).map_err(|(job, e)| chime_shared::ConfigError::Invalid {
+            key: format!("jobs ({job}).schedule"),
+            message: e.to_string(),
+        })?;
+        Ok(c)
+    }) {
+        Ok(c) => {
+            info!(path = %path.display(), "config reloaded");
+            tx.send_replace(Arc::new(c));
         }
+        Err(e) => warn!(error = %e, "config reload rejected; keeping the running config"),
+    };
+    if let Err(e) = chime_shared::signals::until_stopped(&path, reload).await {
+        warn!(error = %e, "cannot install signal handlers");
+        return;
     }
     info!("shutdown requested");
     token.cancel();

@@ -12,6 +12,7 @@ pub mod envelope;
 pub mod health;
 pub mod idempotency;
 pub mod schedule;
+pub mod signals;
 pub mod telemetry;
 pub mod topology;
 

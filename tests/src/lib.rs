@@ -359,29 +359,20 @@ impl Child {
         let faketime = which("faketime").unwrap_or_else(|| {
             panic!("faketime is needed for the clock-skew scenario (scripts/services installs it)")
         });
-        let log = dir.join(format!("ticker-{tag}.log"));
-        let file = std::fs::File::create(&log).unwrap();
-        let child = tokio::process::Command::new(faketime)
-            .arg("-f")
-            .arg(offset)
-            .arg(bin("chime"))
-            .arg("--config")
-            .arg(config)
-            .arg("tick")
-            .env("FAKETIME_DONT_FAKE_MONOTONIC", "1")
-            .env("RUST_LOG", "info,chime_producer=debug")
-            .stdout(file.try_clone().unwrap())
-            .stderr(file)
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        Self { child, log }
+        let mut cmd = tokio::process::Command::new(faketime);
+        cmd.arg("-f").arg(offset).arg(bin("chime")).env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+        Self::run(cmd, dir, config, &["tick"], &format!("ticker-{tag}"))
     }
 
     fn spawn(program: &str, dir: &Path, config: &Path, args: &[&str], tag: &str) -> Self {
+        Self::run(tokio::process::Command::new(bin(program)), dir, config, args, tag)
+    }
+
+    /// Runs `cmd --config CONFIG args…` with debug logs into `dir/TAG.log`.
+    fn run(mut cmd: tokio::process::Command, dir: &Path, config: &Path, args: &[&str], tag: &str) -> Self {
         let log = dir.join(format!("{tag}.log"));
         let file = std::fs::File::create(&log).unwrap();
-        let child = tokio::process::Command::new(bin(program))
+        let child = cmd
             .arg("--config")
             .arg(config)
             .args(args)

@@ -97,45 +97,23 @@ async fn run(args: Args, config: Config) -> i32 {
 }
 
 /// First SIGTERM/SIGINT: graceful drain. Second: exit at once. SIGHUP, or a change of the
-/// config file (checked every 2 s), reloads the job definitions; a config that does not
-/// validate is rejected and the running one kept.
+/// config file, reloads the job definitions; a config that does not validate is rejected and
+/// the running one kept.
 async fn signals(token: CancellationToken, reloader: Reloader, path: Option<PathBuf>) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) =
-        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
-    else {
-        tracing::error!("cannot install signal handlers");
-        return;
+    let file = Config::resolve_path(path.as_deref());
+    let reload = || match Config::load(path.as_deref()) {
+        Ok(c) => match reloader.reload(&c) {
+            Ok(()) => tracing::info!(path = %file.display(), "config reloaded"),
+            Err(e) => tracing::warn!(error = %e, "config reload rejected; keeping the running config"),
+        },
+        Err(e) => tracing::warn!(error = %e, "config reload rejected; keeping the running config"),
     };
-    let file = path.clone().or_else(|| std::env::var_os("CHIME_CONFIG").map(PathBuf::from));
-    let file = file.unwrap_or_else(|| PathBuf::from("chime.toml"));
-    let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let mut seen = mtime(&file);
-    let mut poll = tokio::time::interval(std::time::Duration::from_secs(2));
-    loop {
-        let reload = tokio::select! {
-            _ = term.recv() => break,
-            _ = int.recv() => break,
-            _ = hup.recv() => true,
-            _ = poll.tick() => {
-                let now = mtime(&file);
-                let changed = now != seen;
-                seen = now;
-                changed
-            }
-        };
-        if reload {
-            match Config::load(path.as_deref())
-                .map_err(|e| e.to_string())
-                .and_then(|c| reloader.reload(&c).map_err(|e| e.to_string()))
-            {
-                Ok(()) => tracing::info!(path = %file.display(), "config reloaded"),
-                Err(e) => tracing::warn!(error = %e, "config reload rejected; keeping the running config"),
-            }
-        }
+    if let Err(e) = chime_shared::signals::until_stopped(&file, reload).await {
+        tracing::error!(error = %e, "cannot install signal handlers");
+        return;
     }
     tracing::info!("shutdown requested; draining (signal again to exit at once)");
     token.cancel();
-    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+    let _ = chime_shared::signals::next_stop().await;
     std::process::exit(130);
 }

@@ -1,0 +1,44 @@
+//! For the daemons' `main`s (libraries install no signal handlers): wait for a stop signal
+//! while reloading on SIGHUP and when the config file changes.
+
+use std::path::Path;
+use std::time::Duration;
+use tokio::signal::unix::{SignalKind, signal};
+
+/// How often the config file's modification time is checked.
+const POLL: Duration = Duration::from_secs(2);
+
+/// Returns at the first SIGTERM or SIGINT. Calls `reload` on SIGHUP and whenever the
+/// modification time of `config_file` changes (checked every 2 s). Returns at once, with an
+/// error, if the handlers cannot be installed.
+pub async fn until_stopped(config_file: &Path, mut reload: impl FnMut()) -> std::io::Result<()> {
+    let (mut term, mut int, mut hup) =
+        (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?, signal(SignalKind::hangup())?);
+    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut seen = mtime(config_file);
+    let mut poll = tokio::time::interval(POLL);
+    loop {
+        let changed = tokio::select! {
+            _ = term.recv() => return Ok(()),
+            _ = int.recv() => return Ok(()),
+            _ = hup.recv() => true,
+            _ = poll.tick() => {
+                let now = mtime(config_file);
+                let changed = now != seen;
+                seen = now;
+                changed
+            }
+        };
+        if changed {
+            reload();
+        }
+    }
+}
+
+/// Returns at the next SIGTERM or SIGINT (the "second signal: exit at once" of a draining
+/// daemon).
+pub async fn next_stop() -> std::io::Result<()> {
+    let (mut term, mut int) = (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?);
+    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+    Ok(())
+}
