@@ -152,26 +152,66 @@ async fn watch(config: Config, listen: Option<String>) -> Result<(), Failure> {
     }
     let t = token.clone();
     tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        if let (Ok(mut term), Ok(mut int)) =
-            (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-        {
-            tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-        }
+        let _ = chime_shared::signals::next_stop().await;
         t.cancel();
     });
     crate::monitor::run(Arc::new(config), health, token).await;
     Ok(())
 }
 
-fn read_source(path: &str) -> Result<String, Failure> {
-    if path == "-" {
-        let mut s = String::new();
-        std::io::stdin().read_to_string(&mut s).context("reading standard input").map_err(usage)?;
-        Ok(s)
+/// Reads a payload from a file or `-` (stdin), at most `limit` bytes: a larger one is
+/// rejected without being read whole.
+fn read_source(path: &str, limit: usize) -> Result<String, Failure> {
+    let source: Box<dyn Read> = if path == "-" {
+        Box::new(std::io::stdin())
     } else {
-        std::fs::read_to_string(path).with_context(|| format!("reading {path}")).map_err(usage)
+        Box::new(std::fs::File::open(path).with_context(|| format!("opening {path}")).map_err(usage)?)
+    };
+    let mut bytes = Vec::new();
+    source
+        .take(limit as u64 + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("reading {path}"))
+        .map_err(usage)?;
+    if bytes.len() > limit {
+        return Err(usage(anyhow::anyhow!("{path} is larger than amqp.max_message_bytes ({limit} bytes)")));
     }
+    String::from_utf8(bytes).with_context(|| format!("{path} is not UTF-8")).map_err(usage)
+}
+
+/// The next line of `reader` (without its newline), at most `limit` bytes; `None` at the end.
+fn bounded_line(reader: &mut dyn BufRead, limit: usize) -> std::io::Result<Option<Result<String, usize>>> {
+    let mut buf = Vec::new();
+    let n = (&mut *reader).take(limit as u64 + 1).read_until(b'\n', &mut buf)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+    } else if buf.len() > limit {
+        // Too long: skip to the end of the line without keeping it.
+        let mut skipped = buf.len();
+        loop {
+            let chunk = reader.fill_buf()?;
+            if chunk.is_empty() {
+                break;
+            }
+            match chunk.iter().position(|b| *b == b'\n') {
+                Some(i) => {
+                    reader.consume(i + 1);
+                    skipped += i;
+                    break;
+                }
+                None => {
+                    let len = chunk.len();
+                    reader.consume(len);
+                    skipped += len;
+                }
+            }
+        }
+        return Ok(Some(Err(skipped)));
+    }
+    Ok(Some(Ok(String::from_utf8_lossy(&buf).into_owned())))
 }
 
 /// Parses `--delay` and `--at` into the request.
@@ -203,7 +243,7 @@ async fn enqueue(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> 
     }
     let payload_text = match (&args.payload, &args.payload_file) {
         (Some(p), _) => Some(p.clone()),
-        (None, Some(f)) => Some(read_source(f)?),
+        (None, Some(f)) => Some(read_source(f, config.amqp.max_message_bytes)?),
         (None, None) => None,
     };
     let payload = payload_text
@@ -245,20 +285,27 @@ async fn enqueue_batch(
     delay: Option<std::time::Duration>,
     at: Option<chrono::DateTime<chrono::Utc>>,
 ) -> Result<(), Failure> {
-    let reader: Box<dyn BufRead> = if source == "-" {
+    let mut reader: Box<dyn BufRead> = if source == "-" {
         Box::new(std::io::BufReader::new(std::io::stdin()))
     } else {
         let f = std::fs::File::open(source).with_context(|| format!("opening {source}")).map_err(usage)?;
         Box::new(std::io::BufReader::new(f))
     };
+    let limit = config.amqp.max_message_bytes;
     let mut reqs = Vec::new();
-    for (i, line) in reader.lines().enumerate() {
-        let line = line.with_context(|| format!("reading {source}")).map_err(usage)?;
+    let mut i = 0usize;
+    while let Some(line) =
+        bounded_line(&mut *reader, limit).with_context(|| format!("reading {source}")).map_err(usage)?
+    {
+        i += 1;
+        let line = line.map_err(|len| {
+            usage(anyhow::anyhow!("{source} line {i}: {len} bytes, above amqp.max_message_bytes ({limit})"))
+        })?;
         if line.trim().is_empty() {
             continue;
         }
         let mut req = parse_batch_line(&args.job, &line)
-            .map_err(|e| usage(anyhow::anyhow!("{source} line {}: {e}", i + 1)))?;
+            .map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?;
         if req.queue.is_none() {
             req.queue = args.queue.clone();
         }

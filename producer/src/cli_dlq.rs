@@ -6,7 +6,7 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::sync::Arc;
 
 use crate::cli::{Failure, runtime, usage};
-use crate::dlq::{DeadLetter, DlqClient, Filter, PassReport};
+use crate::dlq::{DeadLetter, DlqClient, Filter, PassReport, ResolveError};
 
 #[derive(Debug, Subcommand)]
 pub enum DlqCommand {
@@ -22,7 +22,8 @@ pub enum DlqCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Show one dead letter with its headers and body
+    /// Show one dead letter with its headers and body, by id (or a unique prefix of 8+
+    /// characters) or by idempotency key
     Show {
         id: String,
         #[arg(long)]
@@ -37,7 +38,7 @@ pub enum DlqCommand {
         /// Only those that failed at least this long ago ("7d")
         #[arg(long, value_name = "DUR")]
         older_than: Option<String>,
-        /// Do not ask for confirmation on a terminal
+        /// Do not ask for confirmation (required when stdin is not a terminal)
         #[arg(long)]
         yes: bool,
     },
@@ -45,9 +46,12 @@ pub enum DlqCommand {
 
 #[derive(Debug, Args)]
 pub struct Select {
-    /// Dead-letter ids (or unique prefixes of 8+ characters)
+    /// Dead-letter ids (or unique prefixes of 8+ characters; an ambiguous prefix is an error)
     pub ids: Vec<String>,
-    /// Every dead letter (narrowed by --queue and --job)
+    /// Dead letters of this idempotency key (a UUID, or with --job the key given at enqueue)
+    #[arg(long = "key", value_name = "K")]
+    pub keys: Vec<String>,
+    /// Every dead letter (narrowed by --queue, --job and --key)
     #[arg(long, conflicts_with = "ids")]
     pub all: bool,
     #[arg(long)]
@@ -85,9 +89,36 @@ async fn dispatch(client: &DlqClient, cmd: DlqCommand) -> Result<(), Failure> {
             Ok(())
         }
         DlqCommand::Show { id, json } => {
-            let filter = Filter { ids: vec![id.clone()], ..Default::default() };
-            for q in client.queues(None).map_err(usage)? {
-                if let Some(d) = client.list(&q, &filter).await.map_err(runtime)?.into_iter().next() {
+            let queues = client.queues(None).map_err(usage)?;
+            // A key names the dead letters of one job run; an id (prefix) names one.
+            if let Ok(key) = uuid::Uuid::parse_str(&id) {
+                let filter = Filter { keys: vec![key], ..Default::default() };
+                let mut found = Vec::new();
+                for q in &queues {
+                    found.extend(client.list(q, &filter).await.map_err(runtime)?);
+                }
+                match found.as_slice() {
+                    [one] => {
+                        print_one(one, json);
+                        return Ok(());
+                    }
+                    [] => {}
+                    many => {
+                        return Err(usage(anyhow::anyhow!(
+                            "key {id} has {} dead letters; show one by id:\n{}",
+                            many.len(),
+                            many.iter()
+                                .map(|d| format!("  {}  {}  {}", d.id, d.queue, d.reason))
+                                .collect::<Vec<_>>()
+                                .join("\n")
+                        )));
+                    }
+                }
+            }
+            let ids = resolved(client, &queues, std::slice::from_ref(&id)).await?;
+            let filter = Filter { ids, ..Default::default() };
+            for q in &queues {
+                if let Some(d) = client.list(q, &filter).await.map_err(runtime)?.into_iter().next() {
                     print_one(&d, json);
                     return Ok(());
                 }
@@ -95,23 +126,33 @@ async fn dispatch(client: &DlqClient, cmd: DlqCommand) -> Result<(), Failure> {
             Err(Failure { code: 1, error: anyhow::anyhow!("no dead letter with id {id}") })
         }
         DlqCommand::Replay(select) => {
-            let filter = selection(&select, None)?;
+            let queues = client.queues(select.queue.as_deref()).map_err(usage)?;
+            let filter = selection(client, &queues, &select, None).await?;
             let mut total = PassReport::default();
-            for q in client.queues(select.queue.as_deref()).map_err(usage)? {
-                add(&mut total, client.replay(&q, &filter).await.map_err(runtime)?);
+            for q in &queues {
+                add(&mut total, client.replay(q, &filter).await.map_err(runtime)?);
             }
             report("replayed", total.replayed, &total, select.json);
-            Ok(())
+            nothing_matched(&select, total.replayed + total.unreplayable)
         }
         DlqCommand::Purge { select, older_than, yes } => {
-            let filter = selection(&select, older_than.as_deref())?;
             let queues = client.queues(select.queue.as_deref()).map_err(usage)?;
-            if !yes && std::io::stdin().is_terminal() {
-                let mut n = 0;
+            let filter = selection(client, &queues, &select, older_than.as_deref()).await?;
+            if !yes && !std::io::stdin().is_terminal() {
+                return Err(usage(anyhow::anyhow!(
+                    "refusing to purge without --yes: standard input is not a terminal, so nobody can confirm"
+                )));
+            }
+            if !yes {
+                let (mut n, mut per_queue) = (0, Vec::new());
                 for q in &queues {
-                    n += client.list(q, &filter).await.map_err(runtime)?.len();
+                    let here = client.list(q, &filter).await.map_err(runtime)?.len();
+                    if here > 0 {
+                        per_queue.push(format!("{q}: {here}"));
+                    }
+                    n += here;
                 }
-                eprint!("purge {n} dead letter(s) from {}? [y/N] ", queues.join(", "));
+                eprint!("purge {n} dead letter(s) ({})? [y/N] ", per_queue.join(", "));
                 let _ = std::io::stderr().flush();
                 let mut answer = String::new();
                 let _ = std::io::stdin().lock().read_line(&mut answer);
@@ -125,22 +166,58 @@ async fn dispatch(client: &DlqClient, cmd: DlqCommand) -> Result<(), Failure> {
                 add(&mut total, client.purge(q, &filter).await.map_err(runtime)?);
             }
             report("purged", total.dropped, &total, select.json);
-            Ok(())
+            nothing_matched(&select, total.dropped)
         }
     }
 }
 
-fn selection(select: &Select, older_than: Option<&str>) -> Result<Filter, Failure> {
-    if select.ids.is_empty() && !select.all {
+/// A command naming ids or keys that matched nothing exits 1 (a typo must not look like
+/// success); `--all` over an empty DLQ is fine.
+fn nothing_matched(select: &Select, n: usize) -> Result<(), Failure> {
+    if n == 0 && !(select.all && select.ids.is_empty() && select.keys.is_empty()) {
+        return Err(Failure { code: 1, error: anyhow::anyhow!("no dead letter matched") });
+    }
+    Ok(())
+}
+
+/// Exact ids for `given` ids or prefixes: an ambiguous prefix exits 2 listing the matches, an
+/// unknown id exits 1.
+async fn resolved(client: &DlqClient, queues: &[String], given: &[String]) -> Result<Vec<String>, Failure> {
+    match client.resolve(queues, given).await.map_err(runtime)? {
+        Ok(ids) => Ok(ids),
+        Err(e @ ResolveError::NoMatch(_)) => Err(Failure { code: 1, error: e.into() }),
+        Err(e) => Err(usage(e)),
+    }
+}
+
+async fn selection(
+    client: &DlqClient,
+    queues: &[String],
+    select: &Select,
+    older_than: Option<&str>,
+) -> Result<Filter, Failure> {
+    if select.ids.is_empty() && select.keys.is_empty() && !select.all {
         return Err(usage(anyhow::anyhow!(
-            "name dead-letter ids, or pass --all (narrowed by --queue/--job)"
+            "name dead-letter ids, or --key K, or pass --all (narrowed by --queue/--job)"
         )));
     }
     let older_than = older_than
         .map(chime_shared::duration::parse)
         .transpose()
         .map_err(|e| usage(anyhow::anyhow!("--older-than: {e}")))?;
-    Ok(Filter { ids: select.ids.clone(), job: select.job.clone(), older_than })
+    let keys = select
+        .keys
+        .iter()
+        .map(|k| match (uuid::Uuid::parse_str(k), &select.job) {
+            (Ok(key), _) => Ok(key),
+            (Err(_), Some(job)) => Ok(chime_shared::envelope::adhoc_key(job, k)),
+            (Err(_), None) => Err(usage(anyhow::anyhow!(
+                "--key {k:?}: not a UUID; give --job too to derive the key of an ad-hoc job"
+            ))),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let ids = if select.ids.is_empty() { Vec::new() } else { resolved(client, queues, &select.ids).await? };
+    Ok(Filter { ids, keys, job: select.job.clone(), older_than })
 }
 
 fn add(total: &mut PassReport, r: PassReport) {
@@ -163,7 +240,7 @@ fn report(verb: &str, n: usize, r: &PassReport, json: bool) {
 }
 
 fn cut(s: &str, n: usize) -> String {
-    let one_line = s.replace('\n', " ");
+    let one_line = chime_shared::config::escape_control(&s.replace('\n', " ")).into_owned();
     if one_line.chars().count() <= n {
         one_line
     } else {
@@ -206,12 +283,14 @@ fn print_one(d: &DeadLetter, json: bool) {
     }
     println!("id:        {}", d.id);
     println!("queue:     {}", d.queue);
-    println!("job:       {}", d.job.as_deref().unwrap_or("-"));
+    let esc = |s: &str| chime_shared::config::escape_control(s).into_owned();
+    println!("job:       {}", esc(d.job.as_deref().unwrap_or("-")));
     println!("key:       {}", d.key.map(|k| k.to_string()).unwrap_or_else(|| "-".into()));
     println!("reason:    {}", d.reason);
     println!("attempts:  {}", d.attempts.map(|a| a.to_string()).unwrap_or_else(|| "-".into()));
     println!("failed at: {}", d.failed_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into()));
-    println!("worker:    {}", d.worker.as_deref().unwrap_or("-"));
-    println!("error:     {}", d.error.as_deref().unwrap_or("-"));
+    println!("worker:    {}", esc(d.worker.as_deref().unwrap_or("-")));
+    println!("error:     {}", esc(d.error.as_deref().unwrap_or("-")));
+    // JSON escapes control characters; a body that is not JSON is shown as a JSON string.
     println!("body:\n{}", serde_json::to_string_pretty(&body).unwrap_or_default());
 }

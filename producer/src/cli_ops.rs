@@ -185,8 +185,8 @@ pub async fn status(config: Config, json: bool) -> Result<(), Failure> {
     }
     let mut delayed = 0u64;
     for level in 0..delay::LEVELS {
-        delayed +=
-            u64::from(topology::depth(&conn, &names.delay_queue(level)).await.map(|d| d.0).unwrap_or(0));
+        let q = chime_shared::names::delay_level(config.amqp.queue_type, level);
+        delayed += u64::from(topology::depth(&conn, &q).await.map(|d| d.0).unwrap_or(0));
     }
     let _ = conn.close(200, "status".into()).await;
     let store = TickerStore::connect(&config.redis, &config.prefix).map_err(runtime)?;
@@ -226,7 +226,7 @@ pub async fn status(config: Config, json: bool) -> Result<(), Failure> {
     for q in &queues {
         println!("{:<16}  {:>8}  {:>9}  {:>6}", q.queue, q.ready, q.consumers, q.dlq);
     }
-    println!("delayed (retries and --delay, all levels): {delayed}");
+    println!("delayed (retries and --delay, every prefix on this virtual host): {delayed}");
     if !jobs.is_empty() {
         println!("\n{:<20}  {:<22}  NEXT DUE (UTC)", "JOB", "LAST PUBLISHED (UTC)");
         for j in &jobs {

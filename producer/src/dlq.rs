@@ -53,9 +53,14 @@ impl DeadLetter {
             .or_else(|| envelope.as_ref().map(|e| e.id.to_string()))
             .or_else(|| props.message_id().as_ref().map(|m| m.as_str().to_string()))
             .unwrap_or_else(|| "-".into());
-        let reason = header_str(props, "x-chime-reason")
-            .or_else(|| header_str(props, "x-first-death-reason"))
-            .unwrap_or_else(|| "unknown".into());
+        let reason = if queue == UNROUTABLE {
+            // Routed by the broker's alternate exchange: its work queue did not exist.
+            "unroutable".to_string()
+        } else {
+            header_str(props, "x-chime-reason")
+                .or_else(|| header_str(props, "x-first-death-reason"))
+                .unwrap_or_else(|| "unknown".into())
+        };
         let failed_at = header_str(props, "x-chime-failed-at")
             .and_then(|t| DateTime::parse_from_rfc3339(&t).ok())
             .map(|t| t.with_timezone(&Utc))
@@ -91,20 +96,38 @@ fn death_time(props: &lapin::BasicProperties) -> Option<DateTime<Utc>> {
     }
 }
 
+/// The source name of the prefix's unroutable delayed messages (never a queue name: names
+/// cannot hold parentheses).
+pub const UNROUTABLE: &str = "(unroutable)";
+
 /// Which dead letters an operation applies to.
 #[derive(Debug, Clone, Default)]
 pub struct Filter {
-    /// Ids (or unique prefixes of at least 8 characters); empty = every id.
+    /// Exact ids (resolve prefixes first with [`DlqClient::resolve`]); empty = every id.
     pub ids: Vec<String>,
+    /// Idempotency keys; empty = every key.
+    pub keys: Vec<Uuid>,
     pub job: Option<String>,
     /// Only dead letters that failed at least this long ago.
     pub older_than: Option<Duration>,
 }
 
+/// Why ids given on the command line do not name dead letters one to one.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error("{given:?} matches {} dead letters; give more of the id:\n{}", .matches.len(), .matches.join("\n"))]
+    Ambiguous { given: String, matches: Vec<String> },
+    #[error("no dead letter matches {0:?}")]
+    NoMatch(String),
+    #[error("{0:?} is too short: give a whole id or at least 8 characters")]
+    TooShort(String),
+}
+
 impl Filter {
     pub fn matches(&self, d: &DeadLetter, now: DateTime<Utc>) -> bool {
-        let id_ok = self.ids.is_empty()
-            || self.ids.iter().any(|i| *i == d.id || (i.len() >= 8 && d.id.starts_with(i.as_str())));
+        let id_ok = self.ids.is_empty() || self.ids.contains(&d.id);
+        let key_ok = self.keys.is_empty() || d.key.is_some_and(|k| self.keys.contains(&k));
+        let id_ok = id_ok && key_ok;
         let job_ok = self.job.as_ref().is_none_or(|j| d.job.as_deref() == Some(j.as_str()));
         let age_ok = self
             .older_than
@@ -172,9 +195,11 @@ impl DlqClient {
         Ok(Self { conn, channel, config, names, store })
     }
 
-    /// `Some(q)` if configured, else every configured queue.
+    /// `Some(q)` if configured (or [`UNROUTABLE`]), else every configured queue and the
+    /// prefix's unroutable delayed messages.
     pub fn queues(&self, only: Option<&str>) -> Result<Vec<String>, DlqError> {
-        let all = self.config.all_queues();
+        let mut all = self.config.all_queues();
+        all.push(UNROUTABLE.to_string());
         match only {
             None => Ok(all),
             Some(q) if all.iter().any(|a| a == q) => Ok(vec![q.to_string()]),
@@ -182,9 +207,60 @@ impl DlqClient {
         }
     }
 
+    /// The broker queue behind a DLQ source name.
+    fn dlq_of(&self, queue: &str) -> String {
+        if queue == UNROUTABLE { self.names.unroutable_queue() } else { self.names.dlq(queue) }
+    }
+
     /// Ready messages in the DLQ of `queue`.
     pub async fn depth(&self, queue: &str) -> Result<u32, DlqError> {
-        Ok(topology::depth(&self.conn, &self.names.dlq(queue)).await?.0)
+        Ok(topology::depth(&self.conn, &self.dlq_of(queue)).await?.0)
+    }
+
+    /// Turns ids or id prefixes (8+ characters) into exact ids, each naming exactly one dead
+    /// letter of `queues`: a prefix that matches several is an error listing them (dead letter
+    /// ids are UUIDv7, so all of one minute share their first 8 characters).
+    pub async fn resolve(
+        &self,
+        queues: &[String],
+        given: &[String],
+    ) -> Result<Result<Vec<String>, ResolveError>, DlqError> {
+        let mut all = Vec::new();
+        for q in queues {
+            all.extend(self.list(q, &Filter::default()).await?);
+        }
+        let mut out = Vec::new();
+        for g in given {
+            let exact: Vec<&DeadLetter> = all.iter().filter(|d| d.id == *g).collect();
+            let found: Vec<&DeadLetter> = if exact.is_empty() {
+                if g.len() < 8 {
+                    return Ok(Err(ResolveError::TooShort(g.clone())));
+                }
+                all.iter().filter(|d| d.id.starts_with(g.as_str())).collect()
+            } else {
+                exact
+            };
+            match found.as_slice() {
+                [] => return Ok(Err(ResolveError::NoMatch(g.clone()))),
+                [one] => out.push(one.id.clone()),
+                many => {
+                    let matches = many
+                        .iter()
+                        .map(|d| {
+                            format!(
+                                "  {}  {}  {}  {}",
+                                d.id,
+                                d.queue,
+                                d.job.as_deref().unwrap_or("-"),
+                                d.reason
+                            )
+                        })
+                        .collect();
+                    return Ok(Err(ResolveError::Ambiguous { given: g.clone(), matches }));
+                }
+            }
+        }
+        Ok(Ok(out))
     }
 
     /// Every dead letter of `queue` matching `filter`, in queue order. The DLQ is unchanged.
@@ -218,7 +294,7 @@ impl DlqClient {
         queue: &str,
         mut decide: impl FnMut(&DeadLetter) -> Action,
     ) -> Result<PassReport, DlqError> {
-        let dlq = self.names.dlq(queue);
+        let dlq = self.dlq_of(queue);
         let n = self.depth(queue).await?;
         let timeout = self.config.amqp.publish_timeout;
         let mut report = PassReport::default();
@@ -251,9 +327,11 @@ impl DlqClient {
                 Action::Drop => report.dropped += 1,
                 Action::Replay => {
                     let Some(old) = dead.envelope else { continue };
+                    // An unroutable delayed message goes back to the queue it was meant for.
+                    let target = if queue == UNROUTABLE { old.queue.clone() } else { queue.to_string() };
                     let mut env = Envelope::new(
                         &old.job,
-                        queue,
+                        &target,
                         old.key,
                         old.payload,
                         old.slot,
@@ -266,7 +344,7 @@ impl DlqClient {
                     amqp::publish_confirmed(
                         &self.channel,
                         &self.names.work_exchange(),
-                        queue,
+                        &target,
                         &env.encode(),
                         env.properties(),
                         timeout,

@@ -74,6 +74,9 @@ impl EnqueueRequest {
 pub struct Prepared {
     pub envelope: Envelope,
     pub delay: Duration,
+    /// A queue the config does not declare (an explicit `--queue`): it must exist on the
+    /// broker before anything is published (`EnqueueClient` checks with a passive declare).
+    pub unverified_queue: Option<String>,
 }
 
 /// A confirmed job.
@@ -97,6 +100,11 @@ pub struct BatchReport {
 pub enum EnqueueError {
     #[error("unknown job {0:?} (not in the config's [[jobs]])")]
     UnknownJob(String),
+    #[error(
+        "queue {queue:?} is neither declared by this config nor present on the broker ({detail}): \
+         a job published to it could never be delivered"
+    )]
+    NoSuchQueue { queue: String, detail: String },
     #[error("invalid {field}: {message}")]
     Invalid { field: String, message: String },
     #[error("envelope of job {job} is {size} bytes, above amqp.max_message_bytes ({max})")]
@@ -122,7 +130,10 @@ impl From<TopologyError> for EnqueueError {
 impl EnqueueError {
     /// Errors in what the caller asked for (exit code 2), as opposed to run-time failures.
     pub fn is_usage(&self) -> bool {
-        matches!(self, Self::UnknownJob(_) | Self::Invalid { .. } | Self::TooLarge { .. })
+        matches!(
+            self,
+            Self::UnknownJob(_) | Self::Invalid { .. } | Self::TooLarge { .. } | Self::NoSuchQueue { .. }
+        )
     }
 }
 
@@ -162,13 +173,26 @@ impl EnqueueClient {
     /// Publishes one job and waits for its confirm.
     pub async fn enqueue(&self, req: EnqueueRequest) -> Result<Enqueued, EnqueueError> {
         let p = self.prepare(&req)?;
+        if let Some(q) = &p.unverified_queue {
+            self.verify_queue(q).await?;
+        }
         self.publish(&p.envelope, p.delay).await?;
         Ok(enqueued(&p.envelope))
     }
 
+    /// A queue the config does not declare must exist as a chime work queue on the broker
+    /// (declared by another config's workers); otherwise nothing could ever deliver to it.
+    pub async fn verify_queue(&self, queue: &str) -> Result<(), EnqueueError> {
+        topology::depth(&self._conn, &self.names.work_queue(queue))
+            .await
+            .map(drop)
+            .map_err(|e| EnqueueError::NoSuchQueue { queue: queue.to_string(), detail: e.to_string() })
+    }
+
     /// Publishes an envelope for delivery after `delay` and waits for its confirm.
     pub async fn publish(&self, env: &Envelope, delay: Duration) -> Result<(), EnqueueError> {
-        let (exchange, routing_key) = delay::target(&self.names, &env.queue, delay);
+        let (exchange, routing_key) =
+            delay::target(&self.names, self.config.amqp.queue_type, &env.queue, delay);
         amqp::publish_confirmed(
             &self.channel,
             &exchange,
@@ -202,6 +226,18 @@ impl EnqueueClient {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // Queues no line's config declares are checked once each, before anything is sent.
+        let mut checked = std::collections::HashSet::new();
+        for (i, p) in envs.iter().enumerate() {
+            if let Some(q) = &p.unverified_queue
+                && checked.insert(q.clone())
+            {
+                self.verify_queue(q).await.map_err(|e| EnqueueError::Invalid {
+                    field: format!("line {}: queue", i + 1),
+                    message: e.to_string(),
+                })?;
+            }
+        }
         Ok(self.publish_batch(&envs).await)
     }
 
@@ -212,7 +248,7 @@ impl EnqueueClient {
             VecDeque::with_capacity(BATCH_WINDOW);
         let mut confirmed = 0usize;
         let mut error = None;
-        for Prepared { envelope: env, delay } in envs {
+        for Prepared { envelope: env, delay, .. } in envs {
             if pending.len() >= BATCH_WINDOW
                 && let Some((p, exchange, rk)) = pending.pop_front()
             {
@@ -224,7 +260,7 @@ impl EnqueueClient {
                     }
                 }
             }
-            let (exchange, rk) = delay::target(&self.names, &env.queue, *delay);
+            let (exchange, rk) = delay::target(&self.names, self.config.amqp.queue_type, &env.queue, *delay);
             match amqp::publish(&self.channel, &exchange, &rk, &env.encode(), env.properties()).await {
                 Ok(p) => pending.push_back((p, exchange, rk)),
                 Err(e) => {
@@ -261,10 +297,10 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
         });
     }
     let max_attempts = req.max_attempts.unwrap_or(job.max_attempts());
-    if max_attempts == 0 {
+    if max_attempts == 0 || max_attempts > envelope::MAX_ATTEMPTS {
         return Err(EnqueueError::Invalid {
             field: "max_attempts".into(),
-            message: "must be at least 1".into(),
+            message: format!("must be between 1 and {}", envelope::MAX_ATTEMPTS),
         });
     }
     let key = match &req.key {
@@ -306,7 +342,8 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
             max: config.amqp.max_message_bytes,
         });
     }
-    Ok(Prepared { envelope: env, delay })
+    let unverified_queue = (!config.all_queues().iter().any(|q| q == queue)).then(|| queue.to_string());
+    Ok(Prepared { envelope: env, delay, unverified_queue })
 }
 
 fn enqueued(env: &Envelope) -> Enqueued {

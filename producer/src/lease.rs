@@ -12,24 +12,33 @@ use std::collections::HashMap;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-/// KEYS[1] leader key; ARGV id, lease_ms. Returns {held (0/1), acquired_ms, redis_now_ms, holder}.
+/// KEYS[1] leader key; ARGV id, lease_ms. Returns {held (0/1), acquired_ms, redis_now_ms,
+/// holder, replaced}: `replaced` is 1 when the key held something that is not a lease (another
+/// type, or a value not of the form `id|ms`) — it is taken over, or nobody could ever lead.
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local v = redis.call('GET', KEYS[1])
+local kind = redis.call('TYPE', KEYS[1]).ok
+local v = nil
+if kind == 'string' then v = redis.call('GET', KEYS[1]) end
+local sep = v and string.find(v, '|', 1, true)
+local since = sep and tonumber(string.sub(v, sep + 1))
+if kind ~= 'none' and not since then
+  redis.call('DEL', KEYS[1])
+  redis.call('SET', KEYS[1], ARGV[1] .. '|' .. now, 'PX', ARGV[2])
+  return {1, now, now, ARGV[1], 1}
+end
 if not v then
   redis.call('SET', KEYS[1], ARGV[1] .. '|' .. now, 'PX', ARGV[2])
-  return {1, now, now, ARGV[1]}
+  return {1, now, now, ARGV[1], 0}
 end
-local sep = string.find(v, '|', 1, true)
 local holder = string.sub(v, 1, sep - 1)
-local since = tonumber(string.sub(v, sep + 1))
 if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, since, now, holder}
+  return {1, since, now, holder, 0}
 end
-return {0, since, now, holder}",
+return {0, since, now, holder, 0}",
     )
 });
 
@@ -98,15 +107,19 @@ impl TickerStore {
         })
     }
 
-    /// Acquires the lease, or extends it if `id` holds it.
+    /// Acquires the lease, or extends it if `id` holds it. Garbage under the lease key is
+    /// replaced (and logged): it must not block scheduling.
     pub async fn acquire(&self, id: &str, lease: Duration) -> Result<LeaseState, redis::RedisError> {
         let mut c = self.conn.clone();
-        let (held, acquired_ms, redis_now_ms, holder): (i64, i64, i64, String) = ACQUIRE
+        let (held, acquired_ms, redis_now_ms, holder, replaced): (i64, i64, i64, String, i64) = ACQUIRE
             .key(&self.leader_key)
             .arg(id)
             .arg(u64::try_from(lease.as_millis()).unwrap_or(u64::MAX))
             .invoke_async(&mut c)
             .await?;
+        if replaced == 1 {
+            tracing::warn!(key = %self.leader_key, "the leader key held something that is not a lease; replaced it");
+        }
         Ok(LeaseState { held: held == 1, holder, acquired_ms, redis_now_ms })
     }
 

@@ -134,7 +134,10 @@ fn fingerprint(s: &str) -> u64 {
 /// Sends notifications in order: log, then the webhook with retries.
 async fn sender(mut rx: mpsc::UnboundedReceiver<Notification>, config: Arc<Config>) {
     let names = Names::new(&config.prefix);
-    let http = reqwest::Client::new();
+    // No redirects for alerts: an Alertmanager URL never moves, and a redirect would resend
+    // the body elsewhere.
+    let http =
+        reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap_or_default();
     while let Some(n) = rx.recv().await {
         if n.firing {
             warn!(queue = %n.queue, depth = n.depth, "DLQ alert firing");
@@ -142,6 +145,7 @@ async fn sender(mut rx: mpsc::UnboundedReceiver<Notification>, config: Arc<Confi
             info!(queue = %n.queue, depth = n.depth, "DLQ alert resolved");
         }
         let Some(url) = &config.alerts.webhook else { continue };
+        let shown = chime_shared::config::redact(url);
         let body = webhook_body(&n, &names, config.alerts.dlq_threshold);
         let send = || async {
             let r = http
@@ -150,8 +154,9 @@ async fn sender(mut rx: mpsc::UnboundedReceiver<Notification>, config: Arc<Confi
                 .header("content-type", "application/json")
                 .body(serde_json::to_vec(&body).unwrap_or_default())
                 .send()
-                .await?;
-            r.error_for_status().map(|_| ())
+                .await
+                .map_err(reqwest::Error::without_url)?;
+            r.error_for_status().map(|_| ()).map_err(reqwest::Error::without_url)
         };
         use backon::Retryable;
         let policy = backon::ExponentialBuilder::default()
@@ -159,10 +164,9 @@ async fn sender(mut rx: mpsc::UnboundedReceiver<Notification>, config: Arc<Confi
             .with_max_delay(Duration::from_secs(30))
             .with_max_times(8)
             .with_jitter();
-        if let Err(e) =
-            send.retry(policy).notify(|e, d| warn!(error = %e, retry_in = ?d, "alert webhook failed")).await
-        {
-            warn!(error = %e, queue = %n.queue, "alert webhook gave up; the log line above stands");
+        let notify = |e: &reqwest::Error, d: Duration| warn!(url = %shown, error = %e, retry_in = ?d, "alert webhook failed");
+        if let Err(e) = send.retry(policy).notify(notify).await {
+            warn!(url = %shown, error = %e, queue = %n.queue, "alert webhook gave up; the log line above stands");
         }
     }
 }

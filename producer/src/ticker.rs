@@ -256,8 +256,11 @@ impl Ticker {
                     }
                 }
                 Err(e) => {
+                    // Once per outage, not per poll.
+                    if self.health.get("redis") {
+                        warn!(error = %e, "lease poll failed; standing by until Redis answers");
+                    }
                     self.health.set("redis", false);
-                    debug!(error = %e, "lease poll failed");
                 }
             }
             tokio::select! {

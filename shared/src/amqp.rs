@@ -46,6 +46,26 @@ fn with_heartbeat(url: &str, heartbeat: Duration) -> String {
     format!("{url}{sep}heartbeat={}", heartbeat.as_secs().max(1))
 }
 
+/// Explains a connect that timed out: a broker that accepts TCP but never completes the AMQP
+/// handshake is usually out of file handles (every queue reserves some) or memory.
+async fn handshake_timeout(url: &str) -> String {
+    let authority = url.split("://").nth(1).unwrap_or(url);
+    let authority = authority.rsplit('@').next().unwrap_or(authority);
+    let hostport = authority.split(['/', '?']).next().unwrap_or(authority);
+    let default = if url.starts_with("amqps://") { 5671 } else { 5672 };
+    let addr = if hostport.contains(':') { hostport.to_string() } else { format!("{hostport}:{default}") };
+    let tcp = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(&addr)).await;
+    if matches!(tcp, Ok(Ok(_))) {
+        format!(
+            "the broker accepts TCP connections but did not complete the AMQP handshake within \
+             {CONNECT_TIMEOUT:?}: it may be out of file handles (every queue reserves some; see README, \
+             \"What chime needs from the broker\") or blocked by a resource alarm"
+        )
+    } else {
+        format!("no TCP connection to {addr} within {CONNECT_TIMEOUT:?}")
+    }
+}
+
 /// Connects to the first URL of `config.url` that answers.
 pub async fn connect(config: &AmqpConfig, connection_name: &str) -> Result<Connection, AmqpError> {
     let urls = config.url.list();
@@ -56,7 +76,7 @@ pub async fn connect(config: &AmqpConfig, connection_name: &str) -> Result<Conne
         match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&full, props)).await {
             Ok(Ok(conn)) => return Ok(conn),
             Ok(Err(e)) => last = format!("{}: {e}", redact(url)),
-            Err(_) => last = format!("{}: timed out after {CONNECT_TIMEOUT:?}", redact(url)),
+            Err(_) => last = format!("{}: {}", redact(url), handshake_timeout(url).await),
         }
     }
     Err(AmqpError::Connect { urls: urls.iter().map(|u| redact(u)).collect::<Vec<_>>().join(", "), last })

@@ -235,6 +235,11 @@ pub struct WorkerConfig {
     /// handler gets this long to stop on its own before its future is dropped.
     #[serde(default = "default_cancel_grace", deserialize_with = "duration::de")]
     pub cancel_grace: Duration,
+    /// Variables of the worker's environment passed to every `exec` job's program. Nothing
+    /// else is (besides `PATH`, `HOME`, locale, `TZ`, `TMPDIR` and the job's `CHIME_*` facts):
+    /// the worker's own secrets (`CHIME_AMQP_URL`, `CHIME_REDIS_URL`, …) never reach a job.
+    #[serde(default)]
+    pub pass_env: Vec<String>,
 }
 
 fn default_concurrency() -> usize {
@@ -265,6 +270,7 @@ impl Default for WorkerConfig {
             threads: 0,
             unknown_job_grace: default_unknown_job_grace(),
             cancel_grace: default_cancel_grace(),
+            pass_env: Vec::new(),
         }
     }
 }
@@ -393,6 +399,10 @@ pub struct JobConfig {
     /// `exec`: exit codes that mean permanent failure (default `[100]`).
     #[serde(default)]
     pub permanent_exit_codes: Option<Vec<i32>>,
+    /// `exec`: variables of the worker's environment passed to this job's program, besides
+    /// `worker.pass_env` and the safe defaults (`PATH`, `HOME`, locale, `TZ`, `TMPDIR`).
+    #[serde(default)]
+    pub pass_env: Option<Vec<String>>,
     /// `http`: URL the payload is POSTed to.
     #[serde(default)]
     pub url: Option<String>,
@@ -428,6 +438,13 @@ impl JobConfig {
     pub fn permanent_exit_codes(&self) -> Vec<i32> {
         self.permanent_exit_codes.clone().unwrap_or_else(|| vec![DEFAULT_PERMANENT_EXIT_CODE])
     }
+}
+
+/// An environment variable name: a letter or `_`, then letters, digits or `_`.
+pub fn valid_env_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
 /// Names of queues, jobs and prefixes: letters, digits, `-`, `_`, `.`; 1 to 100 characters.
@@ -467,9 +484,19 @@ impl Config {
 
     /// Parses TOML text without env overrides or validation (`origin` names it in errors).
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: origin.to_string(),
-            message: e.to_string().trim_end().replace('\n', "\n  "),
+        // toml's own message quotes the offending source line, which may hold a password:
+        // report the position and the message alone, with any URL in it redacted.
+        toml::from_str(text).map_err(|e| {
+            let at = e.span().map(|span| {
+                let before = &text[..span.start.min(text.len())];
+                let line = before.matches('\n').count() + 1;
+                let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+                format!("line {line}, column {column}: ")
+            });
+            ConfigError::Parse {
+                path: origin.to_string(),
+                message: format!("{}{}", at.unwrap_or_default(), redact_text(e.message().trim_end())),
+            }
         })
     }
 
@@ -498,6 +525,15 @@ impl Config {
 
     /// Checks every value once; the error names the first bad key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.prefix.len() > 64 {
+            return Err(ConfigError::invalid(
+                "prefix",
+                format!(
+                    "{:?} is longer than 64 characters (delayed messages carry it in a routing key)",
+                    self.prefix
+                ),
+            ));
+        }
         if !valid_name(&self.prefix) {
             return Err(ConfigError::invalid(
                 "prefix",
@@ -556,6 +592,14 @@ impl Config {
         }
         if self.worker.threads > 1024 {
             return Err(ConfigError::invalid("worker.threads", "must be between 0 (one per core) and 1024"));
+        }
+        for (i, name) in self.worker.pass_env.iter().enumerate() {
+            if !valid_env_name(name) {
+                return Err(ConfigError::invalid(
+                    format!("worker.pass_env[{i}]"),
+                    format!("{name:?} is not a variable name"),
+                ));
+            }
         }
         if self.worker.prefetch == Some(0) {
             return Err(ConfigError::invalid("worker.prefetch", "must be at least 1"));
@@ -623,11 +667,25 @@ impl Config {
             if job.handler != "exec" && job.command.is_some() {
                 return Err(ConfigError::invalid(key("command"), "only valid with handler \"exec\""));
             }
+            if job.handler != "exec" && job.pass_env.is_some() {
+                return Err(ConfigError::invalid(key("pass_env"), "only valid with handler \"exec\""));
+            }
+            for (j, name) in job.pass_env.iter().flatten().enumerate() {
+                if !valid_env_name(name) {
+                    return Err(ConfigError::invalid(
+                        format!("{}[{j}]", key("pass_env")),
+                        format!("{name:?} is not a variable name"),
+                    ));
+                }
+            }
             if job.handler != "http" && job.url.is_some() {
                 return Err(ConfigError::invalid(key("url"), "only valid with handler \"http\""));
             }
-            if job.max_attempts == Some(0) {
-                return Err(ConfigError::invalid(key("max_attempts"), "must be at least 1"));
+            if job.max_attempts.is_some_and(|n| n == 0 || n > crate::envelope::MAX_ATTEMPTS) {
+                return Err(ConfigError::invalid(
+                    key("max_attempts"),
+                    format!("must be between 1 and {}", crate::envelope::MAX_ATTEMPTS),
+                ));
             }
             if let Some(b) = &job.backoff
                 && (!(1.0..=100.0).contains(&b.factor) || b.initial.is_zero() || b.max < b.initial)
@@ -695,18 +753,70 @@ impl Config {
     }
 }
 
-/// Hides the password of a URL for logs and error messages.
+/// Hides the password and the query values of a URL for logs, errors and headers:
+/// `amqp://chime:***@host/vh`, `https://api/x?api_key=***&page=***`.
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
+    let (base, fragment) = match url.split_once('#') {
+        Some((b, _)) => (b, "#***"),
+        None => (url, ""),
+    };
+    let (base, query) = match base.split_once('?') {
+        Some((b, q)) => {
+            let masked: Vec<String> = q
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((k, _)) => format!("{k}=***"),
+                    None => pair.to_string(),
+                })
+                .collect();
+            (b, format!("?{}", masked.join("&")))
+        }
+        None => (base, String::new()),
+    };
+    let base = match (base.find("://"), base.rfind('@')) {
         (Some(s), Some(at)) if at > s + 3 => {
-            let creds = &url[s + 3..at];
+            let creds = &base[s + 3..at];
             match creds.find(':') {
-                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
-                None => url.to_string(),
+                Some(c) => format!("{}{}:***{}", &base[..s + 3], &creds[..c], &base[at..]),
+                None => base.to_string(),
             }
         }
-        _ => url.to_string(),
+        _ => base.to_string(),
+    };
+    format!("{base}{query}{fragment}")
+}
+
+/// [`redact`] applied to every URL inside a free text (an error message, a header): a URL
+/// runs from its scheme to the next white space or quote.
+pub fn redact_text(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("://") {
+        let start = rest[..i]
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '+' || c == '-' || c == '.'))
+            .map_or(0, |j| j + 1);
+        let end = rest[i..]
+            .find(|c: char| c.is_whitespace() || c == '"' || c == '\'' || c == '`')
+            .map_or(rest.len(), |j| i + j);
+        out.push_str(&rest[..start]);
+        out.push_str(&redact(&rest[start..end]));
+        rest = &rest[end..];
     }
+    out.push_str(rest);
+    out
+}
+
+/// Control characters (newlines, terminal escapes) of untrusted text shown as escapes, so a
+/// name or message from the wire cannot forge a log line or drive a terminal.
+pub fn escape_control(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    std::borrow::Cow::Owned(
+        text.chars()
+            .flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] })
+            .collect(),
+    )
 }
 
 #[cfg(test)]
@@ -770,8 +880,29 @@ mod tests {
     }
 
     #[test]
-    fn redact_hides_passwords() {
+    fn redact_hides_passwords_and_query_values() {
         assert_eq!(redact("amqp://guest:secret@h:5672/%2f"), "amqp://guest:***@h:5672/%2f");
         assert_eq!(redact("redis://h:6379"), "redis://h:6379");
+        assert_eq!(
+            redact("https://api.example/hook?api_key=s3cret&x=1"),
+            "https://api.example/hook?api_key=***&x=***"
+        );
+        assert_eq!(redact("https://u:p@h/p?token=t#frag"), "https://u:***@h/p?token=***#***");
+        let text = "request to \"https://h/x?token=abc\" failed; fallback amqp://a:b@c/ also";
+        assert_eq!(
+            redact_text(text),
+            "request to \"https://h/x?token=***\" failed; fallback amqp://a:***@c/ also"
+        );
+        assert_eq!(escape_control("ok"), "ok");
+        assert_eq!(escape_control("a\nINFO forged\u{1b}[2J"), "a\\nINFO forged\\u{1b}[2J");
+    }
+
+    #[test]
+    fn syntax_errors_never_echo_the_source_line() {
+        let e = err("[amqp]\nurl = \"amqp://u:hunter2@h/\"\nheartbeat = = 3\n");
+        assert!(!e.contains("hunter2"), "{e}");
+        assert!(e.contains("line 3"), "{e}");
+        let e = err("[amqp]\nheartbeat = \"amqp://u:hunter2@h/\"\n");
+        assert!(!e.contains("hunter2"), "{e}");
     }
 }

@@ -75,6 +75,9 @@ where
     Option::<T>::deserialize(d)
 }
 
+/// Most attempts a job may have (first run included). More is not a retry policy but a loop.
+pub const MAX_ATTEMPTS: u32 = 1000;
+
 /// Why a body is not a valid envelope (the message is dead-lettered as `malformed`).
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
@@ -82,8 +85,10 @@ pub enum DecodeError {
     Json(#[from] serde_json::Error),
     #[error("unsupported envelope version {0} (this release reads v{VERSION})")]
     Version(u32),
-    #[error("attempt {attempt} is outside 1..=max_attempts ({max})")]
+    #[error("attempt {attempt} is outside 1..=max_attempts ({max}), or max_attempts is above {MAX_ATTEMPTS}")]
     Attempt { attempt: u32, max: u32 },
+    #[error("{field} {value:?} is not a valid name (1-100 letters, digits, '-', '_' or '.')")]
+    Name { field: &'static str, value: String },
 }
 
 /// Key of a scheduled run: UUIDv5(ns, "{job}@{slot as RFC 3339 UTC, seconds}").
@@ -140,8 +145,19 @@ impl Envelope {
         if env.v != VERSION {
             return Err(DecodeError::Version(env.v));
         }
-        if env.attempt == 0 || env.max_attempts == 0 || env.attempt > env.max_attempts {
+        if env.attempt == 0
+            || env.max_attempts == 0
+            || env.attempt > env.max_attempts
+            || env.max_attempts > MAX_ATTEMPTS
+        {
             return Err(DecodeError::Attempt { attempt: env.attempt, max: env.max_attempts });
+        }
+        for (field, value) in [("job", &env.job), ("queue", &env.queue)] {
+            if !crate::config::valid_name(value) {
+                // Shown with escapes: the value comes from the wire.
+                let value: String = value.chars().take(100).collect();
+                return Err(DecodeError::Name { field, value });
+            }
         }
         Ok(env)
     }
@@ -234,6 +250,16 @@ mod tests {
         let mut v: serde_json::Value = serde_json::from_slice(&sample().encode()).unwrap();
         v["attempt"] = 0.into();
         assert!(Envelope::decode(&serde_json::to_vec(&v).unwrap()).is_err());
+        for (field, value) in [
+            ("max_attempts", serde_json::json!(4_294_967_295u32)),
+            ("queue", "de\u{0}fault".into()),
+            ("job", "j\nINFO forged".into()),
+        ] {
+            let mut v: serde_json::Value = serde_json::from_slice(&sample().encode()).unwrap();
+            v[field] = value;
+            let e = Envelope::decode(&serde_json::to_vec(&v).unwrap()).unwrap_err().to_string();
+            assert!(!e.contains('\n') && !e.contains('\u{0}'), "{field}: {e}");
+        }
     }
 
     #[test]

@@ -2,6 +2,12 @@
 //!
 //! Liveness checks nothing external (a broker outage must not get every replica restarted);
 //! readiness reports each named check and answers 503 when one fails.
+//!
+//! The server is small on purpose and bounded: at most [`MAX_CONNECTIONS`] at once (more are
+//! closed at once), request headers must arrive within [`HEADER_TIMEOUT`], and no connection
+//! lives longer than [`CONNECTION_LIFETIME`]. Half-open or idle connections cannot pile up and
+//! take the file descriptors that jobs need. Bind it to 127.0.0.1 unless a scraper elsewhere
+//! needs it (the daemons serve nothing unless `--listen` or `*.listen` is set).
 
 use axum::Router;
 use axum::extract::State;
@@ -11,7 +17,16 @@ use axum::routing::get;
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+
+/// Connections served at once; further ones are closed as soon as they are accepted.
+pub const MAX_CONNECTIONS: usize = 32;
+/// A client must send its request headers within this.
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+/// No connection, however active, lives longer than this.
+pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
 
 use crate::telemetry;
 
@@ -88,7 +103,35 @@ pub async fn serve(
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_route))
         .with_state(AppState { health, metrics });
-    axum::serve(listener, app).with_graceful_shutdown(token.cancelled_owned()).await
+    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = token.cancelled() => return Ok(()),
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, say: keep serving once some are back.
+                tracing::warn!(error = %e, "health server cannot accept a connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            drop(stream); // over the cap: closed at once
+            continue;
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
+            drop(permit);
+        });
+    }
 }
 
 async fn readyz(State(s): State<AppState>) -> impl IntoResponse {

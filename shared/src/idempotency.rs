@@ -220,6 +220,27 @@ pub enum IdemError {
     Redis(#[from] redis::RedisError),
     #[error("redis script returned an unexpected reply: {0}")]
     Protocol(String),
+    /// The key's record is not a chime record (another type under the key, fields a script
+    /// cannot read): a problem of this one key, not of Redis.
+    #[error("the key's Redis record is not a chime record ({0}); delete or fix it, then replay the job")]
+    BadRecord(String),
+}
+
+impl IdemError {
+    /// A problem of one key's record, as opposed to Redis being unreachable.
+    pub fn is_bad_record(&self) -> bool {
+        matches!(self, IdemError::BadRecord(_))
+    }
+
+    /// Server replies that concern the key, not the connection.
+    fn classify(e: redis::RedisError) -> Self {
+        let script = e.code() == Some("ERR") && e.detail().is_some_and(|d| d.contains("script"));
+        if e.code() == Some("WRONGTYPE") || script {
+            IdemError::BadRecord(e.to_string())
+        } else {
+            IdemError::Redis(e)
+        }
+    }
 }
 
 /// Most commands sent in one pipeline.
@@ -310,7 +331,7 @@ impl IdemStore {
         let (reply, answer) = oneshot::channel();
         tx.send(Op { cmd, reply }).map_err(|_| IdemError::Protocol("redis batcher stopped".into()))?;
         let value = answer.await.map_err(|_| IdemError::Protocol("redis batcher stopped".into()))??;
-        Ok(redis::from_redis_value(value).map_err(redis::RedisError::from)?)
+        redis::from_redis_value(value).map_err(|e| IdemError::BadRecord(format!("unexpected reply: {e}")))
     }
 
     /// Claims `key` for `owner` (a token unique to this attempt). One round trip.
@@ -335,7 +356,7 @@ impl IdemStore {
                     attempts: u32::try_from(num(5)).unwrap_or(u32::MAX),
                 },
             },
-            other => return Err(IdemError::Protocol(format!("claim answered {other:?}"))),
+            other => return Err(IdemError::BadRecord(format!("claim answered {other:?}"))),
         })
     }
 
@@ -348,7 +369,7 @@ impl IdemStore {
             "renewed" => Renewal::Renewed,
             "recreated" => Renewal::Recreated { fence },
             "lost" => Renewal::Lost,
-            other => return Err(IdemError::Protocol(format!("renew answered {other:?}"))),
+            other => return Err(IdemError::BadRecord(format!("renew answered {other:?}"))),
         })
     }
 
@@ -462,7 +483,7 @@ async fn send_batch(conn: &mut ConnectionManager, ops: Vec<Op>) {
                     again_replies.push(reply);
                     continue;
                 }
-                Value::ServerError(e) => Err(IdemError::Redis(e.into())),
+                Value::ServerError(e) => Err(IdemError::classify(e.into())),
                 v => Ok(v),
             };
             let _ = reply.send(answer);

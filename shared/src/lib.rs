@@ -11,6 +11,7 @@ pub mod duration;
 pub mod envelope;
 pub mod health;
 pub mod idempotency;
+pub mod names;
 pub mod schedule;
 pub mod signals;
 pub mod telemetry;

@@ -3,7 +3,8 @@
 //!
 //! - `<p>.work` (direct) → `<p>.q.<queue>`, routing key `<queue>`.
 //! - `<p>.dead` (direct) → `<p>.dlq.<queue>`, routing key `<queue>`.
-//! - `<p>.delay.27` … `<p>.delay.0` → `<p>.delay.deliver` → `<p>.q.<queue>` (see `delay`).
+//! - the shared delay chain `chime-delay.<type>.27` … `.0` → `chime-delay.deliver` →
+//!   `<p>.q.<queue>`, unroutable ones → `<p>.unroutable` (see `delay` and `names`).
 //!
 //! Work queues dead-letter to `<p>.dead` as a safety net for broker-side rejections
 //! (quorum `x-delivery-limit`, always explicit and positive). Declaring is idempotent; a
@@ -16,47 +17,7 @@ use lapin::{Connection, ExchangeKind};
 
 use crate::config::{Config, QueueType};
 
-/// All names derived from one prefix.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Names {
-    prefix: String,
-}
-
-impl Names {
-    pub fn new(prefix: &str) -> Self {
-        Self { prefix: prefix.to_string() }
-    }
-    pub fn prefix(&self) -> &str {
-        &self.prefix
-    }
-    pub fn work_exchange(&self) -> String {
-        format!("{}.work", self.prefix)
-    }
-    pub fn dead_exchange(&self) -> String {
-        format!("{}.dead", self.prefix)
-    }
-    pub fn work_queue(&self, queue: &str) -> String {
-        format!("{}.q.{queue}", self.prefix)
-    }
-    pub fn dlq(&self, queue: &str) -> String {
-        format!("{}.dlq.{queue}", self.prefix)
-    }
-    /// Level `level` of the delay chain (exchange and queue share the name).
-    pub fn delay_exchange(&self, level: u32) -> String {
-        format!("{}.delay.{level}", self.prefix)
-    }
-    pub fn delay_queue(&self, level: u32) -> String {
-        self.delay_exchange(level)
-    }
-    /// Where the delay chain hands messages to work queues.
-    pub fn delay_deliver_exchange(&self) -> String {
-        format!("{}.delay.deliver", self.prefix)
-    }
-    /// Redis key of the idempotency record of `key`.
-    pub fn idem_key(&self, key: &str) -> String {
-        format!("{}:idem:{key}", self.prefix)
-    }
-}
+pub use crate::names::Names;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TopologyError {
@@ -137,9 +98,10 @@ pub async fn declare(conn: &Connection, config: &Config, queues: &[String]) -> R
             .await
             .map_err(|e| classify(&ex, e))?;
     }
-    crate::delay::declare_levels(&ch, &names, config.amqp.queue_type)
+    crate::delay::declare_chain(&ch, config.amqp.queue_type).await.map_err(|(what, e)| classify(&what, e))?;
+    crate::delay::declare_unroutable(&ch, &names, config.amqp.queue_type)
         .await
-        .map_err(|(what, e)| classify(&what, e))?;
+        .map_err(|e| classify(&names.unroutable_queue(), e))?;
     let qopts = QueueDeclareOptions { durable: true, ..Default::default() };
     for q in queues {
         let wq = names.work_queue(q);
@@ -210,16 +172,6 @@ pub async fn depth(conn: &Connection, queue: &str) -> Result<(u32, u32), lapin::
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn names_follow_the_design() {
-        let n = Names::new("chime");
-        assert_eq!(n.work_exchange(), "chime.work");
-        assert_eq!(n.dead_exchange(), "chime.dead");
-        assert_eq!(n.work_queue("default"), "chime.q.default");
-        assert_eq!(n.dlq("default"), "chime.dlq.default");
-        assert_eq!(n.idem_key("k"), "chime:idem:k");
-    }
 
     #[test]
     fn quorum_work_queues_never_use_minus_one() {

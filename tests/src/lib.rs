@@ -133,24 +133,17 @@ impl TestEnv {
             return;
         };
         let names = self.names();
-        for q in &self.queues {
-            for name in [names.work_queue(q), names.dlq(q)] {
-                if let Ok(ch) = conn.create_channel().await {
-                    let _ = ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default()).await;
-                }
-            }
-        }
-        for level in 0..chime_shared::delay::LEVELS {
+        // The prefix's own queues and exchanges; the delay chain is shared by every prefix on
+        // the virtual host and stays.
+        let mut queues: Vec<String> =
+            self.queues.iter().flat_map(|q| [names.work_queue(q), names.dlq(q)]).collect();
+        queues.push(names.unroutable_queue());
+        for name in queues {
             if let Ok(ch) = conn.create_channel().await {
-                let _ = ch
-                    .queue_delete(names.delay_queue(level).as_str().into(), QueueDeleteOptions::default())
-                    .await;
+                let _ = ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default()).await;
             }
         }
-        let mut exchanges =
-            vec![names.work_exchange(), names.dead_exchange(), names.delay_deliver_exchange()];
-        exchanges.extend((0..chime_shared::delay::LEVELS).map(|l| names.delay_exchange(l)));
-        for ex in exchanges {
+        for ex in [names.work_exchange(), names.dead_exchange()] {
             if let Ok(ch) = conn.create_channel().await {
                 let _ = ch.exchange_delete(ex.as_str().into(), ExchangeDeleteOptions::default()).await;
             }

@@ -6,6 +6,7 @@
 //! | claim | run | attempts | plan: steps in order | if the publish fails |
 //! |---|---|---|---|---|
 //! | Redis error | — | — | requeue (intake pauses) | |
+//! | the key's record is not a chime record | — | — | dead-letter `bad_record`, ack | requeue |
 //! | `done` / `dead` | — | — | ack (duplicate) | |
 //! | `busy` (another live owner) | — | — | re-delay this copy by the remaining lease, ack | requeue |
 //! | `dying` (a dead letter not known to be confirmed) | — | — | publish the dead letter again, record `dead`, ack | requeue |
@@ -92,6 +93,8 @@ pub(crate) enum Plan {
 /// After the claim: the fence to run with, or the plan that replaces the run.
 pub(crate) fn on_claim(claim: Result<Claim, &IdemError>) -> Result<u64, Plan> {
     match claim {
+        // One poisoned record must not pause the worker: this delivery goes to the DLQ.
+        Err(e) if e.is_bad_record() => Err(rejected(DeadReason::BadRecord, &e.to_string())),
         Err(_) => Err(Plan::Requeue),
         Ok(Claim::Claimed { fence }) => Ok(fence),
         Ok(Claim::Done { .. } | Claim::Dead { .. }) => Err(Plan::Ack(Settled::Duplicate)),
@@ -200,6 +203,8 @@ mod tests {
         );
         let down = IdemError::Protocol("down".into());
         assert_eq!(on_claim(Err(&down)), Err(Plan::Requeue));
+        let bad = IdemError::BadRecord("WRONGTYPE".into());
+        assert!(matches!(on_claim(Err(&bad)), Err(Plan::DeadLetter { mark: KeyMark::None, .. })));
     }
 
     #[test]

@@ -126,9 +126,15 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     let key = env.key.to_string();
     let owner = core.owner_token();
     let claim = store.claim(&key, &owner).await;
-    if let Err(e) = &claim {
-        warn!(error = %e, "redis unreachable: requeueing without a decision");
-        core.redis_failed();
+    match &claim {
+        Err(e) if e.is_bad_record() => {
+            warn!(error = %e, "the key's record is unreadable; dead-lettering this delivery")
+        }
+        Err(e) => {
+            warn!(error = %e, "redis unreachable: requeueing without a decision");
+            core.redis_failed();
+        }
+        Ok(_) => {}
     }
     let dying_fence = match &claim {
         Ok(Claim::Dying { fence, .. }) => Some(*fence),
@@ -150,7 +156,8 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     let end = run(core, store, &spec, &env, &key, &owner, &fence).await;
     metrics.duration.record(run_started.elapsed().as_secs_f64());
     if let RunEnd::Failed(failure, error) = &end {
-        warn!(?failure, %error, "job failed");
+        let error = chime_shared::config::redact_text(error);
+        warn!(?failure, error = %chime_shared::config::escape_control(&error), "job failed");
     }
     let plan = decision::on_run(end, env.attempt, env.max_attempts, &spec.backoff, env.key);
     let held = Held { key, owner, fence: fence.load(Ordering::Relaxed) };
@@ -263,6 +270,7 @@ async fn renew_lease<S: KeyStore>(core: &Core, store: &S, key: &str, owner: &str
                 Stats::bump(&core.stats.leases_recreated);
             }
             Ok(Renewal::Lost) => return,
+            Err(e) if e.is_bad_record() => warn!(error = %e, "lease renewal failed; the job keeps running"),
             Err(e) => {
                 warn!(error = %e, "lease renewal failed; the job keeps running");
                 core.redis_failed();
@@ -393,7 +401,8 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                         })
                         .await;
                     }
-                    warn!(reason = %dead.reason, error = %dead.error, queue = %incoming.queue, "dead-lettered");
+                    let error = chime_shared::config::redact_text(&dead.error);
+                    warn!(reason = %dead.reason, error = %chime_shared::config::escape_control(&error), queue = %incoming.queue, "dead-lettered");
                     Stats::bump(&stats.dead_lettered);
                     completed(outcome::DEAD_LETTERED);
                     ticket.ack();
@@ -422,7 +431,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
 fn dead_letter_properties(core: &Core, incoming: &Incoming, dead: &DeadInfo) -> BasicProperties {
     let mut headers = incoming.properties.headers().clone().unwrap_or_default();
     put_header(&mut headers, "x-chime-reason", &dead.reason);
-    put_header(&mut headers, "x-chime-error", &dead.error);
+    put_header(&mut headers, "x-chime-error", &chime_shared::config::redact_text(&dead.error));
     put_header(&mut headers, "x-chime-attempts", &dead.attempts.to_string());
     put_header(&mut headers, "x-chime-failed-at", &Utc::now().to_rfc3339());
     put_header(&mut headers, "x-chime-worker", &core.worker_id);
@@ -442,6 +451,10 @@ async fn record_until_done<S: KeyStore>(core: &Core, store: &S, h: &Held) -> boo
                 return true;
             }
             Ok(Recorded::Yes | Recorded::Recreated) => return true,
+            Err(e) if e.is_bad_record() => {
+                error!(error = %e, "`done` cannot be recorded over an unreadable record; acking (the job ran)");
+                return true;
+            }
             Err(e) => {
                 warn!(error = %e, retry_in = ?wait, "cannot record `done` yet; the delivery stays unacked");
                 core.redis_failed();
@@ -464,6 +477,10 @@ where
     for attempt in 0..3u32 {
         match f().await {
             Ok(v) => return Some(v),
+            Err(e) if e.is_bad_record() => {
+                error!(error = %e, "cannot {what} over an unreadable record");
+                return None;
+            }
             Err(e) => {
                 warn!(error = %e, attempt, "cannot {what} in redis yet");
                 core.redis_failed();

@@ -34,6 +34,8 @@ pub enum DeadReason {
     Panic,
     /// Above `amqp.max_message_bytes`.
     TooLarge,
+    /// The key's Redis record is not a chime record (WRONGTYPE, unreadable fields).
+    BadRecord,
 }
 
 impl DeadReason {
@@ -46,6 +48,7 @@ impl DeadReason {
             DeadReason::Timeout => "timeout",
             DeadReason::Panic => "panic",
             DeadReason::TooLarge => "too_large",
+            DeadReason::BadRecord => "bad_record",
         }
     }
 }

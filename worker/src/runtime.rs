@@ -292,6 +292,7 @@ impl Worker {
         let outbox = BrokerOutbox {
             channel: Arc::new(publish),
             names: self.core.names.clone(),
+            queue_type: self.core.config.amqp.queue_type,
             timeout: self.core.config.amqp.publish_timeout,
             broken: CancellationToken::new(),
         };

@@ -104,7 +104,7 @@ pub(crate) fn resolve_jobs(
 ) -> Result<Jobs, ConfigError> {
     let mut jobs = Jobs::new();
     for (i, job) in config.jobs.iter().enumerate() {
-        let handler = builtin::for_job(job).or_else(|| registry.get(&job.handler));
+        let handler = builtin::for_job(job, &config.worker).or_else(|| registry.get(&job.handler));
         match handler {
             Some(handler) => {
                 let timeout = job.timeout.unwrap_or(config.worker.default_timeout);

@@ -4,6 +4,7 @@
 //! without services (`process/tests.rs`); the real implementations are below.
 
 use chime_shared::amqp::{self, AmqpError};
+use chime_shared::config::QueueType;
 use chime_shared::delay;
 use chime_shared::envelope::Envelope;
 use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, IdemStore, Recorded, Renewal};
@@ -91,6 +92,7 @@ pub(crate) trait Outbox: Send + Sync + 'static {
 pub(crate) struct BrokerOutbox {
     pub channel: Arc<Channel>,
     pub names: Names,
+    pub queue_type: QueueType,
     pub timeout: Duration,
     /// Cancelled when the broker closed the channel (a publish to an exchange that is gone,
     /// say): the session then reconnects and declares the topology again.
@@ -114,7 +116,7 @@ impl Outbox for BrokerOutbox {
         delay: Duration,
         headers: FieldTable,
     ) -> Result<(), AmqpError> {
-        let (exchange, routing_key) = delay::target(&self.names, queue, delay);
+        let (exchange, routing_key) = delay::target(&self.names, self.queue_type, queue, delay);
         let props = envelope.properties();
         let props = if headers.inner().is_empty() { props } else { props.with_headers(headers) };
         let sent = amqp::publish_confirmed(

@@ -173,6 +173,7 @@ fn envelopes(n: usize, same_keys: bool) -> Vec<Prepared> {
                     Source::Adhoc,
                 ),
                 delay: Duration::ZERO,
+                unverified_queue: None,
             }
         })
         .collect()

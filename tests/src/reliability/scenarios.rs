@@ -379,7 +379,10 @@ pub async fn handler_panic() -> Outcome {
                     .append(true)
                     .open(&ledger)
                     .map_err(JobError::transient)?;
-                writeln!(f, "{} {} {what}", now_f64(), ctx.key).map_err(JobError::transient)?;
+                // One write per line: O_APPEND keeps whole writes apart; `writeln!` on a File
+                // issues several, which concurrent handlers interleave.
+                let line = format!("{} {} {what}\n", now_f64(), ctx.key);
+                f.write_all(line.as_bytes()).map_err(JobError::transient)?;
                 Ok(())
             }
         }),

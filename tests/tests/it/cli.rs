@@ -95,8 +95,8 @@ async fn enqueue_confirms_and_bad_input_publishes_nothing() {
     })
     .await;
 
-    // A queue nothing is bound to: the broker returns the message, and that is a failure.
+    // A queue that neither the config nor the broker knows: refused before publishing.
     let (code, _, err) = chime(&path, &["enqueue", "greet", "--queue", "unbound"], None);
-    assert_eq!(code, 1, "{err}");
-    assert!(err.contains("unroutable"), "{err}");
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("\"unbound\" is neither declared by this config nor present on the broker"), "{err}");
 }

@@ -152,7 +152,12 @@ async fn purge_by_age_and_by_id() {
     assert!(out.starts_with("purged 2 dead letter(s); 2 left in place"), "{out}");
     let left = client.list("default", &Filter::default()).await.unwrap();
     assert_eq!(left.len(), 2);
-    let (code, out, _) = chime_cli(&path, &["dlq", "purge", &left[0].id]).await;
+    // Without a terminal nobody can confirm: --yes is required, and nothing is purged.
+    let (code, _, err) = chime_cli(&path, &["dlq", "purge", &left[0].id]).await;
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--yes"), "{err}");
+    assert_eq!(client.list("default", &Filter::default()).await.unwrap().len(), 2);
+    let (code, out, _) = chime_cli(&path, &["dlq", "purge", &left[0].id, "--yes"]).await;
     assert_eq!(code, 0);
     assert!(out.starts_with("purged 1"), "{out}");
     let (code, _, err) = chime_cli(&path, &["dlq", "purge"]).await;
@@ -252,7 +257,7 @@ async fn purge_asks_on_a_terminal() {
     publish_dead(&env, 3, chrono::Utc::now()).await;
     let out = purge_on_a_tty(&path, "n").await;
     assert!(
-        out.contains("purge 3 dead letter(s) from default? [y/N]") && out.contains("nothing purged"),
+        out.contains("purge 3 dead letter(s) (default: 3)? [y/N]") && out.contains("nothing purged"),
         "{out}"
     );
     assert_eq!(client.list("default", &Filter::default()).await.unwrap().len(), 3);

@@ -3,6 +3,14 @@
 //! Exit 0 = success; an exit code in `permanent_exit_codes` (default 100) = permanent
 //! failure; anything else (or a signal) = transient.
 //!
+//! Environment: a clean one. The program gets `PATH`, `HOME`, `USER`, `LOGNAME`, the locale
+//! (`LANG`, `LANGUAGE`, `LC_*`), `TZ` and `TMPDIR` from the worker, the variables named in
+//! `worker.pass_env` and the job's `pass_env`, and the run's `CHIME_*` facts — never the rest
+//! of the worker's environment (its broker and Redis URLs with their passwords).
+//!
+//! Output: stdout goes to the worker's stdout; stderr is read as it comes and only its last
+//! 2 KiB are kept (for the error message), so a program writing gigabytes costs no memory.
+//!
 //! Process hygiene: the program runs under a tiny `/bin/sh` guard that leads its own
 //! process group and has `PR_SET_PDEATHSIG = SIGTERM`. On timeout or cancellation the
 //! worker kills the whole group; if the worker itself dies (even by SIGKILL) the kernel
@@ -25,12 +33,25 @@ const GUARD: &str = r#"exec 3<&0; trap 'kill -KILL 0' TERM HUP INT; "$@" <&3 3<&
 pub struct ExecHandler {
     command: Vec<String>,
     permanent: Vec<i32>,
+    /// What the program's environment starts from (see the module docs).
+    env: Vec<(String, String)>,
 }
 
 impl ExecHandler {
-    pub fn new(command: Vec<String>, permanent_exit_codes: Vec<i32>) -> Self {
-        Self { command, permanent: permanent_exit_codes }
+    pub fn new(command: Vec<String>, permanent_exit_codes: Vec<i32>, env: Vec<(String, String)>) -> Self {
+        Self { command, permanent: permanent_exit_codes, env }
     }
+}
+
+/// Variables every program gets from the worker's environment, when set there.
+const SAFE: [&str; 8] = ["PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR"];
+
+/// The worker's variables a program starts with: the safe ones, locale (`LC_*`), and `extra`.
+pub fn environment<'a>(extra: impl Iterator<Item = &'a str>) -> Vec<(String, String)> {
+    let extra: Vec<&str> = extra.collect();
+    std::env::vars()
+        .filter(|(k, _)| SAFE.contains(&k.as_str()) || k.starts_with("LC_") || extra.contains(&k.as_str()))
+        .collect()
 }
 
 /// Kills the process group when dropped (timeout, cancellation, panic, abort).
@@ -51,18 +72,21 @@ impl Handler for ExecHandler {
     fn call(&self, ctx: JobContext, payload: serde_json::Value) -> BoxFuture<'static, Result<(), JobError>> {
         let command = self.command.clone();
         let permanent = self.permanent.clone();
-        Box::pin(async move { run(command, permanent, ctx, payload).await })
+        let env = self.env.clone();
+        Box::pin(async move { run(command, permanent, env, ctx, payload).await })
     }
 }
 
 async fn run(
     command: Vec<String>,
     permanent: Vec<i32>,
+    env: Vec<(String, String)>,
     ctx: JobContext,
     payload: serde_json::Value,
 ) -> Result<(), JobError> {
     let mut cmd = Command::new("/bin/sh");
     cmd.arg("-c").arg(GUARD).arg("chime-exec").args(&command);
+    cmd.env_clear().envs(env);
     cmd.env("CHIME_JOB", &ctx.job)
         .env("CHIME_QUEUE", &ctx.queue)
         .env("CHIME_KEY", ctx.key.to_string())
@@ -103,12 +127,22 @@ async fn run(
     };
     let mut stderr = child.stderr.take();
     let read = async move {
-        let mut buf = Vec::new();
+        // Read as it comes, keep only the tail: memory stays bounded whatever the program writes.
+        let mut tail: Vec<u8> = Vec::with_capacity(2 * STDERR_TAIL);
+        let mut chunk = [0u8; 8192];
         if let Some(s) = stderr.as_mut() {
-            let _ = s.read_to_end(&mut buf).await;
+            while let Ok(n) = s.read(&mut chunk).await {
+                if n == 0 {
+                    break;
+                }
+                tail.extend_from_slice(&chunk[..n]);
+                if tail.len() > 2 * STDERR_TAIL {
+                    tail.drain(..tail.len() - STDERR_TAIL);
+                }
+            }
         }
-        let start = buf.len().saturating_sub(STDERR_TAIL);
-        String::from_utf8_lossy(&buf[start..]).trim().to_string()
+        let start = tail.len().saturating_sub(STDERR_TAIL);
+        String::from_utf8_lossy(&tail[start..]).trim().to_string()
     };
     let (_, tail, status) = tokio::join!(write, read, child.wait());
     let status = status.map_err(|e| JobError::Transient(format!("waiting for the program: {e}")))?;

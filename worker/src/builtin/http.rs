@@ -4,7 +4,12 @@
 //! request itself is wrong; sending it again cannot help); connection errors and timeouts
 //! = transient. Headers `X-Chime-Job`, `X-Chime-Key`, `X-Chime-Attempt`, `X-Chime-Fence`
 //! and `Idempotency-Key` (= the key) let the receiving service deduplicate.
+//!
+//! Redirects are followed only to the same host (a redirect elsewhere would re-POST the body
+//! and the idempotency key to a stranger). Errors name the URL with its password and query
+//! values redacted, so tokens in a query string never reach logs or the DLQ.
 
+use chime_shared::config::redact;
 use futures_util::future::BoxFuture;
 
 use crate::handler::{Handler, JobContext, JobError};
@@ -14,10 +19,38 @@ pub struct HttpHandler {
     client: reqwest::Client,
 }
 
+/// Follows redirects only within the original host (at most 5).
+fn same_host_redirects() -> reqwest::redirect::Policy {
+    reqwest::redirect::Policy::custom(|attempt| {
+        let first = attempt.previous().first().and_then(|u| u.host_str().map(str::to_string));
+        if attempt.previous().len() >= 5 {
+            attempt.error("too many redirects")
+        } else if first.as_deref() == attempt.url().host_str() {
+            attempt.follow()
+        } else {
+            attempt.stop()
+        }
+    })
+}
+
 impl HttpHandler {
     pub fn new(url: String) -> Self {
-        Self { url, client: reqwest::Client::new() }
+        let client = reqwest::Client::builder().redirect(same_host_redirects()).build().unwrap_or_default();
+        Self { url, client }
     }
+}
+
+/// An error and its causes, one after the other, without the URL reqwest puts in it.
+fn describe(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut out = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
 }
 
 /// Classifies a response status.
@@ -42,9 +75,29 @@ impl Handler for HttpHandler {
             .header("x-chime-attempt", ctx.attempt.to_string())
             .header("x-chime-fence", ctx.fence.to_string())
             .body(serde_json::to_vec(&payload).unwrap_or_default());
+        let shown = redact(&self.url);
         Box::pin(async move {
-            let resp = req.send().await.map_err(|e| JobError::Transient(format!("request failed: {e}")))?;
-            classify(resp.status().as_u16())
+            let resp = req
+                .send()
+                .await
+                .map_err(|e| JobError::Transient(format!("POST {shown}: {}", describe(e))))?;
+            let status = resp.status();
+            if status.is_redirection() {
+                let to = resp
+                    .headers()
+                    .get("location")
+                    .and_then(|l| l.to_str().ok())
+                    .map(redact)
+                    .unwrap_or_default();
+                return Err(JobError::Permanent(format!(
+                    "POST {shown}: HTTP {} to another host ({to}), not followed",
+                    status.as_u16()
+                )));
+            }
+            classify(status.as_u16()).map_err(|e| match e {
+                JobError::Transient(m) => JobError::Transient(format!("POST {shown}: {m}")),
+                JobError::Permanent(m) => JobError::Permanent(format!("POST {shown}: {m}")),
+            })
         })
     }
 }

@@ -1,0 +1,89 @@
+//! Every exchange, queue and Redis key name chime uses: those derived from a prefix, and those
+//! of the delay chain that every prefix on a virtual host shares. No I/O: the declarations
+//! are in `topology` and `delay`. No name is spelled anywhere else.
+//!
+//! Per prefix `<p>`: exchanges `<p>.work` and `<p>.dead`; queues `<p>.q.<queue>`,
+//! `<p>.dlq.<queue>` and `<p>.unroutable`; Redis keys `<p>:…`.
+//!
+//! Per virtual host: the delay chain `chime-delay.<type>.<level>` (exchange and queue, for
+//! each queue type in use), `chime-delay.deliver`, `chime-delay.unroutable` and the queue
+//! `chime-delay.orphans`. Sharing it keeps a prefix's broker footprint at its work queues and
+//! DLQs plus one: RabbitMQ reserves file handles per queue, and 28 levels per prefix exhausted
+//! a broker with the common limit of 1,024 open files at about 13 prefixes.
+
+use crate::config::QueueType;
+
+/// Exchange (topic) through which the delay chain hands messages to work queues. Messages it
+/// cannot route go to its alternate exchange, [`DELAY_UNROUTABLE`], never back up the chain.
+pub const DELAY_DELIVER: &str = "chime-delay.deliver";
+/// Alternate exchange (topic) of [`DELAY_DELIVER`]: routes each prefix's unroutable delayed
+/// messages into that prefix's `<p>.unroutable` queue.
+pub const DELAY_UNROUTABLE: &str = "chime-delay.unroutable";
+/// Queue behind the alternate exchange of [`DELAY_UNROUTABLE`]: delayed messages of a prefix
+/// that has no `<p>.unroutable` queue (deleted while its messages waited). Nothing is dropped.
+pub const DELAY_ORPHANS: &str = "chime-delay.orphans";
+/// Alternate exchange (fanout) of [`DELAY_UNROUTABLE`], into [`DELAY_ORPHANS`].
+pub const DELAY_ORPHANS_EXCHANGE: &str = "chime-delay.orphans.x";
+
+/// Level `level` of the shared delay chain of `queue_type` (exchange and queue share it).
+pub fn delay_level(queue_type: QueueType, level: u32) -> String {
+    format!("chime-delay.{}.{level}", queue_type.as_str())
+}
+
+/// A name as one routing-key word: dots (allowed in names) become `~` (which is not).
+pub fn word(name: &str) -> String {
+    name.replace('.', "~")
+}
+
+/// All names derived from one prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names {
+    prefix: String,
+}
+
+impl Names {
+    pub fn new(prefix: &str) -> Self {
+        Self { prefix: prefix.to_string() }
+    }
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+    pub fn work_exchange(&self) -> String {
+        format!("{}.work", self.prefix)
+    }
+    pub fn dead_exchange(&self) -> String {
+        format!("{}.dead", self.prefix)
+    }
+    pub fn work_queue(&self, queue: &str) -> String {
+        format!("{}.q.{queue}", self.prefix)
+    }
+    pub fn dlq(&self, queue: &str) -> String {
+        format!("{}.dlq.{queue}", self.prefix)
+    }
+    /// Where this prefix's delayed messages go when their work queue does not exist.
+    pub fn unroutable_queue(&self) -> String {
+        format!("{}.unroutable", self.prefix)
+    }
+    /// Redis key of the idempotency record of `key`.
+    pub fn idem_key(&self, key: &str) -> String {
+        format!("{}:idem:{key}", self.prefix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_design() {
+        let n = Names::new("chime");
+        assert_eq!(n.work_exchange(), "chime.work");
+        assert_eq!(n.dead_exchange(), "chime.dead");
+        assert_eq!(n.work_queue("default"), "chime.q.default");
+        assert_eq!(n.dlq("default"), "chime.dlq.default");
+        assert_eq!(n.unroutable_queue(), "chime.unroutable");
+        assert_eq!(n.idem_key("k"), "chime:idem:k");
+        assert_eq!(delay_level(QueueType::Quorum, 27), "chime-delay.quorum.27");
+        assert_eq!(word("my.app"), "my~app");
+    }
+}
