@@ -339,6 +339,38 @@ impl Child {
         Self::spawn("chime-worker", dir, config, args, &format!("worker-{tag}"))
     }
 
+    /// Like `worker`, with extra environment variables.
+    pub fn worker_env(dir: &Path, config: &Path, tag: &str, envs: &[(&str, &str)]) -> Self {
+        let mut cmd = tokio::process::Command::new(bin("chime-worker"));
+        cmd.envs(envs.iter().copied());
+        Self::run(cmd, dir, config, &[], &format!("worker-{tag}"))
+    }
+
+    /// Spawns `chime --config CONFIG args…` (a daemon such as `watch`).
+    pub fn chime(dir: &Path, config: &Path, args: &[&str], tag: &str) -> Self {
+        Self::spawn("chime", dir, config, args, tag)
+    }
+
+    /// Peak resident memory of the process so far (`VmHWM`), in KiB.
+    pub fn peak_rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Whether the process has exited (reaps it if so).
+    pub fn child_exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    /// Open file descriptors of the process.
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
+    }
+
     /// Spawns `chime --config CONFIG tick args…`.
     pub fn ticker(dir: &Path, config: &Path, args: &[&str], tag: &str) -> Self {
         let mut all = vec!["tick"];
@@ -346,14 +378,22 @@ impl Child {
         Self::spawn("chime", dir, config, &all, &format!("ticker-{tag}"))
     }
 
-    /// Spawns `chime tick` with its wall clock `offset` away from the real one (libfaketime;
-    /// the monotonic clock is left alone, as a skewed NTP client would).
+    /// Spawns `chime tick` with its wall clock `offset` away from the real one (libfaketime
+    /// preloaded into the process itself — the `faketime` wrapper forks, so killing it would
+    /// leave the ticker running; the monotonic clock is left alone, as a skewed NTP client
+    /// would).
     pub fn skewed_ticker(dir: &Path, config: &Path, offset: &str, tag: &str) -> Self {
-        let faketime = which("faketime").unwrap_or_else(|| {
-            panic!("faketime is needed for the clock-skew scenario (scripts/services installs it)")
+        let lib = [
+            "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+            "/usr/lib/faketime/libfaketimeMT.so.1",
+        ]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .unwrap_or_else(|| {
+            panic!("libfaketime is needed for the clock-skew scenario (scripts/services installs faketime)")
         });
-        let mut cmd = tokio::process::Command::new(faketime);
-        cmd.arg("-f").arg(offset).arg(bin("chime")).env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+        let mut cmd = tokio::process::Command::new(bin("chime"));
+        cmd.env("LD_PRELOAD", lib).env("FAKETIME", offset).env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
         Self::run(cmd, dir, config, &["tick"], &format!("ticker-{tag}"))
     }
 
@@ -391,11 +431,6 @@ impl Child {
     }
 }
 
-/// A program on the `PATH`.
-pub fn which(program: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(program)).find(|p| p.exists())
-}
-
 /// Lines of a ledger file (one line per event, appended by exec jobs).
 pub fn ledger(path: &Path) -> Vec<String> {
     std::fs::read_to_string(path).unwrap_or_default().lines().map(str::to_string).collect()
@@ -413,6 +448,8 @@ pub struct PrivateRabbit {
     pub port: u16,
     dist_port: u16,
     dir: PathBuf,
+    /// Open-files limit the node is started with (`ulimit -n`), if any.
+    nofile: Option<u32>,
     /// The `rabbitmq-server` wrapper process (the node itself runs as user `rabbitmq`).
     wrapper: std::sync::Mutex<Option<std::process::Child>>,
 }
@@ -424,6 +461,15 @@ impl PrivateRabbit {
 
     /// Starts a node with `conf` as its `rabbitmq.conf` (e.g. `consumer_timeout = 60000`).
     pub async fn start_with(conf: &str) -> Self {
+        Self::start_full(conf, None).await
+    }
+
+    /// Starts a node whose open-files limit is `nofile` (the common default is 1,024).
+    pub async fn start_nofile(nofile: u32) -> Self {
+        Self::start_full("", Some(nofile)).await
+    }
+
+    async fn start_full(conf: &str, nofile: Option<u32>) -> Self {
         let port = free_port();
         let dist_port = free_port();
         let dir = std::env::temp_dir().join(format!("chime-rabbit-{port}"));
@@ -433,7 +479,7 @@ impl PrivateRabbit {
         }
         // rabbitmq-server drops privileges to the `rabbitmq` user when started as root.
         let _ = std::process::Command::new("chown").args(["-R", "rabbitmq:rabbitmq"]).arg(&dir).status();
-        let r = Self { port, dist_port, dir, wrapper: std::sync::Mutex::new(None) };
+        let r = Self { port, dist_port, dir, nofile, wrapper: std::sync::Mutex::new(None) };
         r.spawn().await;
         r
     }
@@ -482,7 +528,15 @@ impl PrivateRabbit {
 
     async fn spawn(&self) {
         let d = &self.dir;
-        let child = std::process::Command::new("rabbitmq-server")
+        let mut cmd = match self.nofile {
+            Some(n) => {
+                let mut c = std::process::Command::new("sh");
+                c.args(["-c", &format!("ulimit -n {n} && exec rabbitmq-server")]);
+                c
+            }
+            None => std::process::Command::new("rabbitmq-server"),
+        };
+        let child = cmd
             .env("RABBITMQ_NODENAME", format!("chime-test-{}@localhost", self.port))
             .env("RABBITMQ_NODE_PORT", self.port.to_string())
             .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())

@@ -167,15 +167,30 @@ pub(crate) fn dead_info(reason: DeadReason, error: &str, attempts: u32) -> DeadI
     }
 }
 
-fn truncate(s: &str, max: usize) -> &str {
+/// `s` within `max` bytes: its head and its end, joined by " … " (an error's first line says
+/// what failed, its end how it ended; the middle of a long stderr tail matters least).
+fn truncate(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
     if s.len() <= max {
-        return s;
+        return std::borrow::Cow::Borrowed(s);
     }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
+    const GAP: &str = " … ";
+    let head_len = floor_char(s, max / 4);
+    let tail_start = ceil_char(s, s.len() - (max - head_len - GAP.len()));
+    std::borrow::Cow::Owned(format!("{}{GAP}{}", &s[..head_len], &s[tail_start..]))
+}
+
+fn floor_char(s: &str, mut i: usize) -> usize {
+    while !s.is_char_boundary(i) {
+        i -= 1;
     }
-    &s[..end]
+    i
+}
+
+fn ceil_char(s: &str, mut i: usize) -> usize {
+    while !s.is_char_boundary(i) {
+        i += 1;
+    }
+    i
 }
 
 #[cfg(test)]
@@ -228,7 +243,13 @@ mod tests {
         else {
             panic!("permanent failures dead-letter");
         };
-        assert_eq!((dead.reason.as_str(), dead.error.len()), ("permanent", 1000));
+        assert_eq!(dead.reason, "permanent");
+        assert!(
+            dead.error.len() <= 1000 && dead.error.starts_with("éé") && dead.error.ends_with("éé"),
+            "{}",
+            dead.error.len()
+        );
+        assert!(dead.error.contains(" … "));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::{Check, Outcome, Stack, now_f64, wait_runs, wait_secs};
 use crate::proxy::TcpSwitch;
-use crate::{Child, PrivateRedis, connect_redis};
+use crate::{Child, PrivateRedis, connect_redis, wait_until};
 
 /// Keys of `n` jobs of `job` with keys `{prefix}{i}`.
 fn keys(job: &str, prefix: &str, n: usize) -> HashSet<String> {
@@ -193,7 +193,7 @@ pub async fn ticker_clock_skew() -> Outcome {
     let extra = "schedule = \"* * * * * *\"\ncatch_up = \"all\"\n[ticker]\nlease = \"2s\"\n";
     let s = Stack::start("rel-skew", false, "concurrency = 8", 0.0, extra).await;
     let _w = s.worker("w");
-    let ahead = Child::skewed_ticker(&s.env.dir, &s.config_path, "+3s", "ahead");
+    let mut ahead = Child::skewed_ticker(&s.env.dir, &s.config_path, "+3s", "ahead");
     wait_runs(&s, 3, Duration::from_secs(30)).await;
     let behind = s.ticker("behind");
     // The fast one leads; killing it hands over to a leader whose clock is 3 s behind the
@@ -206,6 +206,11 @@ pub async fn ticker_clock_skew() -> Outcome {
     behind.signal(9);
     let until = now_f64() + 4.0;
     wait_secs(until, 1.5).await;
+    // The skew is real: the fast ticker saw its clock 3 s off Redis TIME.
+    assert!(ahead.log_text().contains("local clock differs from Redis TIME"), "{}", ahead.log_text());
+    let a = &mut ahead;
+    wait_until("the killed leader is gone", Duration::from_secs(10), || std::future::ready(a.child_exited()))
+        .await;
     let expected = super::scenarios::slot_keys(&s, until);
     let c = Check::new(
         "ticker clock skew",

@@ -1,34 +1,8 @@
 //! The `chime` binary: exit codes, confirmations, batch, and bad input publishing nothing.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
-
 use crate::common::*;
 
 const JOBS: &str = "[[jobs]]\nname = \"greet\"\nhandler = \"noop\"\n";
-
-fn chime(config: &std::path::Path, args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
-    let mut child = Command::new(bin("chime"))
-        .arg("--config")
-        .arg(config)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    if let Some(s) = stdin {
-        child.stdin.take().unwrap().write_all(s.as_bytes()).unwrap();
-    } else {
-        drop(child.stdin.take());
-    }
-    let out = child.wait_with_output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 #[tokio::test]
 async fn config_errors_exit_2_naming_the_key() {
@@ -98,5 +72,8 @@ async fn enqueue_confirms_and_bad_input_publishes_nothing() {
     // A queue that neither the config nor the broker knows: refused before publishing.
     let (code, _, err) = chime(&path, &["enqueue", "greet", "--queue", "unbound"], None);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("\"unbound\" is neither declared by this config nor present on the broker"), "{err}");
+    assert!(
+        err.contains("\"unbound\" is neither declared by this config nor present on the broker"),
+        "{err}"
+    );
 }

@@ -117,3 +117,31 @@ pub async fn idem_state(env: &TestEnv, key: &str) -> Option<String> {
     let mut r = connect_redis(&env.redis_url).await;
     redis::cmd("HGET").arg(env.names().idem_key(key)).arg("s").query_async(&mut r).await.unwrap()
 }
+
+/// Runs `chime --config CONFIG args…` to completion, feeding `stdin` (closed when `None`);
+/// returns (exit code, stdout, stderr).
+pub fn chime(config: &std::path::Path, args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(bin("chime"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    if let Some(s) = stdin {
+        // A command may stop reading early (it rejected the input): not an error here.
+        let _ = child.stdin.take().unwrap().write_all(s.as_bytes());
+    } else {
+        drop(child.stdin.take());
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

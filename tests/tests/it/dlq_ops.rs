@@ -266,3 +266,45 @@ async fn purge_asks_on_a_terminal() {
     assert_eq!(client.depth("default").await.unwrap(), 0);
     client.close().await;
 }
+
+/// Dead-letter ids are UUIDv7: every dead letter of the same minute shares its first 8
+/// characters. A prefix that names several must never act on all of them.
+#[tokio::test]
+async fn an_ambiguous_id_prefix_acts_on_nothing_and_lists_the_matches() {
+    let env = TestEnv::new("ambiguous");
+    let text = env.config_text("classic", "", "", COUNT_JOB);
+    let path = env.write_config(&text);
+    let client =
+        DlqClient::connect(Arc::new(chime_shared::Config::from_toml_str(&text).unwrap())).await.unwrap();
+    publish_dead(&env, 3, chrono::Utc::now()).await;
+    let all = client.list("default", &Filter::default()).await.unwrap();
+    let prefix = &all[0].id[..8];
+    assert!(all.iter().all(|d| d.id.starts_with(prefix)), "three ids of one minute share 8 characters");
+    for args in
+        [vec!["dlq", "show", prefix], vec!["dlq", "replay", prefix], vec!["dlq", "purge", prefix, "--yes"]]
+    {
+        let (code, _, err) = chime_cli(&path, &args).await;
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(all.iter().all(|d| err.contains(&d.id)), "{args:?} lists every match: {err}");
+    }
+    assert_eq!(client.list("default", &Filter::default()).await.unwrap().len(), 3, "nothing was touched");
+    // Unknown ids and keys exit 1; too short a prefix is a usage error.
+    let (code, _, err) = chime_cli(&path, &["dlq", "replay", "01234567-89ab-7def-8123-456789abcdef"]).await;
+    assert_eq!(code, 1, "{err}");
+    let (code, _, _) = chime_cli(&path, &["dlq", "purge", &all[0].id[..5], "--yes"]).await;
+    assert_eq!(code, 2);
+    // A whole id, a longer prefix, or the key names exactly one.
+    let (code, out, err) = chime_cli(&path, &["dlq", "show", &all[1].id[..30]]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&all[1].id), "{out}");
+    let key = all[2].key.unwrap().to_string();
+    let (code, out, _) = chime_cli(&path, &["dlq", "show", &key]).await;
+    assert_eq!(code, 0);
+    assert!(out.contains(&all[2].id), "{out}");
+    let (code, out, err) = chime_cli(&path, &["dlq", "purge", "--key", &key, "--yes"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("purged 1 dead letter(s); 2 left"), "{out}");
+    let (code, _, _) = chime_cli(&path, &["dlq", "replay", "--key", &key]).await;
+    assert_eq!(code, 1, "the key matches nothing any more");
+    client.close().await;
+}

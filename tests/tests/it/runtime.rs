@@ -116,7 +116,9 @@ async fn http_handler_maps_statuses_and_sends_the_key() {
     dead.sort_by(|a, b| a.1["x-chime-reason"].cmp(&b.1["x-chime-reason"]));
     let reasons: Vec<(&str, &str)> =
         dead.iter().map(|(_, h)| (h["x-chime-reason"].as_str(), h["x-chime-error"].as_str())).collect();
-    assert_eq!(reasons, [("exhausted", "HTTP 503"), ("permanent", "HTTP 422")]);
+    let busy = format!("POST http://{addr}/busy: HTTP 503");
+    let bad = format!("POST http://{addr}/bad: HTTP 422");
+    assert_eq!(reasons, [("exhausted", busy.as_str()), ("permanent", bad.as_str())]);
     worker.stop().await;
 }
 
