@@ -2,7 +2,7 @@
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked -p chime-producer -p chime-worker --bins
+RUN cargo build --release --locked -p chime-cli -p chime-worker-cli --bins
 
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates curl \

@@ -8,20 +8,23 @@ use chime_shared::amqp::{self, AmqpError};
 use chime_shared::config::{Config, valid_name};
 use chime_shared::delay;
 use chime_shared::envelope::{self, Envelope, Source};
+use chime_shared::job::{Job, JobOptions};
 use chime_shared::telemetry;
 use chime_shared::topology::{self, Names, TopologyError};
 use chrono::{DateTime, Utc};
 use lapin::options::ConfirmSelectOptions;
 use lapin::{Channel, Connection};
-use std::collections::VecDeque;
-use std::sync::Arc;
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use uuid::Uuid;
 
-/// One ad-hoc job to push.
+/// One ad-hoc job to push, by name (a `[[jobs]]` entry) or built from a typed [`Job`] with
+/// [`EnqueueRequest::job`].
 #[derive(Debug, Clone, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnqueueRequest {
+    /// The job's name.
     #[serde(skip)]
     pub job: String,
     /// JSON payload; `None` uses the job's configured `payload` (or `null`).
@@ -33,6 +36,7 @@ pub struct EnqueueRequest {
     /// Overrides the job's queue.
     #[serde(default)]
     pub queue: Option<String>,
+    /// Overrides the job's `max_attempts`.
     #[serde(default)]
     pub max_attempts: Option<u32>,
     /// Deliver after this long (1 s granularity, rounded up).
@@ -41,76 +45,161 @@ pub struct EnqueueRequest {
     /// Deliver at this instant (a past instant means now).
     #[serde(skip)]
     pub at: Option<DateTime<Utc>>,
+    /// What a job defined in Rust declares about itself (queue, attempts); a `[[jobs]]` entry
+    /// of the same name overrides it. `None` for jobs known only by name.
+    #[serde(skip)]
+    pub options: Option<JobOptions>,
 }
 
 impl EnqueueRequest {
+    /// A request for the job named `job` (a `[[jobs]]` entry of the config).
     pub fn new(job: impl Into<String>) -> Self {
         Self { job: job.into(), ..Default::default() }
     }
+
+    /// A request for a typed job: its name and options from the [`Job`] impl, its payload the
+    /// job itself. Chain `.key(…)`, `.delay(…)` as for any request.
+    pub fn job<J: Job>(job: &J) -> Result<Self, EnqueueError> {
+        let payload = serde_json::to_value(job).map_err(|e| EnqueueError::Invalid {
+            field: "payload".into(),
+            message: format!("{} does not serialise: {e}", J::NAME),
+        })?;
+        Ok(Self {
+            job: J::NAME.to_string(),
+            payload: Some(payload),
+            options: Some(J::options()),
+            ..Default::default()
+        })
+    }
+
+    /// Sets the payload (JSON).
     pub fn payload(mut self, payload: serde_json::Value) -> Self {
         self.payload = Some(payload);
         self
     }
+    /// Sets the caller's idempotency key: the same key for the same job runs once.
     pub fn key(mut self, key: impl Into<String>) -> Self {
         self.key = Some(key.into());
         self
     }
+    /// Overrides the job's queue.
     pub fn queue(mut self, queue: impl Into<String>) -> Self {
         self.queue = Some(queue.into());
         self
     }
+    /// Delivers after `delay` (1 s granularity, rounded up).
     pub fn delay(mut self, delay: Duration) -> Self {
         self.delay = Some(delay);
         self
     }
+    /// Delivers at `at` (a past instant means now).
     pub fn at(mut self, at: DateTime<Utc>) -> Self {
         self.at = Some(at);
         self
+    }
+    /// Overrides the job's attempts.
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = Some(n);
+        self
+    }
+}
+
+/// What [`EnqueueClient::enqueue`] takes: an [`EnqueueRequest`], or any typed [`Job`].
+pub trait IntoRequest {
+    /// The request to publish.
+    fn into_request(self) -> Result<EnqueueRequest, EnqueueError>;
+}
+
+impl IntoRequest for EnqueueRequest {
+    fn into_request(self) -> Result<EnqueueRequest, EnqueueError> {
+        Ok(self)
+    }
+}
+
+impl<J: Job> IntoRequest for J {
+    fn into_request(self) -> Result<EnqueueRequest, EnqueueError> {
+        EnqueueRequest::job(&self)
     }
 }
 
 /// An envelope ready to publish, with its delivery delay.
 #[derive(Debug, Clone)]
 pub struct Prepared {
+    /// The message body.
     pub envelope: Envelope,
+    /// Delivery delay (zero: publish to the work exchange directly).
     pub delay: Duration,
     /// A queue the config does not declare (an explicit `--queue`): it must exist on the
     /// broker before anything is published (`EnqueueClient` checks with a passive declare).
     pub unverified_queue: Option<String>,
+    /// The queue of a job defined in Rust that the config does not declare: the code is its
+    /// declaration, so `EnqueueClient` declares it (once) before publishing.
+    pub declare_queue: Option<String>,
 }
 
 /// A confirmed job.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Enqueued {
+    /// Id of the message.
     pub id: Uuid,
+    /// Idempotency key of the run.
     pub key: Uuid,
+    /// Job name.
     pub job: String,
+    /// Queue it was published to.
     pub queue: String,
 }
 
 /// Result of a batch: how many were confirmed, and the first failure if any.
 #[derive(Debug)]
 pub struct BatchReport {
+    /// Jobs in the batch.
     pub total: usize,
+    /// Jobs the broker confirmed.
     pub confirmed: usize,
+    /// The first failure (publishing stops there).
     pub error: Option<EnqueueError>,
 }
 
+/// Why a job was not enqueued. Nothing was published when this is returned.
 #[derive(Debug, thiserror::Error)]
 pub enum EnqueueError {
+    /// The job is neither in the config nor a typed job.
     #[error("unknown job {0:?} (not in the config's [[jobs]])")]
     UnknownJob(String),
+    /// An explicit queue exists neither in the config nor on the broker.
     #[error(
         "queue {queue:?} is neither declared by this config nor present on the broker ({detail}): \
          a job published to it could never be delivered"
     )]
-    NoSuchQueue { queue: String, detail: String },
+    NoSuchQueue {
+        /// Logical queue name.
+        queue: String,
+        /// The broker's answer to the passive declare.
+        detail: String,
+    },
+    /// A field of the request is invalid.
     #[error("invalid {field}: {message}")]
-    Invalid { field: String, message: String },
+    Invalid {
+        /// Which field (`key`, `delay`, `max_attempts`, …).
+        field: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The encoded envelope is above `amqp.max_message_bytes`.
     #[error("envelope of job {job} is {size} bytes, above amqp.max_message_bytes ({max})")]
-    TooLarge { job: String, size: usize, max: usize },
+    TooLarge {
+        /// Job name.
+        job: String,
+        /// Encoded size in bytes.
+        size: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// Declaring the job's queue or the delay chain failed.
     #[error(transparent)]
     Topology(#[from] Box<TopologyError>),
+    /// Publishing failed or was not confirmed.
     #[error(transparent)]
     Amqp(#[from] Box<AmqpError>),
 }
@@ -139,10 +228,12 @@ impl EnqueueError {
 
 /// Publishes ad-hoc jobs with confirms. Holds one connection and one confirm channel.
 pub struct EnqueueClient {
-    _conn: Connection,
+    conn: Connection,
     channel: Channel,
     config: Arc<Config>,
     names: Names,
+    /// Queues of typed jobs already declared by this client.
+    declared: Mutex<HashSet<String>>,
 }
 
 /// Outstanding confirms in a pipelined batch.
@@ -162,7 +253,7 @@ impl EnqueueClient {
             .await
             .map_err(|e| AmqpError::Connect { urls: "confirm.select".into(), last: e.to_string() })?;
         let names = Names::new(&config.prefix);
-        Ok(Self { _conn: conn, channel, config, names })
+        Ok(Self { conn, channel, config, names, declared: Mutex::new(HashSet::new()) })
     }
 
     /// Builds and validates the envelope for `req` without publishing.
@@ -170,20 +261,37 @@ impl EnqueueClient {
         prepare(&self.config, req)
     }
 
-    /// Publishes one job and waits for its confirm.
-    pub async fn enqueue(&self, req: EnqueueRequest) -> Result<Enqueued, EnqueueError> {
-        let p = self.prepare(&req)?;
+    /// Publishes one job — an [`EnqueueRequest`] or a typed [`Job`] — and waits for its
+    /// confirm.
+    pub async fn enqueue(&self, req: impl IntoRequest) -> Result<Enqueued, EnqueueError> {
+        let p = self.prepare(&req.into_request()?)?;
+        self.check_queue(&p).await?;
+        self.publish(&p.envelope, p.delay).await?;
+        Ok(enqueued(&p.envelope))
+    }
+
+    /// Makes sure the job's queue exists: declares a typed job's own queue, verifies one given
+    /// explicitly.
+    async fn check_queue(&self, p: &Prepared) -> Result<(), EnqueueError> {
         if let Some(q) = &p.unverified_queue {
             self.verify_queue(q).await?;
         }
-        self.publish(&p.envelope, p.delay).await?;
-        Ok(enqueued(&p.envelope))
+        if let Some(q) = &p.declare_queue {
+            let known = self.declared.lock().map(|d| d.contains(q)).unwrap_or(false);
+            if !known {
+                topology::declare(&self.conn, &self.config, std::slice::from_ref(q)).await?;
+                if let Ok(mut d) = self.declared.lock() {
+                    d.insert(q.clone());
+                }
+            }
+        }
+        Ok(())
     }
 
     /// A queue the config does not declare must exist as a chime work queue on the broker
     /// (declared by another config's workers); otherwise nothing could ever deliver to it.
     pub async fn verify_queue(&self, queue: &str) -> Result<(), EnqueueError> {
-        topology::depth(&self._conn, &self.names.work_queue(queue))
+        topology::depth(&self.conn, &self.names.work_queue(queue))
             .await
             .map(drop)
             .map_err(|e| EnqueueError::NoSuchQueue { queue: queue.to_string(), detail: e.to_string() })
@@ -227,12 +335,11 @@ impl EnqueueClient {
             })
             .collect::<Result<Vec<_>, _>>()?;
         // Queues no line's config declares are checked once each, before anything is sent.
-        let mut checked = std::collections::HashSet::new();
+        let mut checked = HashSet::new();
         for (i, p) in envs.iter().enumerate() {
-            if let Some(q) = &p.unverified_queue
-                && checked.insert(q.clone())
-            {
-                self.verify_queue(q).await.map_err(|e| EnqueueError::Invalid {
+            let queue = p.unverified_queue.as_ref().or(p.declare_queue.as_ref());
+            if queue.is_some_and(|q| checked.insert(q.clone())) {
+                self.check_queue(p).await.map_err(|e| EnqueueError::Invalid {
                     field: format!("line {}: queue", i + 1),
                     message: e.to_string(),
                 })?;
@@ -285,18 +392,30 @@ impl EnqueueClient {
     }
 }
 
-/// Builds the envelope of `req` under `config`: the job must exist, the queue name and the
-/// attempt count must be valid, and the envelope must fit `amqp.max_message_bytes`.
+/// Builds the envelope of `req` under `config`: the job must exist (a `[[jobs]]` entry, or a
+/// typed job's own options), the queue name and the attempt count must be valid, and the
+/// envelope must fit `amqp.max_message_bytes`.
 pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, EnqueueError> {
-    let job = config.job(&req.job).ok_or_else(|| EnqueueError::UnknownJob(req.job.clone()))?;
-    let queue = req.queue.as_deref().unwrap_or(job.queue());
+    let entry = config.job(&req.job);
+    let options = match (&req.options, entry) {
+        (_, Some(entry)) => req.options.clone().unwrap_or_default().overridden_by(Some(entry)),
+        (Some(own), None) => own.clone(),
+        (None, None) => return Err(EnqueueError::UnknownJob(req.job.clone())),
+    };
+    if !valid_name(&req.job) {
+        return Err(EnqueueError::Invalid {
+            field: "job".into(),
+            message: format!("{:?} must be 1-100 letters, digits, '-', '_' or '.'", req.job),
+        });
+    }
+    let queue = req.queue.as_deref().unwrap_or(options.queue_name());
     if !valid_name(queue) {
         return Err(EnqueueError::Invalid {
             field: "queue".into(),
             message: format!("{queue:?} must be 1-100 letters, digits, '-', '_' or '.'"),
         });
     }
-    let max_attempts = req.max_attempts.unwrap_or(job.max_attempts());
+    let max_attempts = req.max_attempts.unwrap_or(options.attempts());
     if max_attempts == 0 || max_attempts > envelope::MAX_ATTEMPTS {
         return Err(EnqueueError::Invalid {
             field: "max_attempts".into(),
@@ -307,7 +426,7 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
         Some(k) if k.is_empty() => {
             return Err(EnqueueError::Invalid { field: "key".into(), message: "must not be empty".into() });
         }
-        Some(k) => envelope::adhoc_key(&job.name, k),
+        Some(k) => envelope::adhoc_key(&req.job, k),
         None => envelope::random_key(),
     };
     let delay = match (req.delay, req.at) {
@@ -332,18 +451,27 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
             ),
         });
     }
-    let payload = req.payload.clone().or_else(|| job.payload.clone()).unwrap_or(serde_json::Value::Null);
-    let env = Envelope::new(&job.name, queue, key, payload, None, max_attempts, Source::Adhoc);
+    let payload = req
+        .payload
+        .clone()
+        .or_else(|| entry.and_then(|j| j.payload.clone()))
+        .unwrap_or(serde_json::Value::Null);
+    let env = Envelope::new(&req.job, queue, key, payload, None, max_attempts, Source::Adhoc);
     let size = env.encode().len();
     if size > config.amqp.max_message_bytes {
         return Err(EnqueueError::TooLarge {
-            job: job.name.clone(),
+            job: req.job.clone(),
             size,
             max: config.amqp.max_message_bytes,
         });
     }
-    let unverified_queue = (!config.all_queues().iter().any(|q| q == queue)).then(|| queue.to_string());
-    Ok(Prepared { envelope: env, delay, unverified_queue })
+    // A queue the config does not declare: a typed job's own is declared, one given explicitly
+    // must exist.
+    let unknown = !config.all_queues().iter().any(|q| q == queue);
+    let own = req.queue.is_none() && req.options.is_some();
+    let unverified_queue = (unknown && !own).then(|| queue.to_string());
+    let declare_queue = (unknown && own).then(|| queue.to_string());
+    Ok(Prepared { envelope: env, delay, unverified_queue, declare_queue })
 }
 
 fn enqueued(env: &Envelope) -> Enqueued {
@@ -402,5 +530,39 @@ mod tests {
         assert_eq!(year.delay.as_secs(), 366 * 86_400);
         let absurd = EnqueueRequest::new("j").at(Utc::now() + chrono::Duration::days(365 * 20));
         assert!(matches!(prepare(&c, &absurd), Err(EnqueueError::Invalid { field, .. }) if field == "at"));
+    }
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct SendWelcome {
+        user_id: u64,
+    }
+    impl Job for SendWelcome {
+        const NAME: &'static str = "send_welcome";
+        fn options() -> JobOptions {
+            JobOptions::default().queue("mail").max_attempts(7)
+        }
+    }
+
+    #[test]
+    fn typed_jobs_need_no_entry_and_an_entry_overrides_their_options() {
+        let bare = Config::from_toml_str("").unwrap();
+        let p = prepare(&bare, &EnqueueRequest::job(&SendWelcome { user_id: 1 }).unwrap()).unwrap();
+        assert_eq!((p.envelope.queue.as_str(), p.envelope.max_attempts), ("mail", 7));
+        assert_eq!(p.envelope.payload, serde_json::json!({"user_id": 1}));
+        assert_eq!(p.declare_queue.as_deref(), Some("mail"), "the client declares a typed job's queue");
+        let tuned =
+            Config::from_toml_str("[[jobs]]\nname='send_welcome'\nhandler='send_welcome'\nmax_attempts=2\n")
+                .unwrap();
+        let p = prepare(&tuned, &EnqueueRequest::job(&SendWelcome { user_id: 1 }).unwrap()).unwrap();
+        assert_eq!(
+            (p.envelope.queue.as_str(), p.envelope.max_attempts),
+            ("mail", 2),
+            "attempts from the entry"
+        );
+        // By name, without the type, the job is unknown to a config that does not define it.
+        assert!(matches!(
+            prepare(&bare, &EnqueueRequest::new("send_welcome")),
+            Err(EnqueueError::UnknownJob(_))
+        ));
     }
 }

@@ -1,13 +1,33 @@
-//! chime's producer side: the enqueue client (a library API for services that push jobs),
-//! and the `chime` operations CLI built on it. The ticker lands here too.
+//! chime's enqueue client: what a service that pushes jobs depends on.
+//!
+//! Jobs are published persistent, mandatory and confirmed: [`EnqueueClient::enqueue`] returns
+//! only once the broker holds the job (a message it cannot route is an error, never a silent
+//! drop). A typed job is any [`Job`]; the untyped [`EnqueueRequest`] serves jobs defined only
+//! in the config (`exec`, `http`, other languages).
+//!
+//! ```no_run
+//! use chime_producer::{EnqueueClient, EnqueueRequest, Job};
+//! use std::sync::Arc;
+//!
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! struct SendWelcome { user_id: u64 }
+//! impl Job for SendWelcome { const NAME: &'static str = "send_welcome"; }
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = Arc::new(chime_shared::Config::load(None)?);
+//! let client = EnqueueClient::connect(config).await?;
+//! let done = client.enqueue(SendWelcome { user_id: 42 }).await?;          // typed
+//! println!("confirmed, key {}", done.key);
+//! client.enqueue(EnqueueRequest::new("nightly-report").key("2026-12-01")).await?; // by name
+//! # Ok(()) }
+//! ```
 
-pub mod cli;
-mod cli_dlq;
-mod cli_ops;
-pub mod dlq;
-pub mod enqueue;
-pub mod lease;
-pub mod monitor;
-pub mod ticker;
+#![warn(missing_docs)]
 
-pub use enqueue::{BatchReport, EnqueueClient, EnqueueError, EnqueueRequest, Enqueued};
+mod enqueue;
+
+pub use chime_shared::job::{Job, JobOptions};
+pub use enqueue::{
+    BatchReport, EnqueueClient, EnqueueError, EnqueueRequest, Enqueued, IntoRequest, Prepared,
+    parse_batch_line, prepare,
+};

@@ -10,25 +10,61 @@ use crate::config::{AmqpConfig, redact};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What can go wrong talking to RabbitMQ.
 #[derive(Debug, thiserror::Error)]
 pub enum AmqpError {
+    /// No URL of `amqp.url` answered.
     #[error("cannot connect to RabbitMQ ({urls}): {last}")]
-    Connect { urls: String, last: String },
+    Connect {
+        /// The URLs tried, passwords redacted.
+        urls: String,
+        /// Why the last one failed.
+        last: String,
+    },
+    /// The publish itself failed (channel or connection closed).
     #[error("publish to {exchange}/{routing_key} failed: {source}")]
-    Publish { exchange: String, routing_key: String, source: Box<lapin::Error> },
+    Publish {
+        /// Exchange published to.
+        exchange: String,
+        /// Routing key used.
+        routing_key: String,
+        /// lapin's error.
+        source: Box<lapin::Error>,
+    },
+    /// The broker could route the (mandatory) message to no queue and returned it.
     #[error(
         "broker returned the message to {exchange}/{routing_key} as unroutable ({reply}): no queue is bound"
     )]
-    Returned { exchange: String, routing_key: String, reply: String },
+    Returned {
+        /// Exchange published to.
+        exchange: String,
+        /// Routing key used.
+        routing_key: String,
+        /// The broker's reply code and text.
+        reply: String,
+    },
+    /// The broker refused the message (negative confirm).
     #[error("broker nacked the message to {exchange}/{routing_key}")]
-    Nacked { exchange: String, routing_key: String },
+    Nacked {
+        /// Exchange published to.
+        exchange: String,
+        /// Routing key used.
+        routing_key: String,
+    },
+    /// No confirm within `amqp.publish_timeout`: the message may or may not be in a queue.
     #[error(
         "no publisher confirm within {0:?} (amqp.publish_timeout): the broker may be blocking publishers \
          (memory or disk alarm) or be unreachable; the message may still arrive, so retry with the same key"
     )]
     ConfirmTimeout(Duration),
+    /// The channel was not in confirm mode, so nothing proves delivery.
     #[error("publish to {exchange}/{routing_key} was not confirmed: the channel is not in confirm mode")]
-    NotConfirmed { exchange: String, routing_key: String },
+    NotConfirmed {
+        /// Exchange published to.
+        exchange: String,
+        /// Routing key used.
+        routing_key: String,
+    },
 }
 
 impl AmqpError {

@@ -22,14 +22,37 @@ pub const DEFAULT_PERMANENT_EXIT_CODE: i32 = 100;
 /// A configuration problem. `Display` names the file and key at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// No file at the resolved path.
     #[error("config file {path} not found (pass --config PATH or set CHIME_CONFIG)")]
-    NotFound { path: PathBuf },
+    NotFound {
+        /// The path tried.
+        path: PathBuf,
+    },
+    /// The file exists but cannot be read.
     #[error("cannot read config file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        /// The path tried.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Not valid TOML, or a key or value of the wrong shape (the message gives line and
+    /// column; it never quotes the source line, which may hold a password).
     #[error("{path}: {message}")]
-    Parse { path: String, message: String },
+    Parse {
+        /// Where the text came from.
+        path: String,
+        /// What is wrong, and where.
+        message: String,
+    },
+    /// A value that parses but is not allowed.
     #[error("invalid config: {key}: {message}")]
-    Invalid { key: String, message: String },
+    Invalid {
+        /// The key at fault (`redis.lease`, `jobs[2] (report).schedule`, a flag).
+        key: String,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 impl ConfigError {
@@ -38,40 +61,54 @@ impl ConfigError {
     }
 }
 
-/// The whole `chime.toml`.
+/// The whole `chime.toml`. Every section and key is optional unless noted; unknown keys are
+/// errors naming the key.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Config {
-    /// Prefix of every exchange, queue and Redis key (`CHIME_PREFIX`).
-    #[serde(default = "default_prefix")]
+    /// Prefix of every exchange, queue and Redis key (`CHIME_PREFIX`; at most 64 characters).
     pub prefix: String,
-    #[serde(default)]
+    /// RabbitMQ.
     pub amqp: AmqpConfig,
-    #[serde(default)]
+    /// Redis.
     pub redis: RedisConfig,
-    #[serde(default)]
+    /// `chime-worker`.
     pub worker: WorkerConfig,
-    #[serde(default)]
+    /// `chime tick`.
     pub ticker: TickerConfig,
-    #[serde(default)]
+    /// DLQ alerts (`chime tick` on the leader, or `chime watch`).
     pub alerts: AlertsConfig,
-    #[serde(default)]
+    /// The jobs.
+    #[serde(deserialize_with = "de_jobs")]
     pub jobs: Vec<JobConfig>,
 }
 
-fn default_prefix() -> String {
-    "chime".into()
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            prefix: "chime".into(),
+            amqp: AmqpConfig::default(),
+            redis: RedisConfig::default(),
+            worker: WorkerConfig::default(),
+            ticker: TickerConfig::default(),
+            alerts: AlertsConfig::default(),
+            jobs: Vec::new(),
+        }
+    }
 }
 
 /// One URL or a list of URLs tried in turn (cluster nodes).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Urls {
+    /// A single URL.
     One(String),
+    /// URLs tried in order.
     Many(Vec<String>),
 }
 
 impl Urls {
+    /// The URLs, in the order they are tried.
     pub fn list(&self) -> Vec<String> {
         match self {
             Urls::One(u) => vec![u.clone()],
@@ -84,11 +121,14 @@ impl Urls {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum QueueType {
+    /// Replicated Raft queues (the default).
     Quorum,
+    /// Classic queues (declared as CQv2).
     Classic,
 }
 
 impl QueueType {
+    /// `quorum` or `classic`, as RabbitMQ spells it.
     pub fn as_str(self) -> &'static str {
         match self {
             QueueType::Quorum => "quorum",
@@ -97,346 +137,418 @@ impl QueueType {
     }
 }
 
+/// `[amqp]`: the broker.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct AmqpConfig {
     /// `amqp://user:pass@host:port/vhost`; a list is tried in order (`CHIME_AMQP_URL`,
     /// comma-separated for several).
-    #[serde(default = "default_amqp_url")]
     pub url: Urls,
-    #[serde(default = "default_queue_type")]
+    /// Type of the work queues and DLQs.
     pub queue_type: QueueType,
     /// Quorum queues only: broker-side safety net against crash loops. Always explicit and
     /// positive, never -1 (on RabbitMQ 3.10, -1 dead-letters on the first requeue).
-    #[serde(default = "default_delivery_limit")]
     pub delivery_limit: u32,
-    #[serde(default = "default_heartbeat", deserialize_with = "duration::de")]
+    /// AMQP heartbeat.
+    #[serde(deserialize_with = "duration::de")]
     pub heartbeat: Duration,
     /// How long a publish may wait for its confirm before it counts as failed.
-    #[serde(default = "default_publish_timeout", deserialize_with = "duration::de")]
+    #[serde(deserialize_with = "duration::de")]
     pub publish_timeout: Duration,
     /// Largest envelope chime publishes; larger payloads are rejected before publishing,
     /// and larger deliveries are dead-lettered as `too_large`.
-    #[serde(default = "default_max_message_bytes")]
     pub max_message_bytes: usize,
-    /// The broker's `consumer_timeout` (RabbitMQ default 30 min): workers warn at startup
-    /// when a job's timeout is not safely below it.
-    #[serde(default = "default_consumer_timeout", deserialize_with = "duration::de")]
+    /// The broker's `consumer_timeout`: workers warn when a job timeout is not safely below it.
+    #[serde(deserialize_with = "duration::de")]
     pub consumer_timeout: Duration,
-}
-
-fn default_consumer_timeout() -> Duration {
-    Duration::from_secs(1800)
-}
-
-fn default_amqp_url() -> Urls {
-    Urls::One("amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-fn default_queue_type() -> QueueType {
-    QueueType::Quorum
-}
-fn default_delivery_limit() -> u32 {
-    50
-}
-fn default_heartbeat() -> Duration {
-    Duration::from_secs(10)
-}
-fn default_publish_timeout() -> Duration {
-    Duration::from_secs(30)
-}
-fn default_max_message_bytes() -> usize {
-    1024 * 1024
 }
 
 impl Default for AmqpConfig {
     fn default() -> Self {
         Self {
-            url: default_amqp_url(),
-            queue_type: default_queue_type(),
-            delivery_limit: default_delivery_limit(),
-            heartbeat: default_heartbeat(),
-            publish_timeout: default_publish_timeout(),
-            max_message_bytes: default_max_message_bytes(),
-            consumer_timeout: default_consumer_timeout(),
+            url: Urls::One("amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+            queue_type: QueueType::Quorum,
+            delivery_limit: 50,
+            heartbeat: Duration::from_secs(10),
+            publish_timeout: Duration::from_secs(30),
+            max_message_bytes: 1024 * 1024,
+            consumer_timeout: Duration::from_secs(30 * 60),
         }
     }
 }
 
+/// `[redis]`: the idempotency table, leases and ticker state.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct RedisConfig {
     /// `redis://host:port/db` (`CHIME_REDIS_URL`).
-    #[serde(default = "default_redis_url")]
     pub url: String,
     /// How long a claim stays valid without renewal; renewed every third of it.
-    #[serde(default = "default_lease", deserialize_with = "duration::de")]
+    #[serde(deserialize_with = "duration::de")]
     pub lease: Duration,
     /// How long `done`/`dead` marks are kept (duplicates within it are absorbed).
-    #[serde(default = "default_retention", deserialize_with = "duration::de")]
+    #[serde(deserialize_with = "duration::de")]
     pub done_retention: Duration,
     /// Per-command response timeout; past it Redis counts as unreachable.
-    #[serde(default = "default_redis_timeout", deserialize_with = "duration::de")]
+    #[serde(deserialize_with = "duration::de")]
     pub timeout: Duration,
-}
-
-fn default_redis_url() -> String {
-    "redis://127.0.0.1:6379/0".into()
-}
-fn default_lease() -> Duration {
-    Duration::from_secs(30)
-}
-fn default_retention() -> Duration {
-    Duration::from_secs(7 * 86_400)
-}
-fn default_redis_timeout() -> Duration {
-    Duration::from_secs(3)
 }
 
 impl Default for RedisConfig {
     fn default() -> Self {
         Self {
-            url: default_redis_url(),
-            lease: default_lease(),
-            done_retention: default_retention(),
-            timeout: default_redis_timeout(),
+            url: "redis://127.0.0.1:6379/0".into(),
+            lease: Duration::from_secs(30),
+            done_retention: Duration::from_secs(7 * 86_400),
+            timeout: Duration::from_secs(3),
         }
     }
 }
 
+/// `[worker]`: `chime-worker` and custom worker binaries.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct WorkerConfig {
     /// Queues to consume; empty means every queue named by a job (plus `default`).
-    #[serde(default)]
     pub queues: Vec<String>,
     /// Jobs run at once per process.
-    #[serde(default = "default_concurrency")]
     pub concurrency: usize,
     /// Unacked deliveries per queue consumer; defaults to `concurrency`.
-    #[serde(default)]
     pub prefetch: Option<u16>,
     /// Drain deadline on SIGTERM/SIGINT.
-    #[serde(default = "default_shutdown_timeout", deserialize_with = "duration::de")]
+    #[serde(deserialize_with = "duration::de")]
     pub shutdown_timeout: Duration,
     /// Handler timeout for jobs that set none.
-    #[serde(default = "default_job_timeout", deserialize_with = "duration::de")]
+    #[serde(deserialize_with = "duration::de")]
     pub default_timeout: Duration,
     /// Address of `/metrics`, `/livez`, `/readyz` (overridden by `--listen`).
-    #[serde(default)]
     pub listen: Option<String>,
     /// Runtime threads of a `chime-worker` process; 0 = one per CPU core.
-    #[serde(default)]
     pub threads: usize,
     /// A job this worker has no handler for is sent round again for this long (a rolling
     /// deploy may bring the worker that knows it) before it is dead-lettered as `unknown_job`.
-    #[serde(default = "default_unknown_job_grace", deserialize_with = "duration::de")]
+    #[serde(deserialize_with = "duration::de")]
     pub unknown_job_grace: Duration,
     /// On timeout or at the drain deadline a handler's cancellation token fires first; the
     /// handler gets this long to stop on its own before its future is dropped.
-    #[serde(default = "default_cancel_grace", deserialize_with = "duration::de")]
+    #[serde(deserialize_with = "duration::de")]
     pub cancel_grace: Duration,
     /// Variables of the worker's environment passed to every `exec` job's program. Nothing
     /// else is (besides `PATH`, `HOME`, locale, `TZ`, `TMPDIR` and the job's `CHIME_*` facts):
     /// the worker's own secrets (`CHIME_AMQP_URL`, `CHIME_REDIS_URL`, …) never reach a job.
-    #[serde(default)]
     pub pass_env: Vec<String>,
-}
-
-fn default_concurrency() -> usize {
-    8
-}
-fn default_shutdown_timeout() -> Duration {
-    Duration::from_secs(30)
-}
-fn default_job_timeout() -> Duration {
-    Duration::from_secs(300)
-}
-fn default_unknown_job_grace() -> Duration {
-    Duration::from_secs(300)
-}
-fn default_cancel_grace() -> Duration {
-    Duration::from_secs(5)
 }
 
 impl Default for WorkerConfig {
     fn default() -> Self {
         Self {
             queues: Vec::new(),
-            concurrency: default_concurrency(),
+            concurrency: 8,
             prefetch: None,
-            shutdown_timeout: default_shutdown_timeout(),
-            default_timeout: default_job_timeout(),
+            shutdown_timeout: Duration::from_secs(30),
+            default_timeout: Duration::from_secs(300),
             listen: None,
             threads: 0,
-            unknown_job_grace: default_unknown_job_grace(),
-            cancel_grace: default_cancel_grace(),
+            unknown_job_grace: Duration::from_secs(300),
+            cancel_grace: Duration::from_secs(5),
             pass_env: Vec::new(),
         }
     }
 }
 
-/// Settings of `chime tick` (the ticker lands with its own issue; keys are validated now).
+/// `[ticker]`: `chime tick`.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct TickerConfig {
-    #[serde(default)]
+    /// Address of the ticker's `/metrics`, `/livez`, `/readyz` (overridden by `--listen`).
     pub listen: Option<String>,
-    #[serde(default = "default_ticker_lease", deserialize_with = "duration::de")]
+    /// Leader lease: a standby takes over within one lease after the leader dies.
+    #[serde(deserialize_with = "duration::de")]
     pub lease: Duration,
-    #[serde(default = "default_clock_skew", deserialize_with = "duration::de")]
+    /// Warn (and export the gauge) when the local clock differs from Redis `TIME` by more.
+    #[serde(deserialize_with = "duration::de")]
     pub max_clock_skew: Duration,
-}
-
-fn default_ticker_lease() -> Duration {
-    Duration::from_secs(10)
-}
-fn default_clock_skew() -> Duration {
-    Duration::from_millis(200)
 }
 
 impl Default for TickerConfig {
     fn default() -> Self {
-        Self { listen: None, lease: default_ticker_lease(), max_clock_skew: default_clock_skew() }
+        Self { listen: None, lease: Duration::from_secs(10), max_clock_skew: Duration::from_millis(200) }
     }
 }
 
-/// DLQ depth alerting (used by the DLQ monitor).
+/// `[alerts]`: DLQ depth alerting.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct AlertsConfig {
-    #[serde(default = "default_threshold")]
+    /// DLQ depth that counts as an alert.
     pub dlq_threshold: u64,
-    #[serde(default = "default_for", deserialize_with = "duration::de", rename = "for")]
+    /// How long the depth must stay at or above the threshold before `firing`.
+    #[serde(deserialize_with = "duration::de", rename = "for")]
     pub for_: Duration,
     /// Alertmanager-compatible webhook URL (log only when unset).
-    #[serde(default)]
     pub webhook: Option<String>,
     /// How often DLQ depths are read.
-    #[serde(default = "default_alert_interval", deserialize_with = "duration::de")]
+    #[serde(deserialize_with = "duration::de")]
     pub interval: Duration,
-}
-
-fn default_threshold() -> u64 {
-    1
-}
-fn default_alert_interval() -> Duration {
-    Duration::from_secs(15)
-}
-fn default_for() -> Duration {
-    Duration::from_secs(60)
 }
 
 impl Default for AlertsConfig {
     fn default() -> Self {
         Self {
-            dlq_threshold: default_threshold(),
-            for_: default_for(),
+            dlq_threshold: 1,
+            for_: Duration::from_secs(60),
             webhook: None,
-            interval: default_alert_interval(),
+            interval: Duration::from_secs(15),
         }
     }
 }
 
-/// Exponential backoff of retries.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// Exponential backoff of retries: `initial`·`factor`^(attempt−1), capped at `max`, plus
+/// jitter.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct BackoffConfig {
-    #[serde(default = "default_backoff_initial", deserialize_with = "duration::de")]
+    /// Delay before the second attempt.
+    #[serde(deserialize_with = "duration::de")]
     pub initial: Duration,
-    #[serde(default = "default_backoff_factor")]
+    /// Growth per attempt (1 to 100).
     pub factor: f32,
-    #[serde(default = "default_backoff_max", deserialize_with = "duration::de")]
+    /// Longest delay.
+    #[serde(deserialize_with = "duration::de")]
     pub max: Duration,
-}
-
-fn default_backoff_initial() -> Duration {
-    Duration::from_secs(5)
-}
-fn default_backoff_factor() -> f32 {
-    2.0
-}
-fn default_backoff_max() -> Duration {
-    Duration::from_secs(3600)
 }
 
 impl Default for BackoffConfig {
     fn default() -> Self {
-        Self {
-            initial: default_backoff_initial(),
-            factor: default_backoff_factor(),
-            max: default_backoff_max(),
-        }
+        Self { initial: Duration::from_secs(5), factor: 2.0, max: Duration::from_secs(3600) }
     }
 }
 
-/// Missed-slot policy of a schedule.
+/// Missed-slot policy of a schedule, after an outage of every ticker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CatchUp {
+    /// Every missed slot within the window, oldest first.
     All,
+    /// Only the newest missed slot.
     Latest,
+    /// Nothing from the outage; resume at the next slot.
     None,
 }
 
 /// One `[[jobs]]` entry.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(try_from = "RawJobConfig")]
 pub struct JobConfig {
+    /// The job's name (required): letters, digits, `-`, `_`, `.`.
     pub name: String,
     /// Cron expression (5 or 6 fields, or a macro such as `@daily`); absent = ad-hoc only.
-    #[serde(default)]
     pub schedule: Option<String>,
     /// IANA zone of the schedule; default UTC.
-    #[serde(default)]
     pub timezone: Option<String>,
-    #[serde(default)]
+    /// Queue; default `default`.
     pub queue: Option<String>,
-    /// `exec`, `http`, `noop`, or the name of a handler registered in Rust.
-    pub handler: String,
-    /// `exec`: program and arguments (no shell).
-    #[serde(default)]
-    pub command: Option<Vec<String>>,
-    /// `exec`: exit codes that mean permanent failure (default `[100]`).
-    #[serde(default)]
-    pub permanent_exit_codes: Option<Vec<i32>>,
-    /// `exec`: variables of the worker's environment passed to this job's program, besides
-    /// `worker.pass_env` and the safe defaults (`PATH`, `HOME`, locale, `TZ`, `TMPDIR`).
-    #[serde(default)]
-    pub pass_env: Option<Vec<String>>,
-    /// `http`: URL the payload is POSTed to.
-    #[serde(default)]
-    pub url: Option<String>,
+    /// What runs the job, with the settings only that handler has.
+    pub handler: HandlerConfig,
     /// Default payload (scheduled runs, and `chime enqueue` without `--payload`).
-    #[serde(default)]
     pub payload: Option<serde_json::Value>,
-    #[serde(default)]
+    /// Attempts in all, first run included (default 5, at most 1,000).
     pub max_attempts: Option<u32>,
-    #[serde(default)]
+    /// Retry delays (default 5 s doubling to 1 h).
     pub backoff: Option<BackoffConfig>,
-    #[serde(default, deserialize_with = "duration::de_opt")]
+    /// Handler timeout (default `worker.default_timeout`).
     pub timeout: Option<Duration>,
-    #[serde(default)]
+    /// After an outage of every ticker (default `all`).
     pub catch_up: Option<CatchUp>,
-    #[serde(default, deserialize_with = "duration::de_opt")]
+    /// How far back missed slots are caught up (default 1 h).
     pub catch_up_window: Option<Duration>,
-    #[serde(default, deserialize_with = "duration::de_opt")]
+    /// A slot started later than slot + deadline is skipped (`expired`).
     pub deadline: Option<Duration>,
-    #[serde(default, deserialize_with = "duration::de_opt")]
+    /// Publish up to this much after the slot, deterministically per slot.
     pub jitter: Option<Duration>,
+}
+
+/// What runs a job. In TOML it is the `handler` key plus the keys of that handler alone
+/// (`command`, `permanent_exit_codes`, `pass_env` for `exec`; `url` for `http`): a key of
+/// another handler is an error naming it, so no combination here is invalid.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HandlerConfig {
+    /// `handler = "exec"`: runs a program per job.
+    Exec(ExecConfig),
+    /// `handler = "http"`: POSTs the payload to `url` (an `http://` or `https://` URL).
+    Http {
+        /// Where the payload is POSTed.
+        url: String,
+    },
+    /// `handler = "noop"`: succeeds at once (benchmarks, smoke tests).
+    Noop,
+    /// Any other name: a handler registered in Rust (a typed job's name, or
+    /// `Registry::register`).
+    Registered(String),
+}
+
+/// Settings of the `exec` handler.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecConfig {
+    /// Program and arguments (no shell); at least the program.
+    pub command: Vec<String>,
+    /// Exit codes that mean permanent failure (default `[100]`).
+    pub permanent_exit_codes: Vec<i32>,
+    /// Variables of the worker's environment passed to this job's program, besides
+    /// `worker.pass_env` and the safe defaults (`PATH`, `HOME`, locale, `TZ`, `TMPDIR`).
+    pub pass_env: Vec<String>,
+}
+
+impl HandlerConfig {
+    /// The `handler` key as written (`exec`, `http`, `noop`, or the registered name).
+    pub fn name(&self) -> &str {
+        match self {
+            HandlerConfig::Exec(_) => "exec",
+            HandlerConfig::Http { .. } => "http",
+            HandlerConfig::Noop => "noop",
+            HandlerConfig::Registered(name) => name,
+        }
+    }
+}
+
+/// `[[jobs]]` as written: every handler's keys side by side, checked and folded into
+/// [`HandlerConfig`] by `TryFrom` (serde's `flatten` would lose `deny_unknown_fields`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawJobConfig {
+    name: String,
+    #[serde(default)]
+    schedule: Option<String>,
+    #[serde(default)]
+    timezone: Option<String>,
+    #[serde(default)]
+    queue: Option<String>,
+    handler: String,
+    #[serde(default)]
+    command: Option<Vec<String>>,
+    #[serde(default)]
+    permanent_exit_codes: Option<Vec<i32>>,
+    #[serde(default)]
+    pass_env: Option<Vec<String>>,
+    #[serde(default)]
+    url: Option<String>,
+    #[serde(default)]
+    payload: Option<serde_json::Value>,
+    #[serde(default)]
+    max_attempts: Option<u32>,
+    #[serde(default)]
+    backoff: Option<BackoffConfig>,
+    #[serde(default, deserialize_with = "duration::de_opt")]
+    timeout: Option<Duration>,
+    #[serde(default)]
+    catch_up: Option<CatchUp>,
+    #[serde(default, deserialize_with = "duration::de_opt")]
+    catch_up_window: Option<Duration>,
+    #[serde(default, deserialize_with = "duration::de_opt")]
+    deadline: Option<Duration>,
+    #[serde(default, deserialize_with = "duration::de_opt")]
+    jitter: Option<Duration>,
+}
+
+/// `[[jobs]]` with each entry's index in its errors, as `validate` names them.
+fn de_jobs<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<JobConfig>, D::Error> {
+    let raw = Vec::<RawJobConfig>::deserialize(d)?;
+    raw.into_iter()
+        .enumerate()
+        .map(|(i, job)| job.into_job(&format!("jobs[{i}]")).map_err(serde::de::Error::custom))
+        .collect()
+}
+
+impl TryFrom<RawJobConfig> for JobConfig {
+    type Error = String;
+
+    fn try_from(raw: RawJobConfig) -> Result<Self, String> {
+        raw.into_job("jobs")
+    }
+}
+
+impl RawJobConfig {
+    fn into_job(self, at: &str) -> Result<JobConfig, String> {
+        let raw = self;
+        let key = |field: &str| format!("{at} ({}).{field}", raw.name);
+        let only =
+            |field: &str, handler: &str| format!("{}: only valid with handler \"{handler}\"", key(field));
+        if raw.handler != "exec" {
+            for (field, set) in [
+                ("command", raw.command.is_some()),
+                ("permanent_exit_codes", raw.permanent_exit_codes.is_some()),
+                ("pass_env", raw.pass_env.is_some()),
+            ] {
+                if set {
+                    return Err(only(field, "exec"));
+                }
+            }
+        }
+        if raw.handler != "http" && raw.url.is_some() {
+            return Err(only("url", "http"));
+        }
+        let handler = match raw.handler.as_str() {
+            "exec" => match raw.command {
+                Some(command) if command.first().is_some_and(|p| !p.is_empty()) => {
+                    HandlerConfig::Exec(ExecConfig {
+                        command,
+                        permanent_exit_codes: raw
+                            .permanent_exit_codes
+                            .unwrap_or(vec![DEFAULT_PERMANENT_EXIT_CODE]),
+                        pass_env: raw.pass_env.unwrap_or_default(),
+                    })
+                }
+                _ => {
+                    return Err(format!(
+                        "{}: required for handler \"exec\" (a non-empty list: program and arguments)",
+                        key("command")
+                    ));
+                }
+            },
+            "http" => match raw.url {
+                Some(url) if url.starts_with("http://") || url.starts_with("https://") => {
+                    HandlerConfig::Http { url }
+                }
+                _ => {
+                    return Err(format!(
+                        "{}: required for handler \"http\" (an http:// or https:// URL)",
+                        key("url")
+                    ));
+                }
+            },
+            "noop" => HandlerConfig::Noop,
+            "" => return Err(format!("{}: must not be empty", key("handler"))),
+            _ => HandlerConfig::Registered(raw.handler),
+        };
+        Ok(JobConfig {
+            name: raw.name,
+            schedule: raw.schedule,
+            timezone: raw.timezone,
+            queue: raw.queue,
+            handler,
+            payload: raw.payload,
+            max_attempts: raw.max_attempts,
+            backoff: raw.backoff,
+            timeout: raw.timeout,
+            catch_up: raw.catch_up,
+            catch_up_window: raw.catch_up_window,
+            deadline: raw.deadline,
+            jitter: raw.jitter,
+        })
+    }
 }
 
 /// Default number of attempts (first run included).
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 
 impl JobConfig {
+    /// The job's queue (`default` unless set).
     pub fn queue(&self) -> &str {
         self.queue.as_deref().unwrap_or(DEFAULT_QUEUE)
     }
+    /// The job's attempts (5 unless set).
     pub fn max_attempts(&self) -> u32 {
         self.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS)
-    }
-    pub fn permanent_exit_codes(&self) -> Vec<i32> {
-        self.permanent_exit_codes.clone().unwrap_or_else(|| vec![DEFAULT_PERMANENT_EXIT_CODE])
     }
 }
 
@@ -642,44 +754,17 @@ impl Config {
                     ConfigError::invalid(key("timezone"), format!("{tz:?} is not an IANA time zone"))
                 })?;
             }
-            match job.handler.as_str() {
-                "exec" => match &job.command {
-                    Some(c) if !c.is_empty() && !c[0].is_empty() => {}
-                    _ => {
-                        return Err(ConfigError::invalid(
-                            key("command"),
-                            "required for handler \"exec\" (a non-empty list: program and arguments)",
-                        ));
-                    }
-                },
-                "http" => match &job.url {
-                    Some(u) if u.starts_with("http://") || u.starts_with("https://") => {}
-                    _ => {
-                        return Err(ConfigError::invalid(
-                            key("url"),
-                            "required for handler \"http\" (an http:// or https:// URL)",
-                        ));
-                    }
-                },
-                "" => return Err(ConfigError::invalid(key("handler"), "must not be empty")),
-                _ => {}
-            }
-            if job.handler != "exec" && job.command.is_some() {
-                return Err(ConfigError::invalid(key("command"), "only valid with handler \"exec\""));
-            }
-            if job.handler != "exec" && job.pass_env.is_some() {
-                return Err(ConfigError::invalid(key("pass_env"), "only valid with handler \"exec\""));
-            }
-            for (j, name) in job.pass_env.iter().flatten().enumerate() {
+            let pass_env = match &job.handler {
+                HandlerConfig::Exec(exec) => exec.pass_env.as_slice(),
+                _ => &[],
+            };
+            for (j, name) in pass_env.iter().enumerate() {
                 if !valid_env_name(name) {
                     return Err(ConfigError::invalid(
                         format!("{}[{j}]", key("pass_env")),
                         format!("{name:?} is not a variable name"),
                     ));
                 }
-            }
-            if job.handler != "http" && job.url.is_some() {
-                return Err(ConfigError::invalid(key("url"), "only valid with handler \"http\""));
             }
             if job.max_attempts.is_some_and(|n| n == 0 || n > crate::envelope::MAX_ATTEMPTS) {
                 return Err(ConfigError::invalid(
@@ -852,6 +937,24 @@ mod tests {
         assert!(err("[amqp]\nqueue_type = \"stream\"\n").contains("stream"));
         let e = err("[[jobs]]\nname='a'\nhandler='exec'\n");
         assert!(e.contains("jobs[0] (a).command"), "{e}");
+        // A key of another handler is named, not ignored.
+        let e = err(
+            "[[jobs]]\nname='a'\nhandler='noop'\n[[jobs]]\nname='b'\nhandler='http'\nurl='http://x'\npermanent_exit_codes=[3]\n",
+        );
+        assert!(e.contains("jobs[1] (b).permanent_exit_codes: only valid with handler \"exec\""), "{e}");
+        let c = Config::from_toml_str(
+            "[[jobs]]\nname='a'\nhandler='exec'\ncommand=['true']\n[[jobs]]\nname='b'\nhandler='mine'\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.jobs[0].handler,
+            HandlerConfig::Exec(ExecConfig {
+                command: vec!["true".into()],
+                permanent_exit_codes: vec![100],
+                pass_env: vec![]
+            })
+        );
+        assert_eq!(c.jobs[1].handler, HandlerConfig::Registered("mine".into()));
         let e = err("[[jobs]]\nname='a'\nhandler='noop'\nschedule='61 * * * *'\n");
         assert!(e.contains("jobs[0] (a).schedule"), "{e}");
         let e = err("[[jobs]]\nname='a'\nhandler='noop'\nschedule='0 0 30 2 *'\n");

@@ -1,5 +1,6 @@
 //! Plugin-free delayed delivery: binary TTL levels (the scheme of NServiceBus and kombu ≥ 5.5),
-//! in one chain per virtual host that every prefix shares (see `names`).
+//! in one chain per virtual host that every prefix shares (see `names`). This module is the
+//! arithmetic (routing keys, levels); `topology` declares the chain.
 //!
 //! Level L (0 ≤ L < 28) is a topic exchange and a queue `chime-delay.<type>.L` whose
 //! queue-level TTL is 2^L seconds and which dead-letters into level L−1 (level 0 into
@@ -21,13 +22,10 @@
 //! lost between levels; classic ones dead-letter at-most-once (lost only if an exchange of
 //! the chain were deleted).
 
-use lapin::options::{ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{Channel, ExchangeKind};
 use std::time::Duration;
 
 use crate::config::QueueType;
-use crate::names::{self, DELAY_DELIVER, DELAY_ORPHANS, DELAY_ORPHANS_EXCHANGE, DELAY_UNROUTABLE, Names};
+use crate::names::{self, Names};
 
 /// Number of levels: delays up to 2^28 − 1 seconds.
 pub const LEVELS: u32 = 28;
@@ -65,139 +63,9 @@ pub fn target(names: &Names, queue_type: QueueType, queue: &str, delay: Duration
     }
 }
 
-/// `n` topic wildcards for the higher levels' bits.
-fn stars(n: u32) -> String {
+/// `n` topic wildcards for the higher levels' bits (binding keys of the chain).
+pub fn stars(n: u32) -> String {
     "*.".repeat(n as usize)
-}
-
-fn long(s: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(s))
-}
-
-/// Declares the shared chain of `queue_type` — levels, delivery and unroutable exchanges, the
-/// orphans queue — (idempotent: every prefix declares the same arguments).
-pub async fn declare_chain(ch: &Channel, queue_type: QueueType) -> Result<(), (String, lapin::Error)> {
-    let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
-    let orphans = DELAY_ORPHANS.to_string();
-    let mut orphan_args = FieldTable::default();
-    orphan_args.insert(ShortString::from("x-queue-type"), long(QueueType::Quorum.as_str()));
-    ch.queue_declare(
-        orphans.as_str().into(),
-        QueueDeclareOptions { durable: true, ..Default::default() },
-        orphan_args,
-    )
-    .await
-    .map_err(|e| (orphans.clone(), e))?;
-    let mut unroutable_args = FieldTable::default();
-    unroutable_args.insert(ShortString::from("alternate-exchange"), long(DELAY_ORPHANS_EXCHANGE));
-    let orphans_x = DELAY_ORPHANS_EXCHANGE.to_string();
-    ch.exchange_declare(orphans_x.as_str().into(), ExchangeKind::Fanout, durable, FieldTable::default())
-        .await
-        .map_err(|e| (orphans_x.clone(), e))?;
-    ch.queue_bind(
-        orphans.as_str().into(),
-        orphans_x.as_str().into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .map_err(|e| (orphans.clone(), e))?;
-    ch.exchange_declare(DELAY_UNROUTABLE.into(), ExchangeKind::Topic, durable, unroutable_args)
-        .await
-        .map_err(|e| (DELAY_UNROUTABLE.to_string(), e))?;
-    let mut deliver_args = FieldTable::default();
-    deliver_args.insert(ShortString::from("alternate-exchange"), long(DELAY_UNROUTABLE));
-    ch.exchange_declare(DELAY_DELIVER.into(), ExchangeKind::Topic, durable, deliver_args)
-        .await
-        .map_err(|e| (DELAY_DELIVER.to_string(), e))?;
-    for level in 0..LEVELS {
-        let ex = names::delay_level(queue_type, level);
-        ch.exchange_declare(ex.as_str().into(), ExchangeKind::Topic, durable, FieldTable::default())
-            .await
-            .map_err(|e| (ex.clone(), e))?;
-    }
-    for level in 0..LEVELS {
-        let ex = names::delay_level(queue_type, level);
-        let next =
-            if level == 0 { DELAY_DELIVER.to_string() } else { names::delay_level(queue_type, level - 1) };
-        let q = ex.clone();
-        let mut args = FieldTable::default();
-        args.insert(ShortString::from("x-queue-type"), long(queue_type.as_str()));
-        args.insert(ShortString::from("x-message-ttl"), AMQPValue::LongLongInt((1i64 << level) * 1000));
-        args.insert(ShortString::from("x-dead-letter-exchange"), long(&next));
-        if queue_type == QueueType::Quorum {
-            args.insert(ShortString::from("x-dead-letter-strategy"), long("at-least-once"));
-            args.insert(ShortString::from("x-overflow"), long("reject-publish"));
-        } else {
-            args.insert(ShortString::from("x-queue-version"), AMQPValue::LongLongInt(2));
-        }
-        ch.queue_declare(
-            q.as_str().into(),
-            QueueDeclareOptions { durable: true, ..Default::default() },
-            args,
-        )
-        .await
-        .map_err(|e| (q.clone(), e))?;
-        let higher = stars(LEVELS - 1 - level);
-        ch.queue_bind(
-            q.as_str().into(),
-            ex.as_str().into(),
-            format!("{higher}1.#").into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|e| (q.clone(), e))?;
-        ch.exchange_bind(
-            next.as_str().into(),
-            ex.as_str().into(),
-            format!("{higher}0.#").into(),
-            ExchangeBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|e| (ex.clone(), e))?;
-    }
-    Ok(())
-}
-
-/// Binds work queue `<p>.q.<queue>` to the delivery exchange.
-pub async fn bind_queue(ch: &Channel, names: &Names, queue: &str) -> Result<(), lapin::Error> {
-    let key = format!("{}{}.{}", stars(LEVELS), names::word(names.prefix()), names::word(queue));
-    ch.queue_bind(
-        names.work_queue(queue).into(),
-        DELAY_DELIVER.into(),
-        key.into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-}
-
-/// Declares `<p>.unroutable` (a DLQ: nothing expires) and binds it to the unroutable exchange
-/// for every queue of the prefix.
-pub async fn declare_unroutable(
-    ch: &Channel,
-    names: &Names,
-    queue_type: QueueType,
-) -> Result<(), lapin::Error> {
-    let q = names.unroutable_queue();
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions { durable: true, ..Default::default() },
-        crate::topology::dlq_args(queue_type),
-    )
-    .await?;
-    let key = format!("{}{}.*", stars(LEVELS), names::word(names.prefix()));
-    ch.queue_bind(
-        q.as_str().into(),
-        DELAY_UNROUTABLE.into(),
-        key.into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
 }
 
 #[cfg(test)]

@@ -126,13 +126,13 @@ return 1",
     )
 });
 
-/// The claim script (KEYS[1]; ARGV owner, lease_ms, retention_ms → `{state, fence,
+/// The claim script (`KEYS[1]`; ARGV owner, lease_ms, retention_ms → `{state, fence,
 /// remaining_ms}`), for benchmarks and tools that drive Redis directly.
 pub fn claim_script() -> &'static Script {
     &CLAIM
 }
 
-/// The finish script (KEYS[1]; ARGV owner, fence, state, retention_ms → 1, 0 or 2).
+/// The finish script (`KEYS[1]`; ARGV owner, fence, state, retention_ms → 1, 0 or 2).
 pub fn finish_script() -> &'static Script {
     &FINISH
 }
@@ -141,16 +141,35 @@ pub fn finish_script() -> &'static Script {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
     /// Ours to run, with this fence token.
-    Claimed { fence: u64 },
+    Claimed {
+        /// Fence token of the record (increases with every claim of the key).
+        fence: u64,
+    },
     /// Already completed (a duplicate).
-    Done { fence: u64 },
+    Done {
+        /// Fence token of the record (increases with every claim of the key).
+        fence: u64,
+    },
     /// Already dead-lettered (a duplicate of a dead job).
-    Dead { fence: u64 },
+    Dead {
+        /// Fence token of the record (increases with every claim of the key).
+        fence: u64,
+    },
     /// Another live owner holds it for `remaining` more.
-    Busy { fence: u64, remaining: Duration },
+    Busy {
+        /// Fence token of the record (increases with every claim of the key).
+        fence: u64,
+        /// Time left on the owner's lease.
+        remaining: Duration,
+    },
     /// Decided dead, but its dead letter may not have reached the DLQ: the caller now owns
     /// the key and must publish the dead letter again (then record `dead`).
-    Dying { fence: u64, dead: DeadInfo },
+    Dying {
+        /// Fence token of the record (increases with every claim of the key).
+        fence: u64,
+        /// The dead letter to publish again.
+        dead: DeadInfo,
+    },
 }
 
 /// What a `dying` record keeps of the dead letter being published.
@@ -160,6 +179,7 @@ pub struct DeadInfo {
     pub reason: String,
     /// `x-chime-error` (already truncated by the caller).
     pub error: String,
+    /// `x-chime-attempts`.
     pub attempts: u32,
 }
 
@@ -170,7 +190,10 @@ pub enum Renewal {
     Renewed,
     /// The record was gone (Redis lost data): claimed again for the same owner with this new
     /// fence; the job keeps running.
-    Recreated { fence: u64 },
+    Recreated {
+        /// Fence token of the record (increases with every claim of the key).
+        fence: u64,
+    },
     /// Another owner (or a final state) holds the key: the lease was really taken over.
     Lost,
 }
@@ -178,6 +201,7 @@ pub enum Renewal {
 /// Whether an outcome was written by [`IdemStore::finish`] or [`IdemStore::mark_dying`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Recorded {
+    /// Written over our own record.
     Yes,
     /// The record was gone (Redis lost data) and has been written anew.
     Recreated,
@@ -198,7 +222,9 @@ impl Recorded {
 /// Final state written by [`IdemStore::finish`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Final {
+    /// Ran to completion; duplicates are acked without running.
     Done,
+    /// Dead-lettered (the dead letter is confirmed); duplicates are acked without running.
     Dead,
     /// Give the key back (retry later, or shutdown before finishing).
     Free,
@@ -214,10 +240,13 @@ impl Final {
     }
 }
 
+/// Errors of the idempotency store.
 #[derive(Debug, thiserror::Error)]
 pub enum IdemError {
+    /// Redis could not be reached or refused the command.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+    /// A script replied with something this release does not expect.
     #[error("redis script returned an unexpected reply: {0}")]
     Protocol(String),
     /// The key's record is not a chime record (another type under the key, fields a script
@@ -306,6 +335,7 @@ impl IdemStore {
         })
     }
 
+    /// The lease a claim takes (`redis.lease`).
     pub fn lease(&self) -> Duration {
         self.lease
     }

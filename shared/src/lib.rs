@@ -1,8 +1,30 @@
-//! Shared contracts of chime: configuration, the wire envelope, topology names and
-//! declaration, the Redis idempotency store, AMQP connection helpers and telemetry names.
+//! What every part of chime must agree on: the configuration, the wire envelope and its keys,
+//! job types ([`job::Job`]), every broker and Redis name ([`names`]), declaring the topology,
+//! the Redis idempotency table, cron schedules with Vixie-cron DST rules, AMQP helpers, and
+//! metric names. It is the only chime crate both a service that enqueues and a worker binary
+//! compile; it carries no HTTP server, CLI parser, exporter or log subscriber.
 //!
-//! Both the producer (`chime`) and the worker (`chime-worker`) depend on this crate, so
-//! everything that must agree between them lives here and nowhere else.
+//! ```
+//! use chime_shared::Config;
+//!
+//! let config = Config::from_toml_str(r#"
+//!     prefix = "billing"
+//!     [[jobs]]
+//!     name = "nightly-report"
+//!     handler = "exec"
+//!     command = ["/usr/local/bin/report"]
+//!     schedule = "30 2 * * *"
+//!     timezone = "Europe/Berlin"
+//! "#).unwrap();
+//! assert_eq!(config.all_queues(), ["default"]);
+//!
+//! // The same slot always has the same idempotency key, on every ticker replica.
+//! let slot = "2026-03-29T01:00:00Z".parse().unwrap();
+//! let key = chime_shared::envelope::scheduled_key("nightly-report", slot);
+//! assert_eq!(key.to_string(), "6c94badc-ac49-57fc-aff9-efaefacce06b");
+//! ```
+
+#![warn(missing_docs)]
 
 pub mod amqp;
 pub mod config;
@@ -11,9 +33,9 @@ pub mod duration;
 pub mod envelope;
 pub mod health;
 pub mod idempotency;
+pub mod job;
 pub mod names;
 pub mod schedule;
-pub mod signals;
 pub mod telemetry;
 pub mod topology;
 

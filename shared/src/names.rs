@@ -42,21 +42,27 @@ pub struct Names {
 }
 
 impl Names {
+    /// Names under `prefix` (`chime` by default).
     pub fn new(prefix: &str) -> Self {
         Self { prefix: prefix.to_string() }
     }
+    /// The prefix itself.
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
+    /// `<p>.work`, the direct exchange every job is published to.
     pub fn work_exchange(&self) -> String {
         format!("{}.work", self.prefix)
     }
+    /// `<p>.dead`, the exchange dead letters are published to.
     pub fn dead_exchange(&self) -> String {
         format!("{}.dead", self.prefix)
     }
+    /// `<p>.q.<queue>`, a work queue.
     pub fn work_queue(&self, queue: &str) -> String {
         format!("{}.q.{queue}", self.prefix)
     }
+    /// `<p>.dlq.<queue>`, a dead-letter queue.
     pub fn dlq(&self, queue: &str) -> String {
         format!("{}.dlq.{queue}", self.prefix)
     }
@@ -68,6 +74,14 @@ impl Names {
     pub fn idem_key(&self, key: &str) -> String {
         format!("{}:idem:{key}", self.prefix)
     }
+}
+
+/// `<host>:<pid>`: how a worker or ticker names itself in claims, leases and logs unless
+/// configured otherwise.
+pub fn process_name() -> String {
+    let host = gethostname::gethostname();
+    let host = host.to_string_lossy();
+    format!("{}:{}", if host.is_empty() { "host" } else { &host }, std::process::id())
 }
 
 #[cfg(test)]

@@ -1,47 +1,46 @@
-//! Metric names (the only place they are spelled), their descriptions, label values, and
-//! the Prometheus recorder that binaries install. Libraries only emit through `metrics`;
-//! they never install a recorder.
+//! Metric names (the only place they are spelled), their descriptions and label values.
+//! Libraries only emit through `metrics`; the daemons install the recorder (`chime-daemon`).
 
-use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
-
+/// Counter: messages published and confirmed (`job`, `source`).
 pub const JOBS_PUBLISHED: &str = "chime_jobs_published_total";
+/// Counter: deliveries finished (`job`, `outcome`).
 pub const JOBS_COMPLETED: &str = "chime_jobs_completed_total";
+/// Histogram: handler run time in seconds (`job`).
 pub const JOB_DURATION: &str = "chime_job_duration_seconds";
+/// Histogram: handler start minus slot or enqueue time (`job`).
 pub const JOB_LAG: &str = "chime_job_lag_seconds";
+/// Counter: slots older than the catch-up window (`job`).
 pub const SLOTS_MISSED: &str = "chime_slots_missed_total";
+/// Gauge: ready messages in a work queue (`queue`).
 pub const QUEUE_MESSAGES: &str = "chime_queue_messages";
+/// Gauge: ready messages in a dead-letter queue (`queue`).
 pub const DLQ_MESSAGES: &str = "chime_dlq_messages";
+/// Gauge: 1 while this ticker holds the leader lease.
 pub const TICKER_LEADER: &str = "chime_ticker_leader";
+/// Gauge: local clock minus Redis `TIME`, in seconds.
 pub const TICKER_CLOCK_SKEW: &str = "chime_ticker_clock_skew_seconds";
+/// Gauge: 1 when the dependency answers (`dependency` = `amqp` or `redis`).
 pub const UP: &str = "chime_up";
 
 /// Values of the `outcome` label of [`JOBS_COMPLETED`].
 pub mod outcome {
+    /// The handler succeeded and `done` was recorded.
     pub const SUCCEEDED: &str = "succeeded";
+    /// A retry was published to the delay chain.
     pub const RETRIED: &str = "retried";
+    /// The message went to its DLQ.
     pub const DEAD_LETTERED: &str = "dead_lettered";
+    /// Acked without running: the key was done, dead or busy.
     pub const DUPLICATE: &str = "duplicate";
+    /// A scheduled run older than its job's `expires` was dropped.
     pub const EXPIRED: &str = "expired";
 }
 
 /// Label used instead of a job name that is not in the config (keeps cardinality bounded).
 pub const UNKNOWN_JOB_LABEL: &str = "_unknown";
 
-const SECONDS_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0,
-];
-
-/// Installs the global Prometheus recorder (binaries only) with explicit histogram buckets,
-/// so histograms aggregate across replicas instead of rendering as summaries.
-pub fn install_recorder() -> Result<PrometheusHandle, BuildError> {
-    let handle = PrometheusBuilder::new()
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?
-        .install_recorder()?;
-    describe();
-    Ok(handle)
-}
-
-fn describe() {
+/// Registers the descriptions of every metric with the installed recorder.
+pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
     describe_counter!(JOBS_PUBLISHED, "Messages published and confirmed, by job and source.");
     describe_counter!(JOBS_COMPLETED, "Deliveries finished, by job and outcome.");
@@ -53,19 +52,4 @@ fn describe() {
     describe_gauge!(TICKER_LEADER, "1 while this ticker holds the leader lease.");
     describe_gauge!(TICKER_CLOCK_SKEW, "Local clock minus Redis TIME.");
     describe_gauge!(UP, "1 when the dependency answers, by dependency.");
-}
-
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`); JSON lines when
-/// `CHIME_LOG_FORMAT=json`. Binaries call this once.
-pub fn init_tracing() {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder =
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
-    if std::env::var("CHIME_LOG_FORMAT").is_ok_and(|v| v == "json") {
-        let _ = builder.json().flatten_event(true).try_init();
-    } else {
-        let _ = builder.try_init();
-    }
 }

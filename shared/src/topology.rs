@@ -11,23 +11,40 @@
 //! queue that exists with other arguments yields [`TopologyError::Inequivalent`], naming
 //! the queue and the argument instead of a bare `PRECONDITION_FAILED`.
 
-use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{Connection, ExchangeKind};
+use lapin::{Channel, Connection, ExchangeKind};
 
 use crate::config::{Config, QueueType};
+use crate::delay::{self, LEVELS};
+use crate::names::{self, DELAY_DELIVER, DELAY_ORPHANS, DELAY_ORPHANS_EXCHANGE, DELAY_UNROUTABLE};
 
 pub use crate::names::Names;
 
+/// Why declaring the topology failed.
 #[derive(Debug, thiserror::Error)]
 pub enum TopologyError {
+    /// A queue exists with arguments chime would declare differently.
     #[error(
         "queue {queue} already exists with a different {argument}: {detail}. Delete the queue \
          (after draining it) or align the config (amqp.queue_type, amqp.delivery_limit) with it"
     )]
-    Inequivalent { queue: String, argument: String, detail: String },
+    Inequivalent {
+        /// Full queue name.
+        queue: String,
+        /// The argument that differs (`x-queue-type`, …).
+        argument: String,
+        /// The broker's message.
+        detail: String,
+    },
+    /// Any other broker error while declaring.
     #[error("declaring {what} failed: {source}")]
-    Amqp { what: String, source: Box<lapin::Error> },
+    Amqp {
+        /// What was being declared.
+        what: String,
+        /// The broker's error.
+        source: Box<lapin::Error>,
+    },
 }
 
 impl TopologyError {
@@ -98,8 +115,8 @@ pub async fn declare(conn: &Connection, config: &Config, queues: &[String]) -> R
             .await
             .map_err(|e| classify(&ex, e))?;
     }
-    crate::delay::declare_chain(&ch, config.amqp.queue_type).await.map_err(|(what, e)| classify(&what, e))?;
-    crate::delay::declare_unroutable(&ch, &names, config.amqp.queue_type)
+    declare_chain(&ch, config.amqp.queue_type).await.map_err(|(what, e)| classify(&what, e))?;
+    declare_unroutable(&ch, &names, config.amqp.queue_type)
         .await
         .map_err(|e| classify(&names.unroutable_queue(), e))?;
     let qopts = QueueDeclareOptions { durable: true, ..Default::default() };
@@ -116,7 +133,7 @@ pub async fn declare(conn: &Connection, config: &Config, queues: &[String]) -> R
         )
         .await
         .map_err(amqp(format!("binding of {wq}")))?;
-        crate::delay::bind_queue(&ch, &names, q).await.map_err(amqp(format!("delay binding of {wq}")))?;
+        bind_queue(&ch, &names, q).await.map_err(amqp(format!("delay binding of {wq}")))?;
         let dlq = names.dlq(q);
         ch.queue_declare(dlq.as_str().into(), qopts, dlq_args(config.amqp.queue_type))
             .await
@@ -151,6 +168,132 @@ fn classify(entity: &str, err: lapin::Error) -> TopologyError {
         }
     }
     TopologyError::Amqp { what: entity.to_string(), source: Box::new(err) }
+}
+
+/// Declares the shared chain of `queue_type` — levels, delivery and unroutable exchanges, the
+/// orphans queue — (idempotent: every prefix declares the same arguments).
+pub async fn declare_chain(ch: &Channel, queue_type: QueueType) -> Result<(), (String, lapin::Error)> {
+    let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
+    let orphans = DELAY_ORPHANS.to_string();
+    let mut orphan_args = FieldTable::default();
+    orphan_args.insert(ShortString::from("x-queue-type"), long(QueueType::Quorum.as_str()));
+    ch.queue_declare(
+        orphans.as_str().into(),
+        QueueDeclareOptions { durable: true, ..Default::default() },
+        orphan_args,
+    )
+    .await
+    .map_err(|e| (orphans.clone(), e))?;
+    let mut unroutable_args = FieldTable::default();
+    unroutable_args.insert(ShortString::from("alternate-exchange"), long(DELAY_ORPHANS_EXCHANGE));
+    let orphans_x = DELAY_ORPHANS_EXCHANGE.to_string();
+    ch.exchange_declare(orphans_x.as_str().into(), ExchangeKind::Fanout, durable, FieldTable::default())
+        .await
+        .map_err(|e| (orphans_x.clone(), e))?;
+    ch.queue_bind(
+        orphans.as_str().into(),
+        orphans_x.as_str().into(),
+        "".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .map_err(|e| (orphans.clone(), e))?;
+    ch.exchange_declare(DELAY_UNROUTABLE.into(), ExchangeKind::Topic, durable, unroutable_args)
+        .await
+        .map_err(|e| (DELAY_UNROUTABLE.to_string(), e))?;
+    let mut deliver_args = FieldTable::default();
+    deliver_args.insert(ShortString::from("alternate-exchange"), long(DELAY_UNROUTABLE));
+    ch.exchange_declare(DELAY_DELIVER.into(), ExchangeKind::Topic, durable, deliver_args)
+        .await
+        .map_err(|e| (DELAY_DELIVER.to_string(), e))?;
+    for level in 0..LEVELS {
+        let ex = names::delay_level(queue_type, level);
+        ch.exchange_declare(ex.as_str().into(), ExchangeKind::Topic, durable, FieldTable::default())
+            .await
+            .map_err(|e| (ex.clone(), e))?;
+    }
+    for level in 0..LEVELS {
+        let ex = names::delay_level(queue_type, level);
+        let next =
+            if level == 0 { DELAY_DELIVER.to_string() } else { names::delay_level(queue_type, level - 1) };
+        let q = ex.clone();
+        let mut args = FieldTable::default();
+        args.insert(ShortString::from("x-queue-type"), long(queue_type.as_str()));
+        args.insert(ShortString::from("x-message-ttl"), AMQPValue::LongLongInt((1i64 << level) * 1000));
+        args.insert(ShortString::from("x-dead-letter-exchange"), long(&next));
+        if queue_type == QueueType::Quorum {
+            args.insert(ShortString::from("x-dead-letter-strategy"), long("at-least-once"));
+            args.insert(ShortString::from("x-overflow"), long("reject-publish"));
+        } else {
+            args.insert(ShortString::from("x-queue-version"), AMQPValue::LongLongInt(2));
+        }
+        ch.queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions { durable: true, ..Default::default() },
+            args,
+        )
+        .await
+        .map_err(|e| (q.clone(), e))?;
+        let higher = delay::stars(LEVELS - 1 - level);
+        ch.queue_bind(
+            q.as_str().into(),
+            ex.as_str().into(),
+            format!("{higher}1.#").into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| (q.clone(), e))?;
+        ch.exchange_bind(
+            next.as_str().into(),
+            ex.as_str().into(),
+            format!("{higher}0.#").into(),
+            ExchangeBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| (ex.clone(), e))?;
+    }
+    Ok(())
+}
+
+/// Binds work queue `<p>.q.<queue>` to the delivery exchange.
+pub async fn bind_queue(ch: &Channel, names: &Names, queue: &str) -> Result<(), lapin::Error> {
+    let key = format!("{}{}.{}", delay::stars(LEVELS), names::word(names.prefix()), names::word(queue));
+    ch.queue_bind(
+        names.work_queue(queue).into(),
+        DELAY_DELIVER.into(),
+        key.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+}
+
+/// Declares `<p>.unroutable` (a DLQ: nothing expires) and binds it to the unroutable exchange
+/// for every queue of the prefix.
+pub async fn declare_unroutable(
+    ch: &Channel,
+    names: &Names,
+    queue_type: QueueType,
+) -> Result<(), lapin::Error> {
+    let q = names.unroutable_queue();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions { durable: true, ..Default::default() },
+        dlq_args(queue_type),
+    )
+    .await?;
+    let key = format!("{}{}.*", delay::stars(LEVELS), names::word(names.prefix()));
+    ch.queue_bind(
+        q.as_str().into(),
+        DELAY_UNROUTABLE.into(),
+        key.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
 }
 
 /// Ready-message and consumer counts of a queue, by passive declare (no plugin needed).

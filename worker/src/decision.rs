@@ -36,6 +36,8 @@ pub(crate) const MAX_ERROR_LEN: usize = 1000;
 pub(crate) enum RunEnd {
     Succeeded,
     Failed(Failure, String),
+    /// A transient failure whose handler asked for this delay before the next attempt.
+    RetryAfter(Duration, String),
     /// Another owner claimed the key while we ran (our lease lapsed).
     LeaseTaken,
     /// Stopped by the drain deadline without a result.
@@ -124,6 +126,17 @@ pub(crate) fn on_run(
                 Plan::DeadLetter { dead: dead_info(reason, &error, attempt), mark: KeyMark::MarkDying }
             }
         },
+        RunEnd::RetryAfter(asked, error) => {
+            match retry::decide(attempt, max_attempts, Failure::Transient, backoff, key) {
+                // The handler's delay replaces the backoff (whole seconds, at least one).
+                Decision::Retry(_) => {
+                    Plan::Retry { delay: Duration::from_secs(chime_shared::delay::seconds(asked).max(1)) }
+                }
+                Decision::Dead(reason) => {
+                    Plan::DeadLetter { dead: dead_info(reason, &error, attempt), mark: KeyMark::MarkDying }
+                }
+            }
+        }
     }
 }
 
@@ -232,6 +245,12 @@ mod tests {
             on_run(RunEnd::Failed(Failure::Transient, "e".into()), 1, 3, &backoff(), k),
             Plan::Retry { .. }
         ));
+        let asked = RunEnd::RetryAfter(Duration::from_millis(42_500), "429".into());
+        assert_eq!(
+            on_run(asked.clone(), 1, 3, &backoff(), k),
+            Plan::Retry { delay: Duration::from_secs(43) }
+        );
+        assert!(matches!(on_run(asked, 3, 3, &backoff(), k), Plan::DeadLetter { .. }));
         let Plan::DeadLetter { dead, mark } =
             on_run(RunEnd::Failed(Failure::Timeout, "t".into()), 3, 3, &backoff(), k)
         else {

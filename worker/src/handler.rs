@@ -1,62 +1,178 @@
-//! The handler API: what a job sees, and how it says whether a failure is worth retrying.
+//! The handler API: what a job sees ([`JobContext`]), how it fails ([`JobError`]), and how
+//! handlers are registered ([`Registry`]) — typed ([`Registry::job`], for a [`Job`] type,
+//! with shared [`State`]) or over raw JSON ([`Registry::register`], for `exec`-style names).
 //!
-//! Handlers never see lapin or Redis types: they get a [`JobContext`] and the payload.
+//! Handlers never see lapin or Redis types.
 
+use chime_shared::job::{Job, JobOptions};
 use futures_util::future::BoxFuture;
 use serde::de::DeserializeOwned;
+use std::any::{Any, TypeId};
 use std::collections::HashMap;
+use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-/// Facts about the run in progress.
+/// Facts about the run in progress, and its cancellation.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct JobContext {
-    pub job: String,
-    pub queue: String,
-    /// Idempotency key: the same for every copy and retry of this run.
-    pub key: Uuid,
-    /// Id of this message instance.
-    pub id: Uuid,
-    /// 1 for the first attempt.
-    pub attempt: u32,
-    pub max_attempts: u32,
-    /// Scheduled instant of a scheduled run.
-    pub slot: Option<chrono::DateTime<chrono::Utc>>,
-    /// Fencing token: strictly increases each time the key is claimed. A database that
-    /// stores the highest fence seen per key can reject a stale (paused, then resumed) run.
-    pub fence: u64,
-    /// Handler timeout of this job.
-    pub timeout: Duration,
-    /// Cancelled when the run must stop (timeout, lost lease, shutdown deadline).
-    pub cancel: CancellationToken,
+    pub(crate) job: String,
+    pub(crate) queue: String,
+    pub(crate) key: Uuid,
+    pub(crate) id: Uuid,
+    pub(crate) attempt: u32,
+    pub(crate) max_attempts: u32,
+    pub(crate) slot: Option<chrono::DateTime<chrono::Utc>>,
+    pub(crate) fence: u64,
+    pub(crate) timeout: Duration,
+    pub(crate) cancel: CancellationToken,
 }
 
-/// How a handler failed.
-#[derive(Debug, thiserror::Error)]
-pub enum JobError {
-    /// Worth another attempt (network blip, busy dependency).
-    #[error("transient: {0}")]
-    Transient(String),
-    /// Retrying cannot help (bad input, rejected by the remote side).
-    #[error("permanent: {0}")]
-    Permanent(String),
+impl JobContext {
+    /// The job's name.
+    pub fn job(&self) -> &str {
+        &self.job
+    }
+    /// The queue the job came from.
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+    /// Idempotency key: the same for every copy and retry of this run. Store it with the
+    /// job's effect (unique) for exactly-once effects.
+    pub fn key(&self) -> Uuid {
+        self.key
+    }
+    /// Id of this message instance.
+    pub fn id(&self) -> Uuid {
+        self.id
+    }
+    /// 1 for the first attempt.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+    /// Attempts in all, first run included.
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+    /// Scheduled instant of a scheduled run; `None` for ad-hoc runs.
+    pub fn slot(&self) -> Option<chrono::DateTime<chrono::Utc>> {
+        self.slot
+    }
+    /// Fencing token: strictly increases each time the key is claimed (microseconds of Redis
+    /// time). A store that keeps the highest fence seen per key can reject a stale run.
+    pub fn fence(&self) -> u64 {
+        self.fence
+    }
+    /// This job's handler timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+    /// Resolves when the run must stop: its timeout passed, the worker is shutting down past
+    /// its drain deadline, or another owner took the key over. The handler then has
+    /// `worker.cancel_grace` to return (a result it returns in that time stands) before its
+    /// future is dropped.
+    pub async fn cancelled(&self) {
+        self.cancel.cancelled().await;
+    }
+    /// Whether the run must stop (see [`JobContext::cancelled`]).
+    pub fn is_cancelled(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+}
+
+/// How a failure is handled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Transient,
+    Permanent,
+    RetryAfter(Duration),
+}
+
+/// Why a handler failed, with the cause chain of the error it came from.
+///
+/// Any error converts with `?` and counts as transient (retried with the job's backoff):
+///
+/// ```
+/// use chime_worker::JobError;
+/// fn parse(s: &str) -> Result<u32, JobError> {
+///     Ok(s.parse::<u32>()?) // ParseIntError → transient
+/// }
+/// assert!(!parse("x").unwrap_err().is_permanent());
+/// let e = JobError::permanent("empty invoice");
+/// assert!(e.is_permanent());
+/// ```
+pub struct JobError {
+    kind: Kind,
+    error: Box<dyn std::error::Error + Send + Sync>,
 }
 
 impl JobError {
-    pub fn transient(e: impl std::fmt::Display) -> Self {
-        Self::Transient(e.to_string())
+    /// Worth another attempt (a network blip, a busy dependency).
+    pub fn transient(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self { kind: Kind::Transient, error: error.into() }
     }
-    pub fn permanent(e: impl std::fmt::Display) -> Self {
-        Self::Permanent(e.to_string())
+    /// Retrying cannot help (bad input, rejected by the remote side): straight to the DLQ.
+    pub fn permanent(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self { kind: Kind::Permanent, error: error.into() }
+    }
+    /// Try again after `delay` instead of the job's backoff (a rate limit's `Retry-After`).
+    /// It still counts as an attempt.
+    pub fn retry_after(delay: Duration, error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self { kind: Kind::RetryAfter(delay), error: error.into() }
+    }
+    /// Whether retrying cannot help.
+    pub fn is_permanent(&self) -> bool {
+        self.kind == Kind::Permanent
+    }
+    /// The delay asked for by [`JobError::retry_after`].
+    pub fn retry_delay(&self) -> Option<Duration> {
+        match self.kind {
+            Kind::RetryAfter(d) => Some(d),
+            _ => None,
+        }
+    }
+    /// The error that caused this one.
+    pub fn error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.error
     }
 }
 
-/// A job handler. Implemented for you by [`handler_fn`] and [`raw_handler_fn`].
+/// The error and its causes, `outer: inner: innermost`.
+impl fmt::Display for JobError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.error)?;
+        let mut source = self.error.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for JobError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "JobError({:?}: {self})", self.kind)
+    }
+}
+
+impl<E: std::error::Error + Send + Sync + 'static> From<E> for JobError {
+    fn from(error: E) -> Self {
+        Self::transient(error)
+    }
+}
+
+/// A job handler over the raw JSON payload. Implemented for you by [`Registry::job`],
+/// [`handler_fn`] and [`raw_handler_fn`]; implement it yourself to keep state in `self`
+/// (the future may borrow it: no clone per call).
 pub trait Handler: Send + Sync + 'static {
-    fn call(&self, ctx: JobContext, payload: serde_json::Value) -> BoxFuture<'static, Result<(), JobError>>;
+    /// Runs one attempt.
+    fn call<'a>(&'a self, ctx: JobContext, payload: serde_json::Value)
+    -> BoxFuture<'a, Result<(), JobError>>;
 }
 
 struct FnHandler<F>(F);
@@ -66,7 +182,11 @@ where
     F: Fn(JobContext, serde_json::Value) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), JobError>> + Send + 'static,
 {
-    fn call(&self, ctx: JobContext, payload: serde_json::Value) -> BoxFuture<'static, Result<(), JobError>> {
+    fn call<'a>(
+        &'a self,
+        ctx: JobContext,
+        payload: serde_json::Value,
+    ) -> BoxFuture<'a, Result<(), JobError>> {
         Box::pin((self.0)(ctx, payload))
     }
 }
@@ -91,42 +211,285 @@ where
     let f = Arc::new(f);
     raw_handler_fn(move |ctx, value| {
         let f = f.clone();
-        async move {
-            let payload: P = serde_json::from_value(value).map_err(|e| {
-                JobError::Permanent(format!("payload does not match the handler's type: {e}"))
-            })?;
-            f(ctx, payload).await
-        }
+        async move { f(ctx, decode::<P>(value)?).await }
     })
 }
 
-/// Job name → handler.
+fn decode<P: DeserializeOwned>(value: serde_json::Value) -> Result<P, JobError> {
+    serde_json::from_value(value)
+        .map_err(|e| JobError::permanent(format!("payload does not match the handler's type: {e}")))
+}
+
+/// Shared state given to typed handlers: registered once with [`Registry::state`], handed to
+/// each call by clone (keep it cheap to clone: a pool, an `Arc`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct State<S>(pub S);
+
+/// States by type (see [`Registry::state`]).
+#[doc(hidden)]
+#[derive(Clone, Default)]
+pub struct States(Arc<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>);
+
+impl States {
+    fn get<S: Clone + Send + Sync + 'static>(&self) -> Option<S> {
+        self.0.get(&TypeId::of::<S>()).and_then(|s| s.downcast_ref::<S>()).cloned()
+    }
+}
+
+/// A function that handles job `J`: `Fn(JobContext, J)` or `Fn(JobContext, J, State<S>)`,
+/// returning a future of `Result<(), JobError>`. `Args` tells the two apart; you never name it.
+pub trait JobFn<J, Args>: Send + Sync + 'static {
+    /// Runs one attempt; `states` holds what [`Registry::state`] registered.
+    #[doc(hidden)]
+    fn run(&self, ctx: JobContext, job: J, states: &States) -> BoxFuture<'static, Result<(), JobError>>;
+    /// The state type this function needs, checked when the worker is built.
+    #[doc(hidden)]
+    fn needs(states: &States) -> Result<(), &'static str>;
+}
+
+impl<F, Fut, J> JobFn<J, ()> for F
+where
+    F: Fn(JobContext, J) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), JobError>> + Send + 'static,
+{
+    fn run(&self, ctx: JobContext, job: J, _: &States) -> BoxFuture<'static, Result<(), JobError>> {
+        Box::pin(self(ctx, job))
+    }
+    fn needs(_: &States) -> Result<(), &'static str> {
+        Ok(())
+    }
+}
+
+impl<F, Fut, J, S> JobFn<J, (State<S>,)> for F
+where
+    F: Fn(JobContext, J, State<S>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), JobError>> + Send + 'static,
+    S: Clone + Send + Sync + 'static,
+{
+    fn run(&self, ctx: JobContext, job: J, states: &States) -> BoxFuture<'static, Result<(), JobError>> {
+        match states.get::<S>() {
+            Some(s) => Box::pin(self(ctx, job, State(s))),
+            None => Box::pin(async {
+                Err(JobError::permanent(format!("no state of type {}", std::any::type_name::<S>())))
+            }),
+        }
+    }
+    fn needs(states: &States) -> Result<(), &'static str> {
+        states.get::<S>().map(drop).ok_or(std::any::type_name::<S>())
+    }
+}
+
+struct TypedHandler<J, F, Args> {
+    f: F,
+    states: States,
+    _marker: std::marker::PhantomData<fn(J, Args)>,
+}
+
+impl<J: Job, F: JobFn<J, Args>, Args: 'static> Handler for TypedHandler<J, F, Args> {
+    fn call<'a>(
+        &'a self,
+        ctx: JobContext,
+        payload: serde_json::Value,
+    ) -> BoxFuture<'a, Result<(), JobError>> {
+        match decode::<J>(payload) {
+            Ok(job) => self.f.run(ctx, job, &self.states),
+            Err(e) => Box::pin(async { Err(e) }),
+        }
+    }
+}
+
+/// Job name → handler, the options of jobs defined in Rust, and the shared states.
 #[derive(Clone, Default)]
 pub struct Registry {
     handlers: HashMap<String, Arc<dyn Handler>>,
+    options: HashMap<String, JobOptions>,
+    states: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
+    /// Problems found while registering, reported when the worker is built.
+    errors: Vec<String>,
 }
 
 impl Registry {
+    /// An empty registry.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Registers `handler` for `job` (replacing an earlier one).
-    pub fn register(&mut self, job: impl Into<String>, handler: Arc<dyn Handler>) -> &mut Self {
-        self.handlers.insert(job.into(), handler);
+    /// Registers `state` for handlers that take `State<S>` (register it before them).
+    pub fn state<S: Clone + Send + Sync + 'static>(&mut self, state: S) -> &mut Self {
+        self.states.insert(TypeId::of::<S>(), Arc::new(state));
         self
     }
 
-    pub fn get(&self, job: &str) -> Option<Arc<dyn Handler>> {
-        self.handlers.get(job).cloned()
+    /// Registers `f` for job type `J`, under `J::NAME` with `J::options()` (a `[[jobs]]` entry
+    /// of the same name overrides them):
+    ///
+    /// ```
+    /// # use chime_worker::{JobContext, JobError, Registry, State};
+    /// # use chime_shared::job::Job;
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct SendWelcome { user_id: u64 }
+    /// impl Job for SendWelcome { const NAME: &'static str = "send_welcome"; }
+    ///
+    /// #[derive(Clone)]
+    /// struct Mailer;
+    ///
+    /// async fn send_welcome(ctx: JobContext, job: SendWelcome, State(mailer): State<Mailer>) -> Result<(), JobError> {
+    ///     let _ = (ctx.key(), job.user_id, mailer);
+    ///     Ok(())
+    /// }
+    ///
+    /// let mut registry = Registry::new();
+    /// registry.state(Mailer).job(send_welcome);
+    /// ```
+    pub fn job<J: Job, Args: 'static>(&mut self, f: impl JobFn<J, Args>) -> &mut Self {
+        fn check<J: Job, Args, F: JobFn<J, Args>>(_: &F, states: &States) -> Result<(), &'static str> {
+            F::needs(states)
+        }
+        let states = States(Arc::new(self.states.clone()));
+        if let Err(missing) = check(&f, &states) {
+            self.errors.push(format!(
+                "job {:?} takes State<{missing}>, which was not registered before it (Registry::state)",
+                J::NAME
+            ));
+        }
+        let handler = TypedHandler::<J, _, Args> { f, states, _marker: std::marker::PhantomData };
+        self.handlers.insert(J::NAME.to_string(), Arc::new(handler));
+        self.options.insert(J::NAME.to_string(), J::options());
+        self
     }
 
-    pub fn contains(&self, job: &str) -> bool {
-        self.handlers.contains_key(job)
+    /// Registers `handler` for the job (or `[[jobs]] handler = "…"` name) `name`, replacing an
+    /// earlier one.
+    pub fn register(&mut self, name: impl Into<String>, handler: Arc<dyn Handler>) -> &mut Self {
+        self.handlers.insert(name.into(), handler);
+        self
     }
 
-    /// Registered job names and their handlers.
+    /// The handler registered under `name`.
+    pub fn get(&self, name: &str) -> Option<Arc<dyn Handler>> {
+        self.handlers.get(name).cloned()
+    }
+
+    /// Whether a handler is registered under `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.handlers.contains_key(name)
+    }
+
+    /// Registered names and their handlers.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Arc<dyn Handler>)> {
         self.handlers.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// The options of a job registered with [`Registry::job`].
+    pub fn options(&self, name: &str) -> Option<&JobOptions> {
+        self.options.get(name)
+    }
+
+    /// The queues of the jobs registered with [`Registry::job`].
+    pub fn job_queues(&self) -> impl Iterator<Item = &str> {
+        self.options.values().map(JobOptions::queue_name)
+    }
+
+    pub(crate) fn errors(&self) -> &[String] {
+        &self.errors
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx() -> JobContext {
+        JobContext {
+            job: "send_welcome".into(),
+            queue: "default".into(),
+            key: Uuid::nil(),
+            id: Uuid::nil(),
+            attempt: 2,
+            max_attempts: 5,
+            slot: None,
+            fence: 7,
+            timeout: Duration::from_secs(1),
+            cancel: CancellationToken::new(),
+        }
+    }
+
+    #[derive(Debug, serde::Serialize, serde::Deserialize)]
+    struct SendWelcome {
+        user_id: u64,
+    }
+    impl Job for SendWelcome {
+        const NAME: &'static str = "send_welcome";
+        fn options() -> JobOptions {
+            JobOptions::default().queue("mail").max_attempts(9)
+        }
+    }
+
+    #[derive(Debug)]
+    struct Outer(std::io::Error);
+    impl fmt::Display for Outer {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("sending the welcome mail")
+        }
+    }
+    impl std::error::Error for Outer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    fn fails_with_question_mark() -> Result<(), JobError> {
+        Err(Outer(std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "smtp refused")))?;
+        Ok(())
+    }
+
+    #[test]
+    fn errors_convert_with_question_mark_keep_their_causes_and_say_how_to_retry() {
+        let e = fails_with_question_mark().unwrap_err();
+        assert!(!e.is_permanent() && e.retry_delay().is_none(), "`?` is transient");
+        assert_eq!(e.to_string(), "sending the welcome mail: smtp refused", "the chain is kept");
+        let inner = e.error().source().and_then(|s| s.downcast_ref::<std::io::Error>());
+        assert_eq!(inner.map(std::io::Error::kind), Some(std::io::ErrorKind::ConnectionRefused));
+        assert!(JobError::permanent("bad input").is_permanent());
+        let later = JobError::retry_after(Duration::from_secs(30), "429");
+        assert_eq!(later.retry_delay(), Some(Duration::from_secs(30)));
+        assert!(!later.is_permanent());
+    }
+
+    #[tokio::test]
+    async fn typed_jobs_get_their_payload_state_and_options() {
+        #[derive(Clone)]
+        struct Seen(Arc<std::sync::Mutex<Vec<u64>>>);
+        async fn handle(ctx: JobContext, job: SendWelcome, State(seen): State<Seen>) -> Result<(), JobError> {
+            assert_eq!((ctx.attempt(), ctx.fence()), (2, 7));
+            seen.0.lock().map_err(|_| JobError::transient("poisoned"))?.push(job.user_id);
+            Ok(())
+        }
+        let seen = Seen(Arc::default());
+        let mut registry = Registry::new();
+        registry.state(seen.clone()).job(handle);
+        assert!(registry.errors().is_empty());
+        assert_eq!(registry.options("send_welcome").map(JobOptions::queue_name), Some("mail"));
+        assert_eq!(registry.job_queues().collect::<Vec<_>>(), ["mail"]);
+        let h = registry.get("send_welcome").unwrap();
+        h.call(ctx(), serde_json::json!({"user_id": 42})).await.unwrap();
+        assert_eq!(*seen.0.lock().unwrap(), [42]);
+        // A payload of another shape cannot succeed on a retry: permanent.
+        let e = h.call(ctx(), serde_json::json!({"user": "x"})).await.unwrap_err();
+        assert!(e.is_permanent() && e.to_string().contains("payload does not match"), "{e}");
+    }
+
+    #[test]
+    fn a_state_registered_after_its_handler_is_an_error_naming_the_type() {
+        #[derive(Clone)]
+        struct Pool;
+        async fn handle(_: JobContext, _: SendWelcome, _: State<Pool>) -> Result<(), JobError> {
+            Ok(())
+        }
+        let mut registry = Registry::new();
+        registry.job(handle).state(Pool);
+        let errors = registry.errors();
+        assert_eq!(errors.len(), 1);
+        assert!(errors[0].contains("send_welcome") && errors[0].contains("Pool"), "{errors:?}");
     }
 }

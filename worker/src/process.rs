@@ -8,6 +8,7 @@
 //! `worker.cancel_grace` to stop on its own (a result it returns in that time stands), and only
 //! then is its future dropped (an `exec` child's process group is killed on drop).
 
+use backon::Retryable;
 use chime_shared::envelope::{Envelope, header_str, put_header};
 use chime_shared::idempotency::{Claim, DeadInfo, Final, Recorded, Renewal};
 use chime_shared::telemetry::{self, outcome};
@@ -155,9 +156,9 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     let run_started = Instant::now();
     let end = run(core, store, &spec, &env, &key, &owner, &fence).await;
     metrics.duration.record(run_started.elapsed().as_secs_f64());
-    if let RunEnd::Failed(failure, error) = &end {
+    if let RunEnd::Failed(_, error) | RunEnd::RetryAfter(_, error) = &end {
         let error = chime_shared::config::redact_text(error);
-        warn!(?failure, error = %chime_shared::config::escape_control(&error), "job failed");
+        warn!(error = %chime_shared::config::escape_control(&error), "job failed");
     }
     let plan = decision::on_run(end, env.attempt, env.max_attempts, &spec.backoff, env.key);
     let held = Held { key, owner, fence: fence.load(Ordering::Relaxed) };
@@ -223,7 +224,7 @@ async fn run<S: KeyStore>(
         // Stopped cleanly with a result: success stands; an error after a timeout is a timeout.
         (_, Some(RunEnd::Succeeded)) => RunEnd::Succeeded,
         (Stop::Timeout, Some(RunEnd::Failed(Failure::Permanent, e))) => RunEnd::Failed(Failure::Permanent, e),
-        (Stop::Timeout, Some(RunEnd::Failed(_, e))) => {
+        (Stop::Timeout, Some(RunEnd::Failed(_, e) | RunEnd::RetryAfter(_, e))) => {
             RunEnd::Failed(Failure::Timeout, format!("timeout after {:?}: {e}", spec.timeout))
         }
         (Stop::Timeout, _) => RunEnd::Failed(
@@ -239,8 +240,11 @@ type Joined = Result<Result<(), JobError>, Box<dyn std::any::Any + Send>>;
 fn ended(joined: Joined) -> RunEnd {
     match joined {
         Ok(Ok(())) => RunEnd::Succeeded,
-        Ok(Err(JobError::Permanent(m))) => RunEnd::Failed(Failure::Permanent, m),
-        Ok(Err(JobError::Transient(m))) => RunEnd::Failed(Failure::Transient, m),
+        Ok(Err(e)) if e.is_permanent() => RunEnd::Failed(Failure::Permanent, e.to_string()),
+        Ok(Err(e)) => match e.retry_delay() {
+            Some(delay) => RunEnd::RetryAfter(delay, e.to_string()),
+            None => RunEnd::Failed(Failure::Transient, e.to_string()),
+        },
         Err(panic) => RunEnd::Failed(Failure::Panic, format!("panic: {}", panic_message(panic))),
     }
 }
@@ -443,53 +447,72 @@ fn dead_letter_properties(core: &Core, incoming: &Incoming, dead: &DeadInfo) -> 
 /// Records `done`, retrying across a Redis outage until it is written or the drain deadline
 /// passes (`false`): a delivery is never acked with its key left in `run`.
 async fn record_until_done<S: KeyStore>(core: &Core, store: &S, h: &Held) -> bool {
-    let mut wait = Duration::from_millis(100);
-    loop {
-        match store.finish(&h.key, &h.owner, h.fence, Final::Done).await {
-            Ok(Recorded::NotOurs) => {
-                warn!("key taken over by another owner before `done` was recorded; that owner settles it");
-                return true;
+    let policy = backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(5))
+        .without_max_times();
+    // Every attempt runs to its answer (at a hard stop too: Redis may well be fine); only the
+    // wait between attempts is cut short, and a hard stop ends the retries.
+    let stop = core.hard_stop.clone();
+    let recorded = (|| store.finish(&h.key, &h.owner, h.fence, Final::Done))
+        .retry(policy)
+        .sleep(move |wait| {
+            let stop = stop.clone();
+            async move {
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = stop.cancelled() => {}
+                }
             }
-            Ok(Recorded::Yes | Recorded::Recreated) => return true,
-            Err(e) if e.is_bad_record() => {
-                error!(error = %e, "`done` cannot be recorded over an unreadable record; acking (the job ran)");
-                return true;
-            }
-            Err(e) => {
-                warn!(error = %e, retry_in = ?wait, "cannot record `done` yet; the delivery stays unacked");
-                core.redis_failed();
-            }
+        })
+        .when(|e| !e.is_bad_record() && !core.hard_stop.is_cancelled())
+        .notify(|e, wait| {
+            warn!(error = %e, retry_in = ?wait, "cannot record `done` yet; the delivery stays unacked");
+            core.redis_failed();
+        })
+        .await;
+    match recorded {
+        Ok(Recorded::NotOurs) => {
+            warn!("key taken over by another owner before `done` was recorded; that owner settles it");
+            true
         }
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            _ = core.hard_stop.cancelled() => return false,
+        Ok(Recorded::Yes | Recorded::Recreated) => true,
+        Err(e) if e.is_bad_record() => {
+            error!(error = %e, "`done` cannot be recorded over an unreadable record; acking (the job ran)");
+            true
         }
-        wait = (wait * 2).min(Duration::from_secs(5));
+        // The drain deadline passed with `done` unrecorded: the delivery goes back unacked.
+        Err(_) => false,
     }
 }
 
-/// A record whose outcome is already durable elsewhere: a few tries, then logged.
-async fn best_effort<T, F, Fut>(core: &Core, what: &str, mut f: F) -> Option<T>
+/// A record whose outcome is already durable elsewhere: three tries, then logged.
+async fn best_effort<T, F, Fut>(core: &Core, what: &str, f: F) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, chime_shared::idempotency::IdemError>>,
 {
-    for attempt in 0..3u32 {
-        match f().await {
-            Ok(v) => return Some(v),
-            Err(e) if e.is_bad_record() => {
-                error!(error = %e, "cannot {what} over an unreadable record");
-                return None;
-            }
-            Err(e) => {
-                warn!(error = %e, attempt, "cannot {what} in redis yet");
-                core.redis_failed();
-                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
-            }
+    let policy =
+        backon::ExponentialBuilder::default().with_min_delay(Duration::from_millis(100)).with_max_times(2);
+    let result = f
+        .retry(policy)
+        .when(|e| !e.is_bad_record())
+        .notify(|e, _| {
+            warn!(error = %e, "cannot {what} in redis yet");
+            core.redis_failed();
+        })
+        .await;
+    match result {
+        Ok(v) => Some(v),
+        Err(e) if e.is_bad_record() => {
+            error!(error = %e, "cannot {what} over an unreadable record");
+            None
+        }
+        Err(e) => {
+            error!(error = %e, "could not {what} in redis; the outcome itself is durable in the broker");
+            None
         }
     }
-    error!("could not {what} in redis; the outcome itself is durable in the broker");
-    None
 }
 
 #[cfg(test)]

@@ -11,9 +11,13 @@ use uuid::Uuid;
 /// How a run failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Failure {
+    /// The handler returned a transient error.
     Transient,
+    /// The handler ran past its timeout.
     Timeout,
+    /// The handler panicked.
     Panic,
+    /// The handler returned a permanent error.
     Permanent,
 }
 
@@ -39,6 +43,7 @@ pub enum DeadReason {
 }
 
 impl DeadReason {
+    /// The `x-chime-reason` spelling.
     pub fn as_str(self) -> &'static str {
         match self {
             DeadReason::Exhausted => "exhausted",
@@ -53,9 +58,12 @@ impl DeadReason {
     }
 }
 
+/// What happens to a failed attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
+    /// Publish the next attempt after this delay.
     Retry(Duration),
+    /// Dead-letter with this reason.
     Dead(DeadReason),
 }
 

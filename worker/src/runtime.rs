@@ -3,7 +3,7 @@
 //!
 //! Lifecycle: connect (URLs in turn, backoff) → declare → consume every queue on its own
 //! channel with a prefetch → for each delivery take a concurrency permit and spawn
-//! [`process::handle`]. While Redis is unreachable, consumers are cancelled (intake stops)
+//! `process::handle`. While Redis is unreachable, consumers are cancelled (intake stops)
 //! and `/readyz` fails; they resume when Redis answers. A lost connection is rebuilt.
 //! On shutdown: cancel consumers, requeue what was prefetched, drain in-flight jobs up to
 //! `worker.shutdown_timeout`, then stop what is left (requeued, claim released) and close.
@@ -32,12 +32,16 @@ pub use crate::state::Stats;
 use crate::state::{Core, resolve_jobs};
 use crate::store::BrokerOutbox;
 
+/// Why a worker could not be built or stopped running.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
+    /// The config (or the registry against it) is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The broker refused the topology.
     #[error(transparent)]
     Topology(#[from] TopologyError),
+    /// Redis could not be set up.
     #[error("redis: {0}")]
     Redis(#[from] chime_shared::idempotency::IdemError),
 }
@@ -71,6 +75,7 @@ pub struct WorkerBuilder {
 }
 
 impl WorkerBuilder {
+    /// A builder with no Rust handlers; built-in handlers come from the config.
     pub fn new(config: Config) -> Self {
         Self {
             config,
@@ -86,14 +91,17 @@ impl WorkerBuilder {
         self.registry = registry;
         self
     }
+    /// Logical queues to consume (default: every queue of the config's and registry's jobs).
     pub fn queues(mut self, queues: Vec<String>) -> Self {
         self.queues = Some(queues);
         self
     }
+    /// Jobs run at once (default `worker.concurrency`).
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = Some(n);
         self
     }
+    /// Owner id written into claims (default `worker.id`, else host and pid).
     pub fn worker_id(mut self, id: impl Into<String>) -> Self {
         self.worker_id = Some(id.into());
         self
@@ -108,7 +116,16 @@ impl WorkerBuilder {
     /// worker does not have is a config error naming the job.
     pub fn build(self) -> Result<Worker, WorkerError> {
         let config = Arc::new(self.config);
-        let queues = self.queues.unwrap_or_else(|| config.worker_queues());
+        // By default: the config's queues, plus those of jobs defined in Rust.
+        let queues = self.queues.unwrap_or_else(|| {
+            let mut q = config.worker_queues();
+            if config.worker.queues.is_empty() {
+                q.extend(self.registry.job_queues().map(str::to_string));
+                q.sort();
+                q.dedup();
+            }
+            q
+        });
         let concurrency = self.concurrency.unwrap_or(config.worker.concurrency);
         if concurrency == 0 {
             return Err(ConfigError::Invalid {
@@ -128,7 +145,7 @@ impl WorkerBuilder {
         }
         let jobs = resolve_jobs(&config, &self.registry, &queues)?;
         let store = IdemStore::connect(&config.redis, chime_shared::topology::Names::new(&config.prefix))?;
-        let worker_id = self.worker_id.unwrap_or_else(default_worker_id);
+        let worker_id = self.worker_id.unwrap_or_else(chime_shared::names::process_name);
         let prefetch =
             config.worker.prefetch.unwrap_or_else(|| u16::try_from(concurrency).unwrap_or(u16::MAX));
         let health = self.health.unwrap_or_default();
@@ -141,11 +158,6 @@ impl WorkerBuilder {
     }
 }
 
-fn default_worker_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "host".into());
-    format!("{}:{}", host.trim(), std::process::id())
-}
-
 /// Why a session ended.
 enum SessionEnd {
     Shutdown,
@@ -153,10 +165,12 @@ enum SessionEnd {
 }
 
 impl Worker {
+    /// Same as [`WorkerBuilder::new`].
     pub fn builder(config: Config) -> WorkerBuilder {
         WorkerBuilder::new(config)
     }
 
+    /// Readiness checks (`amqp`, `redis`), for a health endpoint.
     pub fn health(&self) -> Health {
         self.health.clone()
     }
@@ -172,6 +186,7 @@ impl Worker {
         Reloader { core: self.core.clone(), queues: self.queues.clone() }
     }
 
+    /// The logical queues this worker consumes.
     pub fn queues(&self) -> &[String] {
         &self.queues
     }

@@ -66,9 +66,13 @@ impl JobMetrics {
 /// Settled deliveries of this worker, by outcome (for tests, `status` and benchmarks).
 #[derive(Debug, Default)]
 pub struct Stats {
+    /// Handler succeeded and `done` was recorded.
     pub succeeded: AtomicU64,
+    /// Acked without running (the key was done or dead).
     pub duplicates: AtomicU64,
+    /// Dead letters confirmed by the broker.
     pub dead_lettered: AtomicU64,
+    /// Deliveries given back to the broker unacked (shutdown, Redis unreachable).
     pub requeued: AtomicU64,
     /// Runs whose key another owner took over (that owner settles its own copy).
     pub lost_lease: AtomicU64,
@@ -83,6 +87,7 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// Reads one counter.
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Ordering::Relaxed)
     }
@@ -102,12 +107,18 @@ pub(crate) fn resolve_jobs(
     registry: &Registry,
     queues: &[String],
 ) -> Result<Jobs, ConfigError> {
+    if let Some(e) = registry.errors().first() {
+        return Err(ConfigError::Invalid { key: "registry".into(), message: e.clone() });
+    }
     let mut jobs = Jobs::new();
     for (i, job) in config.jobs.iter().enumerate() {
-        let handler = builtin::for_job(job, &config.worker).or_else(|| registry.get(&job.handler));
+        let handler = builtin::for_job(job, &config.worker).or_else(|| registry.get(job.handler.name()));
         match handler {
             Some(handler) => {
-                let timeout = job.timeout.unwrap_or(config.worker.default_timeout);
+                // A `[[jobs]]` entry overrides the options a typed job declares in Rust.
+                let options =
+                    registry.options(&job.name).cloned().unwrap_or_default().overridden_by(Some(job));
+                let timeout = options.timeout.unwrap_or(config.worker.default_timeout);
                 let limit = config.amqp.consumer_timeout.saturating_sub(Duration::from_secs(60));
                 if timeout >= limit {
                     warn!(job = %job.name, ?timeout, consumer_timeout = ?config.amqp.consumer_timeout,
@@ -115,7 +126,7 @@ pub(crate) fn resolve_jobs(
                          interval): a run that long makes the broker close the channel and requeue every \
                          unacked delivery on it; raise consumer_timeout on the broker and amqp.consumer_timeout");
                 }
-                let backoff = job.backoff.clone().unwrap_or_default();
+                let backoff = options.backoff.clone().unwrap_or_default();
                 jobs.insert(
                     job.name.clone(),
                     Arc::new(JobSpec::new(handler, timeout, backoff, job.deadline)),
@@ -126,7 +137,7 @@ pub(crate) fn resolve_jobs(
                     key: format!("jobs[{i}] ({}).handler", job.name),
                     message: format!(
                         "{:?} is neither a built-in handler ({}) nor registered in this worker",
-                        job.handler,
+                        job.handler.name(),
                         builtin::BUILTINS.join(", ")
                     ),
                 });
@@ -134,11 +145,14 @@ pub(crate) fn resolve_jobs(
             None => {}
         }
     }
+    // Handlers registered in Rust without a `[[jobs]]` entry: their own options (typed jobs)
+    // or the defaults.
     for (name, handler) in registry.iter() {
         if !jobs.contains_key(name) {
-            let spec =
-                JobSpec::new(handler.clone(), config.worker.default_timeout, BackoffConfig::default(), None);
-            jobs.insert(name.to_string(), Arc::new(spec));
+            let options = registry.options(name).cloned().unwrap_or_default();
+            let timeout = options.timeout.unwrap_or(config.worker.default_timeout);
+            let backoff = options.backoff.clone().unwrap_or_default();
+            jobs.insert(name.to_string(), Arc::new(JobSpec::new(handler.clone(), timeout, backoff, None)));
         }
     }
     Ok(jobs)
@@ -203,5 +217,46 @@ impl Core {
     /// Called on any Redis error: pauses intake until the monitor sees Redis again.
     pub fn redis_failed(&self) {
         self.redis_ok.send_replace(false);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handler::{JobContext, JobError};
+    use chime_shared::job::{Job, JobOptions};
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Reindex;
+    impl Job for Reindex {
+        const NAME: &'static str = "reindex";
+        fn options() -> JobOptions {
+            let backoff = BackoffConfig { initial: Duration::from_secs(2), ..BackoffConfig::default() };
+            JobOptions::default().queue("search").timeout(Duration::from_secs(30)).backoff(backoff)
+        }
+    }
+    async fn reindex(_: JobContext, _: Reindex) -> Result<(), JobError> {
+        Ok(())
+    }
+
+    fn spec(config: &str) -> Arc<JobSpec> {
+        let config = Config::from_toml_str(config).unwrap();
+        let mut registry = Registry::new();
+        registry.job(reindex);
+        let jobs = resolve_jobs(&config, &registry, &["search".to_string()]).unwrap();
+        jobs.get("reindex").cloned().unwrap()
+    }
+
+    #[test]
+    fn typed_options_apply_without_an_entry_and_an_entry_overrides_only_what_it_sets() {
+        let own = spec("");
+        assert_eq!((own.timeout, own.backoff.initial), (Duration::from_secs(30), Duration::from_secs(2)));
+        let tuned = spec("[[jobs]]\nname = 'reindex'\nhandler = 'reindex'\ntimeout = '5s'\n");
+        assert_eq!(tuned.timeout, Duration::from_secs(5), "the entry's timeout wins");
+        assert_eq!(
+            tuned.backoff.initial,
+            Duration::from_secs(2),
+            "the backoff it does not set stays the type's"
+        );
     }
 }

@@ -14,7 +14,7 @@ use uuid::Uuid;
 /// The only envelope version this release reads and writes.
 pub const VERSION: u32 = 1;
 
-/// Namespace of chime's UUIDv5 keys: UUIDv5(URL namespace, "https://chime.dev/ns/idempotency").
+/// Namespace of chime's UUIDv5 keys: UUIDv5(URL namespace, `"https://chime.dev/ns/idempotency"`).
 /// Changing it changes every key: never do.
 pub const NAMESPACE: Uuid = Uuid::from_u128(0x7f5a_2425_8181_5667_9a90_8823_4fab_d9fe);
 
@@ -22,12 +22,16 @@ pub const NAMESPACE: Uuid = Uuid::from_u128(0x7f5a_2425_8181_5667_9a90_8823_4fab
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Source {
+    /// Published by the ticker for a due slot.
     Schedule,
+    /// Published by `chime enqueue` or the producer library.
     Adhoc,
+    /// Published again from a dead-letter queue by `chime dlq replay`.
     Replay,
 }
 
 impl Source {
+    /// The wire spelling (`schedule`, `adhoc`, `replay`), also used as a metric label.
     pub fn as_str(self) -> &'static str {
         match self {
             Source::Schedule => "schedule",
@@ -42,22 +46,30 @@ impl Source {
 /// for breaking changes), so a retry published by an older worker still carries them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Envelope {
+    /// Wire-format version ([`VERSION`]).
     pub v: u32,
     /// UUIDv7 of this message instance.
     pub id: Uuid,
     /// Idempotency key.
     pub key: Uuid,
+    /// Job name; selects the handler.
     pub job: String,
+    /// Logical queue (without prefix) the message was published to.
     pub queue: String,
+    /// Job arguments, any JSON value.
     pub payload: serde_json::Value,
     /// Scheduled instant (UTC) of a scheduled run; `null` for ad-hoc runs.
     #[serde(deserialize_with = "required_nullable")]
     pub slot: Option<DateTime<Utc>>,
+    /// When the first attempt was published.
     pub enqueued_at: DateTime<Utc>,
     /// Starts at 1; carried by chime.
     pub attempt: u32,
+    /// Attempts allowed in total, first run included (at most [`MAX_ATTEMPTS`]).
     pub max_attempts: u32,
+    /// Who published the message.
     pub source: Source,
+    /// W3C trace id propagated to the handler, if the producer set one.
     #[serde(deserialize_with = "required_nullable")]
     pub trace_id: Option<String>,
     /// Fields of newer releases, passed through unchanged.
@@ -85,12 +97,25 @@ pub enum DecodeError {
     /// since the reason is logged and sent along in `x-chime-error`.
     #[error("body is not a chime envelope: {}", crate::config::escape_control(&.0.to_string()))]
     Json(#[from] serde_json::Error),
+    /// `v` is not the version this release reads.
     #[error("unsupported envelope version {0} (this release reads v{VERSION})")]
     Version(u32),
     #[error("attempt {attempt} is outside 1..=max_attempts ({max}), or max_attempts is above {MAX_ATTEMPTS}")]
-    Attempt { attempt: u32, max: u32 },
+    /// `attempt` is 0 or above `max_attempts`, or `max_attempts` is above [`MAX_ATTEMPTS`].
+    Attempt {
+        /// The envelope's attempt.
+        attempt: u32,
+        /// The envelope's max_attempts.
+        max: u32,
+    },
     #[error("{field} {value:?} is not a valid name (1-100 letters, digits, '-', '_' or '.')")]
-    Name { field: &'static str, value: String },
+    /// The job or queue name is empty, too long or has characters outside the name alphabet.
+    Name {
+        /// `job` or `queue`.
+        field: &'static str,
+        /// The offending value.
+        value: String,
+    },
 }
 
 /// Key of a scheduled run: UUIDv5(ns, "{job}@{slot as RFC 3339 UTC, seconds}").
@@ -137,11 +162,13 @@ impl Envelope {
         }
     }
 
+    /// The JSON body.
     pub fn encode(&self) -> Vec<u8> {
         // Serialising this struct cannot fail: every field is a plain JSON value.
         serde_json::to_vec(self).unwrap_or_default()
     }
 
+    /// Parses and validates a body: version, attempt range and names.
     pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
         let env: Envelope = serde_json::from_slice(body)?;
         if env.v != VERSION {

@@ -48,10 +48,18 @@ pub struct Schedule {
     expr: String,
 }
 
+/// Why a schedule is rejected.
 #[derive(Debug, thiserror::Error)]
 pub enum ScheduleError {
+    /// Not a 5- or 6-field cron expression chime accepts.
     #[error("invalid cron expression {expr:?}: {message}")]
-    Cron { expr: String, message: String },
+    Cron {
+        /// The expression as written.
+        expr: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The `timezone` field.
     #[error("{0:?} is not an IANA time zone")]
     Zone(String),
 }
@@ -114,14 +122,17 @@ impl Schedule {
         job.schedule.as_deref().map(|s| Self::parse(s, job.timezone.as_deref())).transpose()
     }
 
+    /// The zone slots are computed in.
     pub fn zone(&self) -> Tz {
         self.tz
     }
 
+    /// The expression as written.
     pub fn expr(&self) -> &str {
         &self.expr
     }
 
+    /// How the expression behaves across DST transitions.
     pub fn kind(&self) -> Kind {
         self.kind
     }

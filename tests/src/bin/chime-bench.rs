@@ -1,9 +1,11 @@
 //! chime-bench: throughput and latency of chime against a raw lapin + redis baseline measured
 //! in the same run, on the same broker and Redis. Prints medians and ratios; asserts nothing.
 //!
-//!     cargo run --release -p chime-tests --bin chime-bench -- [--queue-type quorum|classic]
-//!         [--runs 3] [--seconds 10] [--only SCENARIO,…] [--workers 1,2,4]
-//!         [--latency-rates 1000,2000]
+//! ```text
+//! cargo run --release -p chime-tests --bin chime-bench -- [--queue-type quorum|classic]
+//!     [--runs 3] [--seconds 10] [--only SCENARIO,…] [--workers 1,2,4]
+//!     [--latency-rates 1000,2000]
+//! ```
 //!
 //! Scenarios: publish (raw vs EnqueueClient), consume (raw per-message ack + chime's 2 scripts,
 //! or 2 plain SETs, vs 1/2/4 chime-worker processes), latency (enqueue → handler start at
@@ -12,11 +14,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chime_producer::EnqueueClient;
-use chime_producer::enqueue::Prepared;
+use chime_producer::Prepared;
 use chime_shared::config::{Config, JobConfig};
 use chime_shared::envelope::{self, Envelope, Source};
 use chime_tests::*;
 use futures_util::StreamExt;
+use hdrhistogram::Histogram;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions, QueuePurgeOptions,
 };
@@ -28,47 +31,27 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+/// Throughput and latency of chime against raw lapin + redis (see the file header).
+#[derive(clap::Parser)]
 struct Opts {
+    /// Queue type of the work queues.
+    #[arg(long, default_value = "quorum", value_parser = ["quorum", "classic"])]
     queue_type: String,
+    /// Runs per figure (the median is reported).
+    #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Length of each measured run.
+    #[arg(long, default_value_t = 10)]
     seconds: u64,
+    /// Scenarios to run (default: all but the opt-in ones).
+    #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
+    /// Worker process counts of the consume scenario.
+    #[arg(long = "workers", value_delimiter = ',', default_value = "1,2,4")]
     procs: Vec<usize>,
+    /// Steady enqueue rates of the latency scenario.
+    #[arg(long = "latency-rates", value_delimiter = ',', default_value = "1000,2000")]
     rates: Vec<u64>,
-}
-
-fn opts() -> Opts {
-    let mut o = Opts {
-        queue_type: "quorum".into(),
-        runs: 3,
-        seconds: 10,
-        only: None,
-        procs: vec![1, 2, 4],
-        rates: vec![1000, 2000],
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--queue-type" => o.queue_type = args.next().expect("--queue-type quorum|classic"),
-            "--runs" => o.runs = args.next().and_then(|v| v.parse().ok()).expect("--runs N"),
-            "--seconds" => o.seconds = args.next().and_then(|v| v.parse().ok()).expect("--seconds N"),
-            "--workers" => o.procs = numbers(args.next(), "--workers 1,2,4"),
-            "--latency-rates" => o.rates = numbers(args.next(), "--latency-rates 1000,2000"),
-            "--only" => {
-                o.only = Some(args.next().expect("--only a,b").split(',').map(str::to_string).collect())
-            }
-            other => panic!("unknown argument {other}; see the file header for usage"),
-        }
-    }
-    o
-}
-
-/// A comma-separated list of numbers, or a panic showing `usage`.
-fn numbers<T: std::str::FromStr>(arg: Option<String>, usage: &str) -> Vec<T> {
-    let arg = arg.unwrap_or_else(|| panic!("usage: {usage}"));
-    arg.split(',')
-        .map(|v| v.parse().unwrap_or_else(|_| panic!("{v:?} is not a number; usage: {usage}")))
-        .collect()
 }
 
 fn progress(what: &str) {
@@ -81,9 +64,14 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[((v.len() as f64 - 1.0) * p).round() as usize]
+/// Latencies in µs (1 µs to 1 h, 3 significant digits).
+fn latencies() -> Arc<std::sync::Mutex<Histogram<u64>>> {
+    Arc::new(std::sync::Mutex::new(Histogram::new_with_bounds(1, 3_600_000_000, 3).unwrap()))
+}
+
+/// The `q` quantile of a latency histogram, in ms.
+fn quantile_ms(h: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / 1000.0
 }
 
 fn rss_kb(pid: u32) -> u64 {
@@ -174,6 +162,7 @@ fn envelopes(n: usize, same_keys: bool) -> Vec<Prepared> {
                 ),
                 delay: Duration::ZERO,
                 unverified_queue: None,
+                declare_queue: None,
             }
         })
         .collect()
@@ -497,7 +486,7 @@ fn lat_envelope() -> Envelope {
 /// its own confirm. Returns (jobs per second including the tail, p50 ms, p99 ms) of
 /// enqueue → handler start.
 async fn latency(config: &Config, rate: u64, secs: u64) -> (f64, f64, f64) {
-    let lat = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
+    let lat = latencies();
     let l = lat.clone();
     let mut reg = chime_worker::Registry::new();
     reg.register(
@@ -505,7 +494,7 @@ async fn latency(config: &Config, rate: u64, secs: u64) -> (f64, f64, f64) {
         chime_worker::raw_handler_fn(move |_, p: serde_json::Value| {
             let sent = p["t"].as_f64().unwrap();
             let now = chrono::Utc::now().timestamp_micros() as f64 / 1e6;
-            l.lock().unwrap().push((now - sent) * 1000.0);
+            l.lock().unwrap().saturating_record(((now - sent) * 1e6).max(1.0) as u64);
             async { Ok(()) }
         }),
     );
@@ -513,7 +502,7 @@ async fn latency(config: &Config, rate: u64, secs: u64) -> (f64, f64, f64) {
     let mut cfg = config.clone();
     cfg.jobs.push(cfg.jobs[0].clone());
     cfg.jobs.last_mut().unwrap().name = "lat".into();
-    cfg.jobs.last_mut().unwrap().handler = "lat".into();
+    cfg.jobs.last_mut().unwrap().handler = chime_shared::config::HandlerConfig::Registered("lat".into());
     let worker = chime_worker::Worker::builder(cfg.clone())
         .registry(reg)
         .concurrency(32)
@@ -542,14 +531,14 @@ async fn latency(config: &Config, rate: u64, secs: u64) -> (f64, f64, f64) {
     let l2 = lat.clone();
     wait_until("latency jobs done", Duration::from_secs(120), || {
         let l2 = l2.clone();
-        async move { l2.lock().unwrap().len() as u64 >= total }
+        async move { l2.lock().unwrap().len() >= total }
     })
     .await;
     let achieved = total as f64 / start.elapsed().as_secs_f64();
     token.cancel();
     let _ = h.await;
-    let mut v = lat.lock().unwrap().clone();
-    (achieved, percentile(&mut v, 0.5), percentile(&mut v, 0.99))
+    let h = lat.lock().unwrap();
+    (achieved, quantile_ms(&h, 0.5), quantile_ms(&h, 0.99))
 }
 
 /// 100,000 schedules in an in-process ticker; a raw consumer timestamps each delivery
@@ -592,7 +581,7 @@ async fn ticker(
         )
         .await
         .unwrap();
-    let lags = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
+    let lags = latencies();
     let l = lags.clone();
     let reader = tokio::spawn(async move {
         while let Some(Ok(d)) = consumer.next().await {
@@ -600,7 +589,9 @@ async fn ticker(
             if let Ok(e) = Envelope::decode(&d.data)
                 && let Some(slot) = e.slot
             {
-                l.lock().unwrap().push((now - slot).num_microseconds().unwrap_or(0) as f64 / 1000.0);
+                l.lock()
+                    .unwrap()
+                    .saturating_record((now - slot).num_microseconds().unwrap_or(0).max(1) as u64);
             }
         }
     });
@@ -609,12 +600,9 @@ async fn ticker(
     let rss_before = rss_kb(pid);
     let planning = Instant::now();
     let token = tokio_util::sync::CancellationToken::new();
-    let t = chime_producer::ticker::Ticker::new(
-        rx,
-        format!("bench:{pid}"),
-        chime_shared::health::Health::default(),
-    )
-    .unwrap();
+    let t =
+        chime_cli::ticker::Ticker::new(rx, format!("bench:{pid}"), chime_shared::health::Health::default())
+            .unwrap();
     let run = tokio::spawn(t.run(token.clone()));
     // Measure a steady window after the first slot arrives.
     wait_until("first slot delivered", Duration::from_secs(60), || {
@@ -623,7 +611,7 @@ async fn ticker(
     })
     .await;
     let plan_secs = planning.elapsed().as_secs_f64();
-    lags.lock().unwrap().clear();
+    lags.lock().unwrap().reset();
     let cpu0 = cpu_secs(pid);
     let start = Instant::now();
     let mut rss_peak = 0;
@@ -636,13 +624,13 @@ async fn ticker(
     let _ = run.await;
     drop(tx);
     reader.abort();
-    let mut v = lags.lock().unwrap().clone();
-    let n = v.len();
+    let h = lags.lock().unwrap().clone();
+    let n = h.len() as usize;
     let _ = conn.close(200, "".into()).await;
     (
         n,
-        percentile(&mut v, 0.5),
-        percentile(&mut v, 0.99),
+        quantile_ms(&h, 0.5),
+        quantile_ms(&h, 0.99),
         cpu * 100.0,
         rss_peak.saturating_sub(rss_before),
         plan_secs,
@@ -651,7 +639,7 @@ async fn ticker(
 
 #[tokio::main]
 async fn main() {
-    let o = opts();
+    let o = <Opts as clap::Parser>::parse();
     let want = |s: &str| o.only.as_ref().is_none_or(|v| v.iter().any(|x| x == s));
     let secs = o.seconds;
     let qt = o.queue_type.clone();

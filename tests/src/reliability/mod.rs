@@ -28,7 +28,7 @@ mod windows;
 pub use scenarios::*;
 pub use windows::*;
 
-use chime_producer::dlq::{DlqClient, Filter};
+use chime_cli::dlq::{DlqClient, Filter};
 use chime_producer::{EnqueueClient, EnqueueRequest};
 use chime_shared::config::Config;
 use std::collections::{BTreeMap, HashMap, HashSet};

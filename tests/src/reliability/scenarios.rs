@@ -51,7 +51,7 @@ pub async fn leader_sigkill() -> Outcome {
     let a = s.ticker("a");
     let b = s.ticker("b");
     wait_runs(&s, 3, Duration::from_secs(30)).await;
-    let store = chime_producer::lease::TickerStore::connect(&s.config.redis, &s.config.prefix).unwrap();
+    let store = chime_cli::lease::TickerStore::connect(&s.config.redis, &s.config.prefix).unwrap();
     let leader = store.leader().await.unwrap().unwrap().id;
     let pid: i32 = leader.split(':').nth(1).unwrap().parse().unwrap();
     let victim = if pid == a.pid() { &a } else { &b };
@@ -342,12 +342,12 @@ pub async fn handler_panic() -> Outcome {
         raw_handler_fn(move |ctx: JobContext, _| {
             let (db, ledger) = (db.clone(), ledger.clone());
             async move {
-                if ctx.attempt == 1 {
+                if ctx.attempt() == 1 {
                     panic!("first attempts always panic");
                 }
                 // The same two effect rows as the exec job's (see `Stack::start`).
-                let effect = format!("INSERT INTO effects(key) VALUES ('{}')", ctx.key);
-                let guarded = format!("INSERT INTO guarded(key) VALUES ('{}')", ctx.key);
+                let effect = format!("INSERT INTO effects(key) VALUES ('{}')", ctx.key());
+                let guarded = format!("INSERT INTO guarded(key) VALUES ('{}')", ctx.key());
                 let out = tokio::process::Command::new("psql")
                     .args([
                         "-qAt",
@@ -381,7 +381,7 @@ pub async fn handler_panic() -> Outcome {
                     .map_err(JobError::transient)?;
                 // One write per line: O_APPEND keeps whole writes apart; `writeln!` on a File
                 // issues several, which concurrent handlers interleave.
-                let line = format!("{} {} {what}\n", now_f64(), ctx.key);
+                let line = format!("{} {} {what}\n", now_f64(), ctx.key());
                 f.write_all(line.as_bytes()).map_err(JobError::transient)?;
                 Ok(())
             }

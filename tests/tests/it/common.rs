@@ -66,7 +66,7 @@ pub struct Running {
 impl Running {
     pub async fn start(config: Config, registry: Registry, concurrency: usize) -> Self {
         if std::env::var_os("RUST_LOG").is_some() {
-            chime_shared::telemetry::init_tracing();
+            chime_daemon::telemetry::init_tracing();
         }
         let health = Health::default();
         let worker = Worker::builder(config)

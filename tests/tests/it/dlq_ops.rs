@@ -2,7 +2,7 @@
 
 use axum::Router;
 use axum::routing::post;
-use chime_producer::dlq::{DlqClient, Filter};
+use chime_cli::dlq::{DlqClient, Filter};
 use chime_producer::{EnqueueClient, EnqueueRequest};
 use chime_shared::amqp;
 use chime_shared::envelope::put_header;
@@ -61,7 +61,7 @@ async fn hundred_dead_letters_listed_then_replayed_by_two_operators_at_once() {
             let ok = o.load(Ordering::SeqCst);
             if ok {
                 l.record(p["n"].as_u64().unwrap());
-                a.record(u64::from(ctx.attempt));
+                a.record(u64::from(ctx.attempt()));
             }
             async move { if ok { Ok(()) } else { Err(JobError::permanent("gate closed")) } }
         }),
@@ -168,9 +168,11 @@ async fn purge_by_age_and_by_id() {
     client.close().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dlq_alert_fires_then_resolves_once_each() {
-    let bodies = Arc::new(Mutex::new(Vec::<serde_json::Value>::new()));
+type Bodies = Arc<Mutex<Vec<serde_json::Value>>>;
+
+/// A webhook receiver: the address to post to and the bodies received so far.
+async fn webhook() -> (std::net::SocketAddr, Bodies) {
+    let bodies = Bodies::default();
     let b = bodies.clone();
     let app = Router::new().route(
         "/alerts",
@@ -185,17 +187,28 @@ async fn dlq_alert_fires_then_resolves_once_each() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, bodies)
+}
 
-    let env = TestEnv::new("alerts");
+/// A config whose DLQ alerts (checked every 100 ms) go to a fresh webhook receiver.
+async fn alerting(env: &TestEnv, hold: Duration, threshold: u64) -> (chime_shared::Config, Bodies) {
+    let (addr, bodies) = webhook().await;
     let mut config = env.config("classic", "", "", COUNT_JOB);
     config.alerts.webhook = Some(format!("http://{addr}/alerts"));
     config.alerts.interval = Duration::from_millis(100);
-    config.alerts.for_ = Duration::from_millis(500);
-    config.alerts.dlq_threshold = 2;
+    config.alerts.for_ = hold;
+    config.alerts.dlq_threshold = threshold;
+    (config, bodies)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_alert_fires_then_resolves_once_each() {
+    let env = TestEnv::new("alerts");
+    let (config, bodies) = alerting(&env, Duration::from_millis(500), 2).await;
     let config = Arc::new(config);
     let health = chime_shared::health::Health::default();
     let token = CancellationToken::new();
-    let monitor = tokio::spawn(chime_producer::monitor::run(config.clone(), health.clone(), token.clone()));
+    let monitor = tokio::spawn(chime_cli::monitor::run(config.clone(), health.clone(), token.clone()));
     let h = health.clone();
     wait_until("monitor connected", Duration::from_secs(10), || {
         let h = h.clone();
@@ -307,4 +320,38 @@ async fn an_ambiguous_id_prefix_acts_on_nothing_and_lists_the_matches() {
     let (code, _, _) = chime_cli(&path, &["dlq", "replay", "--key", &key]).await;
     assert_eq!(code, 1, "the key matches nothing any more");
     client.close().await;
+}
+
+/// `chime tick` runs the monitor only while its ticker leads: nothing is sent by a standby,
+/// the alert fires once leading starts, and the monitor stops with the leadership.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn monitor_follows_leadership() {
+    let env = TestEnv::new("alerts-lead");
+    let (config, bodies) = alerting(&env, Duration::from_millis(200), 1).await;
+    let conn = connect_amqp().await;
+    chime_shared::topology::declare(&conn, &config, &["default".into()]).await.unwrap();
+    publish_dead(&env, 1, chrono::Utc::now()).await;
+    let (lead_tx, lead_rx) = tokio::sync::watch::channel(false);
+    let (_config_tx, config_rx) = tokio::sync::watch::channel(Arc::new(config));
+    let token = CancellationToken::new();
+    let monitor = tokio::spawn(chime_cli::monitor::run_while(lead_rx, config_rx, token.clone()));
+    // A standby stays silent: the DLQ is above the threshold for 10 alert holds.
+    let start = std::time::Instant::now();
+    while start.elapsed() < Duration::from_secs(2) {
+        assert!(bodies.lock().unwrap().is_empty(), "a standby sent an alert");
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    lead_tx.send_replace(true);
+    let got = bodies.clone();
+    wait_until("firing notification from the leader", Duration::from_secs(20), || {
+        let got = got.clone();
+        async move { got.lock().unwrap().len() == 1 }
+    })
+    .await;
+    lead_tx.send_replace(false);
+    token.cancel();
+    tokio::time::timeout(Duration::from_secs(10), monitor).await.expect("monitor stops").unwrap();
+    assert_eq!(bodies.lock().unwrap()[0]["status"], "firing");
+    let _ = conn.close(200, "".into()).await;
 }

@@ -1,7 +1,7 @@
 //! Hostile and careless input: one bad message, record, client or command must not stall,
 //! leak or exhaust anything. Each test reproduces a finding of the security pass.
 
-use chime_producer::dlq::{DlqClient, Filter, UNROUTABLE};
+use chime_cli::dlq::{DlqClient, Filter, UNROUTABLE};
 use chime_producer::{EnqueueClient, EnqueueRequest};
 use chime_shared::envelope::{Envelope, Source, adhoc_key};
 use chime_shared::{Config, amqp};

@@ -6,6 +6,7 @@ mod cli;
 mod common;
 mod dead_letters;
 mod dlq_ops;
+mod examples;
 mod hostile;
 mod idempotency;
 mod loss_windows;

@@ -12,7 +12,11 @@ fn example_config_is_valid() {
     let text = std::fs::read_to_string(root().join("examples/chime.toml")).unwrap();
     let c = chime_shared::Config::from_toml_str(&text).unwrap();
     assert!(c.jobs.iter().any(|j| j.schedule.is_some()), "the demo has a schedule");
-    assert!(c.jobs.iter().filter(|j| j.handler == "exec").count() >= 2, "the demo has exec jobs");
+    assert!(
+        c.jobs.iter().filter(|j| matches!(j.handler, chime_shared::config::HandlerConfig::Exec(_))).count()
+            >= 2,
+        "the demo has exec jobs"
+    );
 }
 
 #[test]
@@ -31,10 +35,31 @@ fn docker_compose_is_valid_yaml_with_the_whole_stack() {
     // both binaries the README names.
     assert!(text.contains("./examples/chime.toml:/etc/chime/chime.toml"));
     let dockerfile = std::fs::read_to_string(root().join("Dockerfile")).unwrap();
-    assert!(dockerfile.contains("-p chime-producer -p chime-worker"));
     assert!(
         dockerfile.contains("target/release/chime ") && dockerfile.contains("target/release/chime-worker")
     );
+}
+
+/// The Dockerfile and `scripts/demo` build the packages that hold the `chime` and
+/// `chime-worker` binaries (a package renamed or split must not leave them building a
+/// library that has no binary).
+#[test]
+fn the_image_and_the_demo_build_the_binary_packages() {
+    let manifest = |dir: &str| std::fs::read_to_string(root().join(dir).join("Cargo.toml")).unwrap();
+    for (dir, bin) in [("producer/cli", "chime"), ("worker/cli", "chime-worker")] {
+        assert!(manifest(dir).contains(&format!("[[bin]]\nname = \"{bin}\"")), "{dir} builds {bin}");
+    }
+    for file in ["Dockerfile", "scripts/demo"] {
+        let text = std::fs::read_to_string(root().join(file)).unwrap();
+        let build =
+            text.lines().find(|l| l.contains("cargo build")).unwrap_or_else(|| panic!("{file} builds"));
+        let packages: Vec<&str> = build
+            .split_whitespace()
+            .skip_while(|w| *w != "-p")
+            .filter(|w| *w != "-p" && !w.starts_with('-'))
+            .collect();
+        assert_eq!(packages, ["chime-cli", "chime-worker-cli"], "{file}: {build}");
+    }
 }
 
 #[test]
@@ -59,4 +84,28 @@ fn prometheus_rules_are_valid_yaml_and_use_chime_metrics() {
         assert!(r["alert"].as_str().is_some());
     }
     assert!(text.contains("chime_dlq_messages"));
+}
+
+/// What a library user depends on: no HTTP server, CLI parser, Prometheus exporter, log
+/// subscriber or HTTP client — the binaries own those.
+#[test]
+fn library_crates_compile_only_what_they_use() {
+    const DAEMON_ONLY: [&str; 6] =
+        ["axum", "clap", "metrics-exporter-prometheus", "tracing-subscriber", "reqwest", "hyper"];
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    for package in ["chime-shared", "chime-producer", "chime-worker", "enqueue-service", "invoice-worker"] {
+        let out = std::process::Command::new(&cargo)
+            .current_dir(root())
+            .args(["tree", "--offline", "--locked", "-e", "normal", "--prefix", "none", "-p", package])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "cargo tree -p {package}: {}", String::from_utf8_lossy(&out.stderr));
+        let tree = String::from_utf8_lossy(&out.stdout);
+        let crates: std::collections::BTreeSet<&str> =
+            tree.lines().filter_map(|l| l.split_whitespace().next()).collect();
+        for heavy in DAEMON_ONLY {
+            assert!(!crates.contains(heavy), "{package} pulls {heavy}");
+        }
+        println!("{package}: {} crates", crates.len());
+    }
 }

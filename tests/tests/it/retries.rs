@@ -26,8 +26,8 @@ async fn a_job_failing_twice_then_succeeding_runs_three_times() {
     reg.register(
         "flaky",
         raw_handler_fn(move |ctx: JobContext, _| {
-            a.lock().unwrap().push((ctx.attempt, ctx.fence));
-            async move { if ctx.attempt < 3 { Err(JobError::transient("not yet")) } else { Ok(()) } }
+            a.lock().unwrap().push((ctx.attempt(), ctx.fence()));
+            async move { if ctx.attempt() < 3 { Err(JobError::transient("not yet")) } else { Ok(()) } }
         }),
     );
     let worker = Running::start(config.clone(), reg, 2).await;
@@ -58,7 +58,7 @@ async fn a_job_that_always_fails_runs_max_attempts_times_then_is_dead_lettered()
     reg.register(
         "bad",
         raw_handler_fn(move |ctx: JobContext, _| {
-            r.record(u64::from(ctx.attempt));
+            r.record(u64::from(ctx.attempt()));
             async { Err(JobError::transient("upstream 503")) }
         }),
     );

@@ -1,6 +1,6 @@
 //! `chime tick` as real processes: failover, catch-up policies, split brain, broker restart.
 
-use chime_producer::lease::TickerStore;
+use chime_cli::lease::TickerStore;
 use chime_shared::Config;
 use chime_worker::{JobContext, JobError, Registry, raw_handler_fn};
 use chrono::{DateTime, Utc};
@@ -14,7 +14,7 @@ fn slot_recorder(reg: &mut Registry, name: &str, ledger: &Ledger) {
     reg.register(
         name,
         raw_handler_fn(move |ctx: JobContext, _| {
-            l.record(u64::try_from(ctx.slot.map(|s| s.timestamp()).unwrap_or(0)).unwrap());
+            l.record(u64::try_from(ctx.slot().map(|s| s.timestamp()).unwrap_or(0)).unwrap());
             async { Ok::<_, JobError>(()) }
         }),
     );

@@ -30,6 +30,7 @@ const STDERR_TAIL: usize = 2048;
 
 const GUARD: &str = r#"exec 3<&0; trap 'kill -KILL 0' TERM HUP INT; "$@" <&3 3<&- & wait $!"#;
 
+/// Runs a program per job (`handler = "exec"`), payload on stdin; see the module docs.
 pub struct ExecHandler {
     command: Vec<String>,
     permanent: Vec<i32>,
@@ -38,6 +39,8 @@ pub struct ExecHandler {
 }
 
 impl ExecHandler {
+    /// `command` is argv; exit codes in `permanent_exit_codes` dead-letter at once; `env` is
+    /// the program's whole environment (chime's own variables are added per run).
     pub fn new(command: Vec<String>, permanent_exit_codes: Vec<i32>, env: Vec<(String, String)>) -> Self {
         Self { command, permanent: permanent_exit_codes, env }
     }
@@ -69,24 +72,25 @@ impl Drop for GroupGuard {
 }
 
 impl Handler for ExecHandler {
-    fn call(&self, ctx: JobContext, payload: serde_json::Value) -> BoxFuture<'static, Result<(), JobError>> {
-        let command = self.command.clone();
-        let permanent = self.permanent.clone();
-        let env = self.env.clone();
-        Box::pin(async move { run(command, permanent, env, ctx, payload).await })
+    fn call<'a>(
+        &'a self,
+        ctx: JobContext,
+        payload: serde_json::Value,
+    ) -> BoxFuture<'a, Result<(), JobError>> {
+        Box::pin(run(&self.command, &self.permanent, &self.env, ctx, payload))
     }
 }
 
 async fn run(
-    command: Vec<String>,
-    permanent: Vec<i32>,
-    env: Vec<(String, String)>,
+    command: &[String],
+    permanent: &[i32],
+    env: &[(String, String)],
     ctx: JobContext,
     payload: serde_json::Value,
 ) -> Result<(), JobError> {
     let mut cmd = Command::new("/bin/sh");
-    cmd.arg("-c").arg(GUARD).arg("chime-exec").args(&command);
-    cmd.env_clear().envs(env);
+    cmd.arg("-c").arg(GUARD).arg("chime-exec").args(command);
+    cmd.env_clear().envs(env.iter().map(|(k, v)| (k, v)));
     cmd.env("CHIME_JOB", &ctx.job)
         .env("CHIME_QUEUE", &ctx.queue)
         .env("CHIME_KEY", ctx.key.to_string())
@@ -113,7 +117,7 @@ async fn run(
         });
     }
     let mut child =
-        cmd.spawn().map_err(|e| JobError::Transient(format!("cannot start {:?}: {e}", command.first())))?;
+        cmd.spawn().map_err(|e| JobError::transient(format!("cannot start {:?}: {e}", command.first())))?;
     let guard = GroupGuard(child.id().and_then(|id| i32::try_from(id).ok()));
 
     let body = serde_json::to_vec(&payload).unwrap_or_default();
@@ -145,15 +149,15 @@ async fn run(
         String::from_utf8_lossy(&tail[start..]).trim().to_string()
     };
     let (_, tail, status) = tokio::join!(write, read, child.wait());
-    let status = status.map_err(|e| JobError::Transient(format!("waiting for the program: {e}")))?;
+    let status = status.map_err(|e| JobError::transient(format!("waiting for the program: {e}")))?;
     drop(guard); // the group leader exited; kill stragglers it left behind
     let detail = if tail.is_empty() { String::new() } else { format!(": {tail}") };
     match status.code() {
         Some(0) => Ok(()),
         Some(code) if permanent.contains(&code) => {
-            Err(JobError::Permanent(format!("exit code {code} (permanent){detail}")))
+            Err(JobError::permanent(format!("exit code {code} (permanent){detail}")))
         }
-        Some(code) => Err(JobError::Transient(format!("exit code {code}{detail}"))),
-        None => Err(JobError::Transient(format!("killed by a signal{detail}"))),
+        Some(code) => Err(JobError::transient(format!("exit code {code}{detail}"))),
+        None => Err(JobError::transient(format!("killed by a signal{detail}"))),
     }
 }

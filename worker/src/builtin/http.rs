@@ -14,6 +14,7 @@ use futures_util::future::BoxFuture;
 
 use crate::handler::{Handler, JobContext, JobError};
 
+/// POSTs the payload to a URL per job (`handler = "http"`, feature `http`).
 pub struct HttpHandler {
     url: String,
     client: reqwest::Client,
@@ -34,6 +35,7 @@ fn same_host_redirects() -> reqwest::redirect::Policy {
 }
 
 impl HttpHandler {
+    /// A handler posting to `url`, following redirects only within its host.
     pub fn new(url: String) -> Self {
         let client = reqwest::Client::builder().redirect(same_host_redirects()).build().unwrap_or_default();
         Self { url, client }
@@ -53,34 +55,38 @@ fn describe(e: reqwest::Error) -> String {
     out
 }
 
-/// Classifies a response status.
-pub fn classify(status: u16) -> Result<(), JobError> {
+/// Classifies a response status; `what` names the request in the error.
+pub fn classify(status: u16, what: &str) -> Result<(), JobError> {
     match status {
         200..=299 => Ok(()),
-        408 | 425 | 429 | 500..=599 => Err(JobError::Transient(format!("HTTP {status}"))),
-        _ => Err(JobError::Permanent(format!("HTTP {status}"))),
+        408 | 425 | 429 | 500..=599 => Err(JobError::transient(format!("{what}: HTTP {status}"))),
+        _ => Err(JobError::permanent(format!("{what}: HTTP {status}"))),
     }
 }
 
 impl Handler for HttpHandler {
-    fn call(&self, ctx: JobContext, payload: serde_json::Value) -> BoxFuture<'static, Result<(), JobError>> {
+    fn call<'a>(
+        &'a self,
+        ctx: JobContext,
+        payload: serde_json::Value,
+    ) -> BoxFuture<'a, Result<(), JobError>> {
         let req = self
             .client
             .post(&self.url)
-            .timeout(ctx.timeout)
+            .timeout(ctx.timeout())
             .header("content-type", "application/json")
-            .header("x-chime-job", ctx.job.as_str())
-            .header("x-chime-key", ctx.key.to_string())
-            .header("idempotency-key", ctx.key.to_string())
-            .header("x-chime-attempt", ctx.attempt.to_string())
-            .header("x-chime-fence", ctx.fence.to_string())
+            .header("x-chime-job", ctx.job())
+            .header("x-chime-key", ctx.key().to_string())
+            .header("idempotency-key", ctx.key().to_string())
+            .header("x-chime-attempt", ctx.attempt().to_string())
+            .header("x-chime-fence", ctx.fence().to_string())
             .body(serde_json::to_vec(&payload).unwrap_or_default());
         let shown = redact(&self.url);
         Box::pin(async move {
             let resp = req
                 .send()
                 .await
-                .map_err(|e| JobError::Transient(format!("POST {shown}: {}", describe(e))))?;
+                .map_err(|e| JobError::transient(format!("POST {shown}: {}", describe(e))))?;
             let status = resp.status();
             if status.is_redirection() {
                 let to = resp
@@ -89,15 +95,12 @@ impl Handler for HttpHandler {
                     .and_then(|l| l.to_str().ok())
                     .map(redact)
                     .unwrap_or_default();
-                return Err(JobError::Permanent(format!(
+                return Err(JobError::permanent(format!(
                     "POST {shown}: HTTP {} to another host ({to}), not followed",
                     status.as_u16()
                 )));
             }
-            classify(status.as_u16()).map_err(|e| match e {
-                JobError::Transient(m) => JobError::Transient(format!("POST {shown}: {m}")),
-                JobError::Permanent(m) => JobError::Permanent(format!("POST {shown}: {m}")),
-            })
+            classify(status.as_u16(), &format!("POST {shown}"))
         })
     }
 }
@@ -108,10 +111,9 @@ mod tests {
 
     #[test]
     fn status_mapping() {
-        assert!(classify(204).is_ok());
-        assert!(matches!(classify(400), Err(JobError::Permanent(_))));
-        assert!(matches!(classify(404), Err(JobError::Permanent(_))));
-        assert!(matches!(classify(429), Err(JobError::Transient(_))));
-        assert!(matches!(classify(503), Err(JobError::Transient(_))));
+        assert!(classify(204, "x").is_ok());
+        for (status, permanent) in [(400, true), (404, true), (429, false), (503, false)] {
+            assert_eq!(classify(status, "x").unwrap_err().is_permanent(), permanent, "{status}");
+        }
     }
 }

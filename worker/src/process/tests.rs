@@ -261,7 +261,9 @@ fn harness() -> Harness {
     let text = "[worker]\ncancel_grace = \"50ms\"\nunknown_job_grace = \"1m\"\n\
                 [[jobs]]\nname = \"job\"\nhandler = \"job\"\ntimeout = \"200ms\"\n\
                 [[jobs]]\nname = \"cooperative\"\nhandler = \"cooperative\"\ntimeout = \"100ms\"\n\
-                [[jobs]]\nname = \"long\"\nhandler = \"long\"\n";
+                [[jobs]]\nname = \"long\"\nhandler = \"long\"\n\
+                [[jobs]]\nname = \"patient\"\nhandler = \"patient\"\ntimeout = \"60s\"\n\
+                [[jobs]]\nname = \"stubborn\"\nhandler = \"stubborn\"\ntimeout = \"60s\"\n";
     let config = Config::from_toml_str(text).unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let saw_cancel = Arc::new(AtomicBool::new(false));
@@ -274,8 +276,8 @@ fn harness() -> Harness {
             async move {
                 match payload.as_str() {
                     Some("ok") => Ok(()),
-                    Some("transient") => Err(JobError::Transient("blip".into())),
-                    Some("permanent") => Err(JobError::Permanent("bad input".into())),
+                    Some("transient") => Err(JobError::transient("blip")),
+                    Some("permanent") => Err(JobError::permanent("bad input")),
                     Some("panic") => panic!("handler bug"),
                     _ => {
                         tokio::time::sleep(Duration::from_secs(30)).await;
@@ -291,9 +293,9 @@ fn harness() -> Harness {
         raw_handler_fn(move |ctx: JobContext, _| {
             let saw = saw.clone();
             async move {
-                ctx.cancel.cancelled().await;
+                ctx.cancelled().await;
                 saw.store(true, Ordering::SeqCst);
-                Err(JobError::Transient("stopped on cancellation".into()))
+                Err(JobError::transient("stopped on cancellation"))
             }
         }),
     );
@@ -302,6 +304,32 @@ fn harness() -> Harness {
         raw_handler_fn(|_, _| async {
             tokio::time::sleep(Duration::from_millis(600)).await;
             Ok(())
+        }),
+    );
+    // Stops with success when cancelled (a result returned within the grace stands).
+    let (r, saw) = (runs.clone(), saw_cancel.clone());
+    registry.register(
+        "patient",
+        raw_handler_fn(move |ctx: JobContext, _| {
+            r.fetch_add(1, Ordering::SeqCst);
+            let saw = saw.clone();
+            async move {
+                ctx.cancelled().await;
+                saw.store(true, Ordering::SeqCst);
+                Ok(())
+            }
+        }),
+    );
+    // Ignores cancellation: dropped once the grace is over.
+    let r = runs.clone();
+    registry.register(
+        "stubborn",
+        raw_handler_fn(move |_, _| {
+            r.fetch_add(1, Ordering::SeqCst);
+            async {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                Ok(())
+            }
         }),
     );
     let jobs = resolve_jobs(&config, &registry, &["default".to_string()]).unwrap();
@@ -579,4 +607,43 @@ async fn malformed_and_too_large_bodies_are_dead_lettered_with_their_reason() {
     let garbage =
         Incoming { queue: "default".into(), data: b"{".to_vec(), properties: BasicProperties::default() };
     assert_eq!(h.deliver(garbage).await, ["requeue"], "a dead letter that was not confirmed is not acked");
+}
+
+/// Delivers `env` on a task, waits until its handler runs, then stops the worker; returns
+/// the settlements.
+async fn shut_down_while_running(h: Harness, env: Envelope) -> (Arc<Harness>, Vec<&'static str>) {
+    let h = Arc::new(h);
+    let task = {
+        let h = h.clone();
+        tokio::spawn(async move { h.deliver(incoming(&env)).await })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while h.runs.load(Ordering::SeqCst) == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the handler never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    h.core.hard_stop.cancel();
+    // The grace is 50 ms: a handler still running after it is dropped, not awaited.
+    let settled = tokio::time::timeout(Duration::from_secs(5), task).await.expect("dropped after the grace");
+    (h, settled.unwrap())
+}
+
+#[tokio::test]
+async fn on_shutdown_the_token_fires_and_a_result_within_the_grace_stands() {
+    let env = envelope("patient", "", 1, 3);
+    let key = env.key.to_string();
+    let (h, settled) = shut_down_while_running(harness(), env).await;
+    assert!(h.saw_cancel.load(Ordering::SeqCst), "the handler observed its cancellation");
+    assert_eq!(settled, ["ack"]);
+    assert_eq!(h.store.state(&key), Some("done"));
+}
+
+#[tokio::test]
+async fn on_shutdown_a_handler_ignoring_cancellation_is_dropped_and_its_delivery_returned() {
+    let env = envelope("stubborn", "", 1, 3);
+    let key = env.key.to_string();
+    let (h, settled) = shut_down_while_running(harness(), env).await;
+    assert_eq!(settled, ["requeue"], "the job is given back, not acked");
+    assert_eq!(h.store.state(&key), Some("free"), "the key is released for the next copy");
+    assert!(h.sent().is_empty(), "no retry and no dead letter for a job that was stopped");
 }

@@ -2,7 +2,7 @@
 
 use chime_shared::config::Config;
 use chime_shared::delay;
-use chime_shared::health::{self, Health};
+use chime_shared::health::Health;
 use chime_shared::schedule::Schedule;
 use chime_shared::topology::{self, Names};
 use chrono::{DateTime, Utc};
@@ -13,7 +13,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::cli::{Failure, runtime, usage};
+use super::failure::{Failure, runtime, usage};
+use super::table;
 use crate::lease::TickerStore;
 use crate::ticker::{Ticker, scheduled_jobs};
 
@@ -67,22 +68,19 @@ pub fn jobs(config: &Config, cmd: JobsCommand) -> Result<(), Failure> {
                 println!("{}", serde_json::to_string_pretty(&rows).unwrap_or_default());
                 return Ok(());
             }
-            println!(
-                "{:<20}  {:<16}  {:<18}  {:<10}  {:<26}  NEXT (UTC)",
-                "NAME", "SCHEDULE", "ZONE", "QUEUE", "NEXT (LOCAL)"
-            );
+            let mut t = table::new(["NAME", "SCHEDULE", "ZONE", "QUEUE", "NEXT (LOCAL)", "NEXT (UTC)"], &[]);
             for r in rows {
                 let s = |k: &str| r[k].as_str().unwrap_or("-").to_string();
-                println!(
-                    "{:<20}  {:<16}  {:<18}  {:<10}  {:<26}  {}",
+                t.add_row([
                     s("name"),
                     s("schedule"),
                     s("timezone"),
                     s("queue"),
                     s("next_local"),
-                    s("next_utc")
-                );
+                    s("next_utc"),
+                ]);
             }
+            table::print(&t);
             Ok(())
         }
         JobsCommand::Next { name, after, count, json } => {
@@ -121,17 +119,22 @@ pub async fn tick(config: Config, path: PathBuf, listen: Option<String>) -> Resu
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .map_err(|e| usage(anyhow::anyhow!("cannot listen on {addr}: {e}")))?;
-        let recorder = chime_shared::telemetry::install_recorder().ok();
+        let recorder = chime_daemon::telemetry::install_recorder().ok();
         info!(%addr, "serving /metrics, /livez, /readyz");
-        tokio::spawn(health::serve(listener, health.clone(), recorder, token.clone()));
+        tokio::spawn(chime_daemon::server::serve(listener, health.clone(), recorder, token.clone()));
     }
     let (tx, rx) = watch::channel(Arc::new(config));
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "host".into());
-    let id =
-        format!("{}:{}:{}", host.trim(), std::process::id(), &uuid::Uuid::new_v4().simple().to_string()[..6]);
-    let ticker = Ticker::new(rx, id, health).map_err(runtime)?;
+    let id = format!(
+        "{}:{}",
+        chime_shared::names::process_name(),
+        &uuid::Uuid::new_v4().simple().to_string()[..6]
+    );
+    let ticker = Ticker::new(rx.clone(), id, health).map_err(runtime)?;
+    // The DLQ monitor runs on the leader only, so one replica sends the alerts.
+    let monitor = tokio::spawn(crate::monitor::run_while(ticker.leadership(), rx, token.clone()));
     tokio::spawn(reloads(path, tx, token.clone()));
     ticker.run(token).await;
+    let _ = monitor.await;
     Ok(())
 }
 
@@ -150,7 +153,7 @@ async fn reloads(path: PathBuf, tx: watch::Sender<Arc<Config>>, token: Cancellat
         }
         Err(e) => warn!(error = %e, "config reload rejected; keeping the running config"),
     };
-    if let Err(e) = chime_shared::signals::until_stopped(&path, reload).await {
+    if let Err(e) = chime_daemon::signals::until_stopped(&path, reload).await {
         warn!(error = %e, "cannot install signal handlers");
         return;
     }
@@ -222,21 +225,21 @@ pub async fn status(config: Config, json: bool) -> Result<(), Failure> {
         ),
         None => println!("leader: none (no ticker holds the lease)"),
     }
-    println!("\n{:<16}  {:>8}  {:>9}  {:>6}", "QUEUE", "READY", "CONSUMERS", "DLQ");
+    println!();
+    let mut t = table::new(["QUEUE", "READY", "CONSUMERS", "DLQ"], &["READY", "CONSUMERS", "DLQ"]);
     for q in &queues {
-        println!("{:<16}  {:>8}  {:>9}  {:>6}", q.queue, q.ready, q.consumers, q.dlq);
+        t.add_row([q.queue.clone(), q.ready.to_string(), q.consumers.to_string(), q.dlq.to_string()]);
     }
+    table::print(&t);
     println!("delayed (retries and --delay, every prefix on this virtual host): {delayed}");
     if !jobs.is_empty() {
-        println!("\n{:<20}  {:<22}  NEXT DUE (UTC)", "JOB", "LAST PUBLISHED (UTC)");
+        println!();
+        let mut t = table::new(["JOB", "LAST PUBLISHED (UTC)", "NEXT DUE (UTC)"], &[]);
         for j in &jobs {
-            println!(
-                "{:<20}  {:<22}  {}",
-                j.job,
-                j.last_published.as_deref().unwrap_or("-"),
-                j.next_due.as_deref().unwrap_or("-")
-            );
+            let or_dash = |v: &Option<String>| v.as_deref().unwrap_or("-").to_string();
+            t.add_row([j.job.clone(), or_dash(&j.last_published), or_dash(&j.next_due)]);
         }
+        table::print(&t);
     }
     Ok(())
 }

@@ -5,7 +5,10 @@ use std::path::Path;
 use std::time::Duration;
 use tokio::signal::unix::{SignalKind, signal};
 
-/// How often the config file's modification time is checked.
+/// How often the config file's modification time is checked. Polling `metadata` (which
+/// follows symlinks) rather than inotify (`notify`): a Kubernetes ConfigMap is updated by
+/// swapping a `..data` symlink and editors save by renaming over the file, and both replace
+/// the inode a file watch is attached to; one `stat` every 2 s sees every kind of change.
 const POLL: Duration = Duration::from_secs(2);
 
 /// Returns at the first SIGTERM or SIGINT. Calls `reload` on SIGHUP and whenever the

@@ -5,7 +5,8 @@ use clap::{Args, Subcommand};
 use std::io::{BufRead, IsTerminal, Write};
 use std::sync::Arc;
 
-use crate::cli::{Failure, runtime, usage};
+use super::failure::{Failure, runtime, usage};
+use super::table;
 use crate::dlq::{DeadLetter, DlqClient, Filter, PassReport, ResolveError};
 
 #[derive(Debug, Subcommand)]
@@ -253,22 +254,19 @@ fn print_table(all: &[DeadLetter]) {
         println!("no dead letters");
         return;
     }
-    println!(
-        "{:<36}  {:<10}  {:<16}  {:<12}  {:>3}  {:<20}  ERROR",
-        "ID", "QUEUE", "JOB", "REASON", "ATT", "FAILED AT"
-    );
+    let mut t = table::new(["ID", "QUEUE", "JOB", "REASON", "ATT", "FAILED AT (UTC)", "ERROR"], &["ATT"]);
     for d in all {
-        println!(
-            "{:<36}  {:<10}  {:<16}  {:<12}  {:>3}  {:<20}  {}",
-            d.id,
-            cut(&d.queue, 10),
-            cut(d.job.as_deref().unwrap_or("-"), 16),
-            d.reason,
+        t.add_row([
+            d.id.to_string(),
+            cut(&d.queue, 24),
+            cut(d.job.as_deref().unwrap_or("-"), 32),
+            d.reason.to_string(),
             d.attempts.map(|a| a.to_string()).unwrap_or_else(|| "-".into()),
             d.failed_at.map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string()).unwrap_or_else(|| "-".into()),
             cut(d.error.as_deref().unwrap_or(""), 60),
-        );
+        ]);
     }
+    table::print(&t);
     println!("{} dead letter(s)", all.len());
 }
 

@@ -1,58 +1,14 @@
-//! The `chime` command line. `main` only calls [`main_exit_code`].
+//! `chime enqueue`: one job, or a batch of JSON lines, each confirmed by the broker.
 
 use anyhow::Context as _;
+use chime_producer::{EnqueueClient, EnqueueError, EnqueueRequest, parse_batch_line, prepare};
 use chime_shared::config::Config;
-use clap::{Args, Parser, Subcommand};
+use clap::Args;
 use std::io::{BufRead, Read};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::enqueue::{EnqueueClient, EnqueueError, EnqueueRequest, parse_batch_line, prepare};
-
-#[derive(Debug, Parser)]
-#[command(name = "chime", version, about = "Scheduled and ad-hoc jobs on RabbitMQ and Redis")]
-pub struct Cli {
-    /// Config file (default: $CHIME_CONFIG, else ./chime.toml)
-    #[arg(long, global = true, value_name = "PATH")]
-    pub config: Option<PathBuf>,
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-// Parsed once per process: the size of the largest variant does not matter.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Push an ad-hoc job (returns after the broker confirmed it)
-    Enqueue(EnqueueArgs),
-    /// Validate the config and exit (0 = valid, 2 = invalid)
-    CheckConfig,
-    /// The ticker daemon: publishes scheduled slots (one leader among replicas) and, on the
-    /// leader, watches DLQ depths
-    Tick {
-        /// Serve /metrics, /livez and /readyz here (default: ticker.listen)
-        #[arg(long, value_name = "ADDR")]
-        listen: Option<String>,
-    },
-    /// Scheduled jobs and their upcoming slots
-    #[command(subcommand)]
-    Jobs(crate::cli_ops::JobsCommand),
-    /// Queue depths, consumers, DLQ depths, the leader and per-job slots
-    Status {
-        #[arg(long)]
-        json: bool,
-    },
-    /// Inspect, replay and purge dead letters (over AMQP; no plugin needed)
-    #[command(subcommand)]
-    Dlq(crate::cli_dlq::DlqCommand),
-    /// Watch DLQ depths and raise alerts (log and webhook); until SIGTERM/SIGINT
-    Watch {
-        /// Serve /metrics, /livez and /readyz here
-        #[arg(long, value_name = "ADDR")]
-        listen: Option<String>,
-    },
-}
+use super::failure::{Failure, from_enqueue, runtime, usage};
 
 #[derive(Debug, Args)]
 pub struct EnqueueArgs {
@@ -85,78 +41,6 @@ pub struct EnqueueArgs {
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
-}
-
-/// A failure with its exit code: 2 for usage and config errors, 1 at run time.
-#[derive(Debug)]
-pub struct Failure {
-    pub code: i32,
-    pub error: anyhow::Error,
-}
-
-pub(crate) fn usage(error: impl Into<anyhow::Error>) -> Failure {
-    Failure { code: 2, error: error.into() }
-}
-pub(crate) fn runtime(error: impl Into<anyhow::Error>) -> Failure {
-    Failure { code: 1, error: error.into() }
-}
-fn from_enqueue(e: EnqueueError) -> Failure {
-    if e.is_usage() { usage(e) } else { runtime(e) }
-}
-
-/// Runs the CLI and returns the process exit code.
-pub async fn main_exit_code(cli: Cli) -> i32 {
-    match run(cli).await {
-        Ok(()) => 0,
-        Err(f) => {
-            eprintln!("chime: error: {:#}", f.error);
-            f.code
-        }
-    }
-}
-
-async fn run(cli: Cli) -> Result<(), Failure> {
-    let path = Config::resolve_path(cli.config.as_deref());
-    let config = Config::load(Some(&path)).map_err(usage)?;
-    match cli.command {
-        Command::CheckConfig => {
-            println!(
-                "config OK: {} job(s), queues: {}, queue type {}, prefix {:?}",
-                config.jobs.len(),
-                config.all_queues().join(", "),
-                config.amqp.queue_type.as_str(),
-                config.prefix
-            );
-            Ok(())
-        }
-        Command::Enqueue(args) => enqueue(Arc::new(config), args).await,
-        Command::Dlq(cmd) => crate::cli_dlq::run(config, cmd).await,
-        Command::Watch { listen } => watch(config, listen).await,
-        Command::Tick { listen } => crate::cli_ops::tick(config, path, listen).await,
-        Command::Jobs(cmd) => crate::cli_ops::jobs(&config, cmd),
-        Command::Status { json } => crate::cli_ops::status(config, json).await,
-    }
-}
-
-async fn watch(config: Config, listen: Option<String>) -> Result<(), Failure> {
-    use chime_shared::health::{self, Health};
-    let health = Health::new(&["amqp"]);
-    let token = tokio_util::sync::CancellationToken::new();
-    if let Some(addr) = listen {
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("cannot listen on {addr}"))
-            .map_err(usage)?;
-        let recorder = chime_shared::telemetry::install_recorder().ok();
-        tokio::spawn(health::serve(listener, health.clone(), recorder, token.clone()));
-    }
-    let t = token.clone();
-    tokio::spawn(async move {
-        let _ = chime_shared::signals::next_stop().await;
-        t.cancel();
-    });
-    crate::monitor::run(Arc::new(config), health, token).await;
-    Ok(())
 }
 
 /// Reads a payload from a file or `-` (stdin), at most `limit` bytes: a larger one is
@@ -233,7 +117,7 @@ fn timing(
     Ok((delay, at))
 }
 
-async fn enqueue(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> {
+pub async fn run(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> {
     if config.job(&args.job).is_none() {
         return Err(usage(EnqueueError::UnknownJob(args.job)));
     }
@@ -259,6 +143,7 @@ async fn enqueue(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> 
         max_attempts: args.max_attempts,
         delay,
         at,
+        options: None,
     };
     // Validate before connecting, so a bad request never touches the broker.
     prepare(&config, &req).map_err(from_enqueue)?;

@@ -1,7 +1,7 @@
 //! `chime-worker`: parses flags, wires config → tracing → metrics → health → `Worker::run`.
 
 use chime_shared::config::Config;
-use chime_shared::health::{self, Health};
+use chime_shared::health::Health;
 use chime_worker::{Registry, Reloader, Worker};
 use clap::Parser;
 use std::path::PathBuf;
@@ -26,7 +26,7 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
-    chime_shared::telemetry::init_tracing();
+    chime_daemon::telemetry::init_tracing();
     let config = match Config::load(args.config.as_deref()) {
         Ok(c) => c,
         Err(e) => {
@@ -76,7 +76,7 @@ async fn run(args: Args, config: Config) -> i32 {
                 return 2;
             }
         };
-        let recorder = match chime_shared::telemetry::install_recorder() {
+        let recorder = match chime_daemon::telemetry::install_recorder() {
             Ok(h) => Some(h),
             Err(e) => {
                 tracing::warn!(error = %e, "metrics recorder not installed");
@@ -84,7 +84,7 @@ async fn run(args: Args, config: Config) -> i32 {
             }
         };
         tracing::info!(%addr, "serving /metrics, /livez, /readyz");
-        tokio::spawn(health::serve(listener, health, recorder, token.clone()));
+        tokio::spawn(chime_daemon::server::serve(listener, health, recorder, token.clone()));
     }
     tokio::spawn(signals(token.clone(), worker.reloader(), path));
     match worker.run(token).await {
@@ -108,12 +108,12 @@ async fn signals(token: CancellationToken, reloader: Reloader, path: Option<Path
         },
         Err(e) => tracing::warn!(error = %e, "config reload rejected; keeping the running config"),
     };
-    if let Err(e) = chime_shared::signals::until_stopped(&file, reload).await {
+    if let Err(e) = chime_daemon::signals::until_stopped(&file, reload).await {
         tracing::error!(error = %e, "cannot install signal handlers");
         return;
     }
     tracing::info!("shutdown requested; draining (signal again to exit at once)");
     token.cancel();
-    let _ = chime_shared::signals::next_stop().await;
+    let _ = chime_daemon::signals::next_stop().await;
     std::process::exit(130);
 }

@@ -199,6 +199,7 @@ pub struct Ticker {
     store: TickerStore,
     health: Health,
     config_rx: watch::Receiver<Arc<Config>>,
+    leading: watch::Sender<bool>,
 }
 
 impl Ticker {
@@ -210,7 +211,13 @@ impl Ticker {
     ) -> Result<Self, redis::RedisError> {
         let config = config_rx.borrow().clone();
         let store = TickerStore::connect(&config.redis, &config.prefix)?;
-        Ok(Self { id, store, health, config_rx })
+        Ok(Self { id, store, health, config_rx, leading: watch::Sender::new(false) })
+    }
+
+    /// `true` while this replica holds the lease and publishes: what runs only on the leader
+    /// (the DLQ monitor in `chime tick`) follows it.
+    pub fn leadership(&self) -> watch::Receiver<bool> {
+        self.leading.subscribe()
     }
 
     /// Stands by or leads until `token` is cancelled; then gives the lease up.
@@ -223,12 +230,9 @@ impl Ticker {
             }
             metrics::gauge!(telemetry::TICKER_LEADER).set(1.0);
             info!(id = %self.id, "leader: publishing schedules");
-            let leading = token.child_token();
-            let config = self.config_rx.borrow().clone();
-            let monitor = tokio::spawn(crate::monitor::run(config, Health::default(), leading.clone()));
+            self.leading.send_replace(true);
             let stop = self.lead(&token).await;
-            leading.cancel();
-            let _ = monitor.await;
+            self.leading.send_replace(false);
             metrics::gauge!(telemetry::TICKER_LEADER).set(0.0);
             match stop {
                 Stop::Shutdown => break,

@@ -21,6 +21,29 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+/// Runs the monitor whenever `leading` is `true` (on the config current at that moment),
+/// stopping it when `leading` turns `false`, until `token` is cancelled.
+pub async fn run_while(
+    mut leading: tokio::sync::watch::Receiver<bool>,
+    config: tokio::sync::watch::Receiver<Arc<Config>>,
+    token: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            r = leading.wait_for(|l| *l) => if r.is_err() { return },
+            _ = token.cancelled() => return,
+        }
+        let term = token.child_token();
+        let monitor = tokio::spawn(run(config.borrow().clone(), Health::default(), term.clone()));
+        tokio::select! {
+            _ = leading.wait_for(|l| !*l) => {}
+            _ = token.cancelled() => {}
+        }
+        term.cancel();
+        let _ = monitor.await;
+    }
+}
+
 /// One state change of one DLQ's alert.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Notification {

@@ -1,0 +1,95 @@
+//! The `chime` command line, one module per command group; `main` only calls
+//! [`main_exit_code`].
+
+mod dlq;
+mod enqueue;
+mod failure;
+mod ops;
+mod table;
+mod watch;
+
+use chime_shared::config::Config;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+pub use failure::Failure;
+use failure::usage;
+
+#[derive(Debug, Parser)]
+#[command(name = "chime", version, about = "Scheduled and ad-hoc jobs on RabbitMQ and Redis")]
+pub struct Cli {
+    /// Config file (default: $CHIME_CONFIG, else ./chime.toml)
+    #[arg(long, global = true, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Push an ad-hoc job (returns after the broker confirmed it)
+    Enqueue(enqueue::EnqueueArgs),
+    /// Validate the config and exit (0 = valid, 2 = invalid)
+    CheckConfig,
+    /// The ticker daemon: publishes scheduled slots (one leader among replicas) and, on the
+    /// leader, watches DLQ depths
+    Tick {
+        /// Serve /metrics, /livez and /readyz here (default: ticker.listen)
+        #[arg(long, value_name = "ADDR")]
+        listen: Option<String>,
+    },
+    /// Scheduled jobs and their upcoming slots
+    #[command(subcommand)]
+    Jobs(ops::JobsCommand),
+    /// Queue depths, consumers, DLQ depths, the leader and per-job slots
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inspect, replay and purge dead letters (over AMQP; no plugin needed)
+    #[command(subcommand)]
+    Dlq(dlq::DlqCommand),
+    /// Watch DLQ depths and raise alerts (log and webhook); until SIGTERM/SIGINT
+    Watch {
+        /// Serve /metrics, /livez and /readyz here
+        #[arg(long, value_name = "ADDR")]
+        listen: Option<String>,
+    },
+}
+
+/// Runs the CLI and returns the process exit code.
+pub async fn main_exit_code(cli: Cli) -> i32 {
+    match run(cli).await {
+        Ok(()) => 0,
+        Err(f) => {
+            eprintln!("chime: error: {:#}", f.error);
+            f.code
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let path = Config::resolve_path(cli.config.as_deref());
+    let config = Config::load(Some(&path)).map_err(usage)?;
+    match cli.command {
+        Command::CheckConfig => {
+            println!(
+                "config OK: {} job(s), queues: {}, queue type {}, prefix {:?}",
+                config.jobs.len(),
+                config.all_queues().join(", "),
+                config.amqp.queue_type.as_str(),
+                config.prefix
+            );
+            Ok(())
+        }
+        Command::Enqueue(args) => enqueue::run(Arc::new(config), args).await,
+        Command::Dlq(cmd) => dlq::run(config, cmd).await,
+        Command::Watch { listen } => watch::run(config, listen).await,
+        Command::Tick { listen } => ops::tick(config, path, listen).await,
+        Command::Jobs(cmd) => ops::jobs(&config, cmd),
+        Command::Status { json } => ops::status(config, json).await,
+    }
+}

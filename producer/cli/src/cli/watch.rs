@@ -1,0 +1,29 @@
+//! `chime watch`: the DLQ monitor alone, for deployments without a ticker.
+
+use anyhow::Context as _;
+use chime_shared::config::Config;
+use std::sync::Arc;
+
+use super::failure::{Failure, usage};
+
+/// Watches DLQ depths and raises alerts until SIGTERM/SIGINT.
+pub async fn run(config: Config, listen: Option<String>) -> Result<(), Failure> {
+    use chime_shared::health::Health;
+    let health = Health::new(&["amqp"]);
+    let token = tokio_util::sync::CancellationToken::new();
+    if let Some(addr) = listen {
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))
+            .map_err(usage)?;
+        let recorder = chime_daemon::telemetry::install_recorder().ok();
+        tokio::spawn(chime_daemon::server::serve(listener, health.clone(), recorder, token.clone()));
+    }
+    let t = token.clone();
+    tokio::spawn(async move {
+        let _ = chime_daemon::signals::next_stop().await;
+        t.cancel();
+    });
+    crate::monitor::run(Arc::new(config), health, token).await;
+    Ok(())
+}
