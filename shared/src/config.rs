@@ -78,6 +78,8 @@ pub struct Config {
     pub ticker: TickerConfig,
     /// DLQ alerts (`chime tick` on the leader, or `chime watch`).
     pub alerts: AlertsConfig,
+    /// Run history (written by workers, read by `chime history`, `inspect` and `web`).
+    pub history: HistoryConfig,
     /// The jobs.
     #[serde(deserialize_with = "de_jobs")]
     pub jobs: Vec<JobConfig>,
@@ -92,6 +94,7 @@ impl Default for Config {
             worker: WorkerConfig::default(),
             ticker: TickerConfig::default(),
             alerts: AlertsConfig::default(),
+            history: HistoryConfig::default(),
             jobs: Vec::new(),
         }
     }
@@ -300,6 +303,29 @@ impl Default for AlertsConfig {
             webhook: None,
             interval: Duration::from_secs(15),
         }
+    }
+}
+
+/// `[history]`: one event per run in a Redis stream per queue, and a key's last runs in its
+/// idempotency record.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HistoryConfig {
+    /// Record runs (default `true`).
+    pub enabled: bool,
+    /// Most events kept per queue (default 1,000,000; trimmed in whole stream nodes, so a few
+    /// hundred more may stay).
+    pub max_len: u64,
+    /// Events older than this are trimmed (default 24 h; lazily, as new events arrive).
+    #[serde(deserialize_with = "duration::de")]
+    pub max_age: Duration,
+    /// Runs kept in a key's record for `chime inspect` (default 20, at most 100).
+    pub runs_per_key: u32,
+}
+
+impl Default for HistoryConfig {
+    fn default() -> Self {
+        Self { enabled: true, max_len: 1_000_000, max_age: Duration::from_secs(86_400), runs_per_key: 20 }
     }
 }
 
@@ -651,6 +677,15 @@ impl Config {
                 "prefix",
                 format!("{:?} must be 1-100 letters, digits, '-', '_' or '.'", self.prefix),
             ));
+        }
+        if self.history.max_len == 0 || self.history.max_age.is_zero() {
+            return Err(ConfigError::invalid(
+                "history",
+                "max_len and max_age must be positive (set history.enabled = false to record nothing)",
+            ));
+        }
+        if !(1..=100).contains(&self.history.runs_per_key) {
+            return Err(ConfigError::invalid("history.runs_per_key", "must be between 1 and 100"));
         }
         let urls = self.amqp.url.list();
         if urls.is_empty() {

@@ -2,8 +2,10 @@
 //! atomic Lua scripts below (each touches exactly one key, so Redis Cluster works).
 //!
 //! Fields: `s` state (`run`, `dying`, `done`, `dead`, `free`), `o` owner token, `u` lease end
-//! (ms of Redis `TIME`, so worker clocks do not matter), `f` fence; while `dying`, also `r`
-//! reason, `e` error and `a` attempts of the dead letter being published.
+//! (ms of Redis `TIME`, so worker clocks do not matter), `f` fence, `c` when the last claim was
+//! taken and `t` when the last outcome was recorded (ms of Redis `TIME`); while `dying`, also
+//! `r` reason, `e` error and `a` attempts of the dead letter being published. With history on,
+//! `n` counts the key's runs and `run:<n>` holds the last few as JSON ([`crate::history`]).
 //!
 //! **Fences** are microseconds of Redis `TIME`, raised to at least one above the last fence of
 //! the key: strictly increasing while the record exists, and, after Redis lost the record
@@ -30,8 +32,10 @@ use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::config::RedisConfig;
+use crate::config::{HistoryConfig, RedisConfig};
+use crate::history::RunEvent;
 use crate::topology::Names;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// `now` (µs) and `now_ms` from Redis `TIME`, and `int()` to write a number exactly (Redis
 /// turns Lua numbers into strings with 14 significant digits, too few for microseconds).
@@ -55,7 +59,7 @@ end
 if s == 'run' and h[2] == ARGV[1] then return {{'claimed', fence, 0}} end
 if s == 'run' and (tonumber(h[3]) or 0) > now_ms then return {{'busy', fence, tonumber(h[3]) - now_ms}} end
 fence = math.max(fence + 1, now)
-redis.call('HSET', KEYS[1], 's', 'run', 'o', ARGV[1], 'u', int(now_ms + tonumber(ARGV[2])), 'f', int(fence))
+redis.call('HSET', KEYS[1], 's', 'run', 'o', ARGV[1], 'u', int(now_ms + tonumber(ARGV[2])), 'f', int(fence), 'c', int(now_ms))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {{'claimed', fence, 0}}"
     ))
@@ -83,19 +87,34 @@ return {{'renewed', tonumber(h[3]) or 0}}"
 /// KEYS[1]; ARGV owner, fence, new state, retention_ms → 1 recorded, 0 another owner holds
 /// the key, 2 recorded although the record was gone (Redis lost data; `free` writes nothing).
 static FINISH: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"local h = redis.call('HMGET', KEYS[1], 's', 'o')
+    Script::new(&format!(
+        r"{PRELUDE}
+local h = redis.call('HMGET', KEYS[1], 's', 'o')
 if not h[1] then
   if ARGV[3] ~= 'free' then
-    redis.call('HSET', KEYS[1], 's', ARGV[3], 'o', ARGV[1], 'f', ARGV[2], 'u', 0)
+    redis.call('HSET', KEYS[1], 's', ARGV[3], 'o', ARGV[1], 'f', ARGV[2], 'u', 0, 't', int(now_ms))
     redis.call('PEXPIRE', KEYS[1], ARGV[4])
   end
   return 2
 end
 if (h[1] ~= 'run' and h[1] ~= 'dying') or h[2] ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 's', ARGV[3], 'u', 0)
+redis.call('HSET', KEYS[1], 's', ARGV[3], 'u', 0, 't', int(now_ms))
 redis.call('HDEL', KEYS[1], 'r', 'e', 'a')
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1"
+    ))
+});
+
+/// KEYS[1]; ARGV event JSON, runs to keep. Appends a run to an existing record as `run:<n>`
+/// and drops the one that falls out; writes nothing when there is no record (it would have
+/// no TTL).
+static RUNLOG: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
+redis.call('HSET', KEYS[1], 'run:' .. n, ARGV[1])
+local old = n - tonumber(ARGV[2])
+if old >= 1 then redis.call('HDEL', KEYS[1], 'run:' .. old) end
 return 1",
     )
 });
@@ -301,7 +320,14 @@ pub struct IdemStore {
     /// The batching task, started on first use inside the caller's runtime, and started
     /// again if that runtime has shut down.
     batcher: Arc<Mutex<Option<mpsc::UnboundedSender<Op>>>>,
+    /// Run history settings (`None`: off).
+    history: Option<HistoryConfig>,
+    /// Events recorded, to trim streams by age every [`TRIM_EVERY`] events.
+    recorded: Arc<AtomicU64>,
 }
+
+/// A stream is trimmed by age once per this many events recorded by one store.
+const TRIM_EVERY: u64 = 64;
 
 impl IdemStore {
     /// Creates the store without waiting for Redis: the first command connects, and a
@@ -332,7 +358,52 @@ impl IdemStore {
             lease: config.lease,
             retention: config.done_retention,
             batcher: Arc::new(Mutex::new(None)),
+            history: None,
+            recorded: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// Records run history with these settings (when `enabled`).
+    pub fn with_history(mut self, history: &HistoryConfig) -> Self {
+        self.history = history.enabled.then(|| history.clone());
+        self
+    }
+
+    /// Whether runs are recorded.
+    pub fn records_history(&self) -> bool {
+        self.history.is_some()
+    }
+
+    /// Appends `event` to its queue's history stream and to its key's record. Nobody waits:
+    /// the commands join the next pipeline and their replies are dropped (history is
+    /// best-effort and must never hold up an ack).
+    pub fn record_run(&self, event: &RunEvent) {
+        let Some(h) = &self.history else { return };
+        let stream = self.names.history(&event.queue);
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(&stream).arg("MAXLEN").arg("~").arg(h.max_len).arg("*");
+        for (field, value) in event.fields() {
+            xadd.arg(field).arg(value);
+        }
+        self.send(xadd);
+        if !event.key.is_empty() {
+            let mut log = evalsha(&RUNLOG, self.names.idem_key(&event.key));
+            log.arg(event.to_json()).arg(h.runs_per_key);
+            self.send(log);
+        }
+        if self.recorded.fetch_add(1, Ordering::Relaxed).is_multiple_of(TRIM_EVERY) {
+            let oldest = chrono::Utc::now().timestamp_millis()
+                - i64::try_from(h.max_age.as_millis()).unwrap_or(i64::MAX);
+            let mut trim = redis::cmd("XTRIM");
+            trim.arg(&stream).arg("MINID").arg("~").arg(oldest.max(0));
+            self.send(trim);
+        }
+    }
+
+    /// The store's self-reconnecting connection, for the worker's other Redis traffic
+    /// (heartbeats, pause flags).
+    pub fn connection(&self) -> ConnectionManager {
+        self.conn.clone()
     }
 
     /// The lease a claim takes (`redis.lease`).
@@ -344,20 +415,29 @@ impl IdemStore {
         u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
     }
 
+    /// Queues `cmd` on the batching task without waiting for (or reading) its reply.
+    fn send(&self, cmd: Cmd) {
+        let (reply, _) = oneshot::channel();
+        let _ = self.batcher().send(Op { cmd, reply });
+    }
+
+    /// The batching task's queue, starting the task if needed.
+    fn batcher(&self) -> mpsc::UnboundedSender<Op> {
+        let mut batcher = self.batcher.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match batcher.as_ref() {
+            Some(tx) if !tx.is_closed() => tx.clone(),
+            _ => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                tokio::spawn(batch_loop(self.conn.clone(), rx));
+                *batcher = Some(tx.clone());
+                tx
+            }
+        }
+    }
+
     /// Sends one script call through the batching task and waits for its reply.
     async fn call<T: redis::FromRedisValue>(&self, cmd: Cmd) -> Result<T, IdemError> {
-        let tx = {
-            let mut batcher = self.batcher.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            match batcher.as_ref() {
-                Some(tx) if !tx.is_closed() => tx.clone(),
-                _ => {
-                    let (tx, rx) = mpsc::unbounded_channel();
-                    tokio::spawn(batch_loop(self.conn.clone(), rx));
-                    *batcher = Some(tx.clone());
-                    tx
-                }
-            }
-        };
+        let tx = self.batcher();
         let (reply, answer) = oneshot::channel();
         tx.send(Op { cmd, reply }).map_err(|_| IdemError::Protocol("redis batcher stopped".into()))?;
         let value = answer.await.map_err(|_| IdemError::Protocol("redis batcher stopped".into()))??;
@@ -521,7 +601,7 @@ async fn send_batch(conn: &mut ConnectionManager, ops: Vec<Op>) {
         if again_replies.is_empty() {
             return;
         }
-        for script in [&*CLAIM, &*RENEW, &*FINISH, &*DYING] {
+        for script in [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*RUNLOG] {
             if let Err(e) = script.prepare_invoke().load_async(conn).await {
                 return fail_all(again_replies, || IdemError::Redis(e.clone()));
             }

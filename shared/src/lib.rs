@@ -28,10 +28,12 @@
 
 pub mod amqp;
 pub mod config;
+pub mod control;
 pub mod delay;
 pub mod duration;
 pub mod envelope;
 pub mod health;
+pub mod history;
 pub mod idempotency;
 pub mod job;
 pub mod names;

@@ -74,6 +74,26 @@ impl Names {
     pub fn idem_key(&self, key: &str) -> String {
         format!("{}:idem:{key}", self.prefix)
     }
+    /// Redis stream of the run history of `queue`.
+    pub fn history(&self, queue: &str) -> String {
+        format!("{}:history:{queue}", self.prefix)
+    }
+    /// Redis key of a live worker's heartbeat.
+    pub fn worker(&self, id: &str) -> String {
+        format!("{}:workers:{id}", self.prefix)
+    }
+    /// `SCAN` pattern of every worker heartbeat of this prefix.
+    pub fn workers_pattern(&self) -> String {
+        format!("{}:workers:*", self.prefix)
+    }
+    /// Redis key of the pause flag of a queue.
+    pub fn paused_queue(&self, queue: &str) -> String {
+        format!("{}:paused:queue:{queue}", self.prefix)
+    }
+    /// Redis key of the pause flag of a schedule.
+    pub fn paused_schedule(&self, job: &str) -> String {
+        format!("{}:paused:schedule:{job}", self.prefix)
+    }
 }
 
 /// `<host>:<pid>`: how a worker or ticker names itself in claims, leases and logs unless
@@ -97,6 +117,10 @@ mod tests {
         assert_eq!(n.dlq("default"), "chime.dlq.default");
         assert_eq!(n.unroutable_queue(), "chime.unroutable");
         assert_eq!(n.idem_key("k"), "chime:idem:k");
+        assert_eq!(n.history("default"), "chime:history:default");
+        assert_eq!(n.worker("h:1:ab"), "chime:workers:h:1:ab");
+        assert_eq!(n.paused_queue("q"), "chime:paused:queue:q");
+        assert_eq!(n.paused_schedule("j"), "chime:paused:schedule:j");
         assert_eq!(delay_level(QueueType::Quorum, 27), "chime-delay.quorum.27");
         assert_eq!(word("my.app"), "my~app");
     }

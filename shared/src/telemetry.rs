@@ -11,6 +11,8 @@ pub const JOB_DURATION: &str = "chime_job_duration_seconds";
 pub const JOB_LAG: &str = "chime_job_lag_seconds";
 /// Counter: slots older than the catch-up window (`job`).
 pub const SLOTS_MISSED: &str = "chime_slots_missed_total";
+/// Counter: slots skipped because their schedule was paused (`job`).
+pub const SLOTS_PAUSED: &str = "chime_slots_paused_total";
 /// Gauge: ready messages in a work queue (`queue`).
 pub const QUEUE_MESSAGES: &str = "chime_queue_messages";
 /// Gauge: ready messages in a dead-letter queue (`queue`).
@@ -47,6 +49,7 @@ pub fn describe() {
     describe_histogram!(JOB_DURATION, metrics::Unit::Seconds, "Handler run time.");
     describe_histogram!(JOB_LAG, metrics::Unit::Seconds, "Handler start minus slot (or enqueue time).");
     describe_counter!(SLOTS_MISSED, "Scheduled slots older than the catch-up window.");
+    describe_counter!(SLOTS_PAUSED, "Scheduled slots skipped while their schedule was paused.");
     describe_gauge!(QUEUE_MESSAGES, "Ready messages in a work queue.");
     describe_gauge!(DLQ_MESSAGES, "Ready messages in a dead-letter queue.");
     describe_gauge!(TICKER_LEADER, "1 while this ticker holds the leader lease.");

@@ -10,6 +10,7 @@
 
 use backon::Retryable;
 use chime_shared::envelope::{Envelope, header_str, put_header};
+use chime_shared::history::{self, Outcome, RunEvent};
 use chime_shared::idempotency::{Claim, DeadInfo, Final, Recorded, Renewal};
 use chime_shared::telemetry::{self, outcome};
 use chrono::{DateTime, Utc};
@@ -47,6 +48,13 @@ struct Held {
     fence: u64,
 }
 
+/// What the history records of a handler run.
+struct RunFacts {
+    started_at: DateTime<Utc>,
+    duration: Duration,
+    error: Option<String>,
+}
+
 /// A plan, with what carrying it out needs.
 struct Verdict {
     plan: Plan,
@@ -54,11 +62,16 @@ struct Verdict {
     held: Option<Held>,
     /// The job's definition, for its interned metric handles.
     spec: Option<Arc<JobSpec>>,
+    /// The handler run, if one happened.
+    run: Option<RunFacts>,
 }
 
 impl Verdict {
     fn bare(plan: Plan) -> Self {
-        Self { plan, env: None, held: None, spec: None }
+        Self { plan, env: None, held: None, spec: None, run: None }
+    }
+    fn settled(plan: Plan, env: Envelope, held: Option<Held>, spec: Option<Arc<JobSpec>>) -> Self {
+        Self { plan, env: Some(env), held, spec, run: None }
     }
 }
 
@@ -110,18 +123,13 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         let plan =
             decision::unknown_job(&env.job, env.attempt, since, now, core.config.worker.unknown_job_grace);
         warn!(plan = ?plan, "no handler for this job on this worker");
-        return Verdict { plan, env: Some(env), held: None, spec: None };
+        return Verdict::settled(plan, env, None, None);
     };
     if let (Some(slot), Some(deadline)) = (env.slot, spec.deadline) {
         let late = (Utc::now() - slot).to_std().unwrap_or(Duration::ZERO);
         if late > deadline {
             warn!(%slot, late_ms = late.as_millis() as u64, "slot picked up past its deadline; skipped as expired");
-            return Verdict {
-                plan: Plan::Ack(Settled::Expired),
-                env: Some(env),
-                held: None,
-                spec: Some(spec),
-            };
+            return Verdict::settled(Plan::Ack(Settled::Expired), env, None, Some(spec));
         }
     }
     let key = env.key.to_string();
@@ -146,23 +154,37 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         Err(plan) => {
             // A `dying` claim made us the owner of the dead letter to publish again.
             let held = dying_fence.map(|fence| Held { key, owner, fence });
-            return Verdict { plan, env: Some(env), held, spec: Some(spec) };
+            return Verdict::settled(plan, env, held, Some(spec));
         }
     };
     let metrics = spec.metrics(&env.job);
     let lag_from = env.slot.unwrap_or(env.enqueued_at);
     metrics.lag.record((Utc::now() - lag_from).num_milliseconds().max(0) as f64 / 1000.0);
     let fence = AtomicU64::new(fence);
-    let run_started = Instant::now();
+    let (run_started, started_at) = (Instant::now(), Utc::now());
+    let running = chime_shared::control::Running {
+        job: env.job.clone(),
+        key: key.clone(),
+        queue: incoming.queue.clone(),
+        attempt: env.attempt,
+        started_at,
+    };
+    let guard = core.running(&owner, running);
     let end = run(core, store, &spec, &env, &key, &owner, &fence).await;
-    metrics.duration.record(run_started.elapsed().as_secs_f64());
-    if let RunEnd::Failed(_, error) | RunEnd::RetryAfter(_, error) = &end {
-        let error = chime_shared::config::redact_text(error);
-        warn!(error = %chime_shared::config::escape_control(&error), "job failed");
+    drop(guard);
+    let duration = run_started.elapsed();
+    metrics.duration.record(duration.as_secs_f64());
+    let mut error = None;
+    if let RunEnd::Failed(_, e) | RunEnd::RetryAfter(_, e) = &end {
+        let e = chime_shared::config::redact_text(e);
+        warn!(error = %chime_shared::config::escape_control(&e), "job failed");
+        error = Some(e);
     }
     let plan = decision::on_run(end, env.attempt, env.max_attempts, &spec.backoff, env.key);
     let held = Held { key, owner, fence: fence.load(Ordering::Relaxed) };
-    Verdict { plan, env: Some(env), held: Some(held), spec: Some(spec) }
+    let mut verdict = Verdict::settled(plan, env, Some(held), Some(spec));
+    verdict.run = Some(RunFacts { started_at, duration, error });
+    verdict
 }
 
 /// Why a run was stopped before it returned.
@@ -294,8 +316,14 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
     verdict: Verdict,
     ticket: Ticket<A>,
 ) {
-    let Verdict { plan, env, held, spec } = verdict;
+    let Verdict { plan, env, held, spec, run } = verdict;
     let stats = &core.stats;
+    let record = |outcome: Outcome, reason: Option<&str>, error: Option<&str>| {
+        if store.records_history() {
+            store.record_run(&run_event(core, incoming, env.as_ref(), run.as_ref(), outcome, reason, error));
+        }
+    };
+    let run_error = run.as_ref().and_then(|r| r.error.as_deref());
     // The hot outcomes use the job's interned handles; the rest look the series up.
     let interned = spec.as_ref().zip(env.as_ref()).map(|(s, e)| s.metrics(&e.job));
     let completed = |o: &'static str| match (interned, o) {
@@ -315,8 +343,12 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                 Settled::Expired => {
                     Stats::bump(&stats.expired);
                     completed(outcome::EXPIRED);
+                    record(Outcome::Expired, None, None);
                 }
-                Settled::LeaseTaken => Stats::bump(&stats.lost_lease),
+                Settled::LeaseTaken => {
+                    Stats::bump(&stats.lost_lease);
+                    record(Outcome::LostLease, None, run_error);
+                }
             }
             ticket.ack();
         }
@@ -329,6 +361,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
             if record_until_done(core, store, &h).await {
                 Stats::bump(&stats.succeeded);
                 completed(outcome::SUCCEEDED);
+                record(Outcome::Succeeded, None, None);
                 info!("job succeeded");
                 ticket.ack();
             } else {
@@ -336,12 +369,17 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                     "drain deadline passed before `done` could be recorded; requeueing (the job may run again)"
                 );
                 Stats::bump(&stats.requeued);
+                record(
+                    Outcome::Stopped,
+                    None,
+                    Some("succeeded, but `done` could not be recorded before the drain deadline"),
+                );
                 ticket.requeue();
             }
         }
         Plan::Retry { delay } => {
-            let (Some(env), Some(h)) = (env, held) else { return ticket.requeue() };
-            let mut next = env;
+            let (Some(env), Some(h)) = (env.as_ref(), held) else { return ticket.requeue() };
+            let mut next = env.clone();
             next.attempt += 1;
             next.id = Uuid::now_v7();
             let sent = outbox.delayed(&incoming.queue, &next, delay, FieldTable::default()).await;
@@ -352,6 +390,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                     info!(retry_in = ?delay, attempt = next.attempt, "retry published");
                     Stats::bump(&stats.retried);
                     completed(outcome::RETRIED);
+                    record(Outcome::Retried, None, run_error);
                     ticket.ack();
                 }
                 Err(e) => {
@@ -393,6 +432,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                         "another owner took this key over before it was dead-lettered; that owner settles it"
                     );
                     Stats::bump(&stats.lost_lease);
+                    record(Outcome::LostLease, None, run_error);
                     return ticket.ack();
                 }
             }
@@ -409,6 +449,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                     warn!(reason = %dead.reason, error = %chime_shared::config::escape_control(&error), queue = %incoming.queue, "dead-lettered");
                     Stats::bump(&stats.dead_lettered);
                     completed(outcome::DEAD_LETTERED);
+                    record(Outcome::DeadLettered, Some(&dead.reason), Some(&error));
                     ticket.ack();
                 }
                 Err(e) => {
@@ -426,8 +467,38 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
             }
             info!("job stopped by the drain deadline; requeued");
             Stats::bump(&stats.requeued);
+            record(Outcome::Stopped, None, run_error);
             ticket.requeue();
         }
+    }
+}
+
+/// The history event of a settled delivery.
+fn run_event(
+    core: &Core,
+    incoming: &Incoming,
+    env: Option<&Envelope>,
+    run: Option<&RunFacts>,
+    outcome: Outcome,
+    reason: Option<&str>,
+    error: Option<&str>,
+) -> RunEvent {
+    let text = |s: &str| s.to_string();
+    RunEvent {
+        job: env.map(|e| text(&e.job)).unwrap_or_default(),
+        key: env.map(|e| e.key.to_string()).unwrap_or_default(),
+        id: env.map(|e| e.id.to_string()).unwrap_or_default(),
+        queue: incoming.queue.clone(),
+        attempt: env.map_or(0, |e| e.attempt),
+        max_attempts: env.map_or(0, |e| e.max_attempts),
+        worker: core.worker_id.clone(),
+        started_at: run.map(|r| r.started_at),
+        finished_at: Utc::now(),
+        outcome,
+        duration_ms: run.map(|r| u64::try_from(r.duration.as_millis()).unwrap_or(u64::MAX)),
+        reason: reason.map(text),
+        error: error.map(|e| text(history::truncate(e, history::ERROR_BYTES))),
+        entry: None,
     }
 }
 

@@ -4,12 +4,15 @@
 //! Lifecycle: connect (URLs in turn, backoff) → declare → consume every queue on its own
 //! channel with a prefetch → for each delivery take a concurrency permit and spawn
 //! `process::handle`. While Redis is unreachable, consumers are cancelled (intake stops)
-//! and `/readyz` fails; they resume when Redis answers. A lost connection is rebuilt.
+//! and `/readyz` fails; they resume when Redis answers. A queue whose pause flag is set is
+//! not consumed (its in-flight jobs finish); every second the flags are read, every 5 s the
+//! worker's heartbeat is written. A lost connection is rebuilt.
 //! On shutdown: cancel consumers, requeue what was prefetched, drain in-flight jobs up to
 //! `worker.shutdown_timeout`, then stop what is left (requeued, claim released) and close.
 
 use chime_shared::amqp;
 use chime_shared::config::{Config, ConfigError};
+use chime_shared::control::{self, Target, WorkerBeat};
 use chime_shared::health::Health;
 use chime_shared::idempotency::IdemStore;
 use chime_shared::topology::{self, TopologyError};
@@ -18,12 +21,14 @@ use futures_util::stream::SelectAll;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
+use redis::AsyncCommands;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::ack::AckBatcher;
 use crate::handler::Registry;
@@ -144,7 +149,8 @@ impl WorkerBuilder {
             }
         }
         let jobs = resolve_jobs(&config, &self.registry, &queues)?;
-        let store = IdemStore::connect(&config.redis, chime_shared::topology::Names::new(&config.prefix))?;
+        let store = IdemStore::connect(&config.redis, chime_shared::topology::Names::new(&config.prefix))?
+            .with_history(&config.history);
         let worker_id = self.worker_id.unwrap_or_else(chime_shared::names::process_name);
         let prefetch =
             config.worker.prefetch.unwrap_or_else(|| u16::try_from(concurrency).unwrap_or(u16::MAX));
@@ -202,6 +208,14 @@ impl Worker {
             self.health.clone(),
             shutdown.clone(),
         ));
+        let steering = tokio::spawn(control(
+            self.core.clone(),
+            self.store.clone(),
+            self.queues.clone(),
+            self.concurrency,
+            self.health.clone(),
+            shutdown.clone(),
+        ));
         info!(worker = %self.core.worker_id, queues = ?self.queues, concurrency = self.concurrency,
             prefetch = self.prefetch, "worker starting");
 
@@ -255,6 +269,7 @@ impl Worker {
             self.drain(&tracker).await;
         }
         monitor.abort();
+        let _ = steering.await;
         self.health.set("consuming", false);
         info!("worker stopped");
         result
@@ -312,6 +327,7 @@ impl Worker {
             broken: CancellationToken::new(),
         };
 
+        let mut paused_rx = self.core.paused.subscribe();
         loop {
             // Intake only while Redis answers: without it no delivery can be decided.
             let redis_ok = *self.redis_rx.borrow();
@@ -323,9 +339,13 @@ impl Worker {
                     _ = shutdown.cancelled() => return Ok(SessionEnd::Shutdown),
                 }
             }
+            let paused = paused_rx.borrow_and_update().clone();
             let mut tags = Vec::new();
             let mut streams = SelectAll::new();
             for (q, ch, acks) in &channels {
+                if paused.contains(q) {
+                    continue;
+                }
                 match self.consume(ch, q).await {
                     Ok(consumer) => {
                         let (queue, acks) = (q.clone(), acks.clone());
@@ -335,12 +355,25 @@ impl Worker {
                     Err(e) => return lost(e),
                 }
             }
+            if !paused.is_empty() {
+                info!(paused = ?paused, "paused queues are not consumed (chime resume queue Q)");
+            }
+            if streams.is_empty() {
+                // Every queue is paused: wait for a resume.
+                self.health.set("consuming", false);
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(SessionEnd::Shutdown),
+                    changed = paused_rx.changed() => if changed.is_err() { return Ok(SessionEnd::Shutdown) },
+                }
+                continue;
+            }
             self.health.set("consuming", true);
             let pause = loop {
                 tokio::select! {
                     biased;
                     _ = shutdown.cancelled() => break Pause::Shutdown,
                     _ = redis_becomes(&mut self.redis_rx, false) => break Pause::Redis,
+                    _ = paused_rx.changed() => break Pause::Steer,
                     _ = outbox.broken.cancelled() => break Pause::Lost("the broker closed the publish channel".into()),
                     next = streams.next() => match next {
                         Some((queue, acks, Ok(delivery))) => {
@@ -393,7 +426,9 @@ impl Worker {
                 let _ = outbox.channel.close(200, "shutdown".into()).await;
                 return Ok(SessionEnd::Shutdown);
             }
-            warn!("redis unreachable: intake paused until it answers");
+            if matches!(pause, Pause::Redis) {
+                warn!("redis unreachable: intake paused until it answers");
+            }
         }
     }
 
@@ -432,7 +467,88 @@ async fn redis_becomes(rx: &mut watch::Receiver<bool>, want: bool) -> bool {
 enum Pause {
     Shutdown,
     Redis,
+    /// A queue was paused or resumed: consume again, the paused queues left out.
+    Steer,
     Lost(String),
+}
+
+/// Every second, reads the pause flags of this worker's queues into [`Core::paused`]; every
+/// [`control::BEAT_EVERY`], writes its heartbeat. The beat is deleted on shutdown.
+async fn control(
+    core: Arc<Core>,
+    store: IdemStore,
+    queues: Vec<String>,
+    concurrency: usize,
+    health: Health,
+    shutdown: CancellationToken,
+) {
+    let mut conn = store.connection();
+    let key = core.names.worker(&core.worker_id);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut last_beat: Option<tokio::time::Instant> = None;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.cancelled() => break,
+        }
+        if let Ok(flags) = control::flags(&mut conn, &core.names, Target::Queue, &queues).await {
+            let now: BTreeSet<String> =
+                queues.iter().zip(&flags).filter(|(_, f)| f.is_some()).map(|(q, _)| q.clone()).collect();
+            core.paused.send_if_modified(|before| {
+                if *before == now {
+                    return false;
+                }
+                for (q, flag) in queues.iter().zip(&flags) {
+                    match (before.contains(q), flag) {
+                        (false, Some(f)) => {
+                            info!(queue = %q, by = %f.by, "queue paused: no longer consuming it")
+                        }
+                        (true, None) => info!(queue = %q, "queue resumed: consuming it again"),
+                        _ => {}
+                    }
+                }
+                *before = now.clone();
+                true
+            });
+        }
+        if last_beat.is_none_or(|t| t.elapsed() >= control::BEAT_EVERY) {
+            last_beat = Some(tokio::time::Instant::now());
+            let beat = heartbeat(&core, &queues, concurrency, &health);
+            let ttl = u64::try_from(control::BEAT_TTL.as_millis()).unwrap_or(15_000);
+            let json = serde_json::to_string(&beat).unwrap_or_default();
+            let written: redis::RedisResult<()> = conn.pset_ex(&key, json, ttl).await;
+            if let Err(e) = written {
+                debug!(error = %e, "heartbeat not written");
+            }
+        }
+    }
+    let _: redis::RedisResult<()> = conn.del(&key).await;
+}
+
+fn heartbeat(core: &Core, queues: &[String], concurrency: usize, health: &Health) -> WorkerBeat {
+    let stats = &core.stats;
+    let mut running: Vec<_> =
+        core.running.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+    running.sort_by_key(|r| r.started_at);
+    WorkerBeat {
+        id: core.worker_id.clone(),
+        host: gethostname::gethostname().to_string_lossy().into_owned(),
+        pid: std::process::id(),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        queues: queues.to_vec(),
+        paused: core.paused.borrow().iter().cloned().collect(),
+        concurrency,
+        started_at: core.started_at,
+        seen_at: chrono::Utc::now(),
+        consuming: health.get("consuming"),
+        settled: [
+            Stats::get(&stats.succeeded),
+            Stats::get(&stats.retried),
+            Stats::get(&stats.dead_lettered),
+            Stats::get(&stats.duplicates),
+        ],
+        running,
+    }
 }
 
 /// Pings Redis every second (every 250 ms while it is down) and publishes the result.

@@ -3,11 +3,12 @@
 //! consumers) both build on it without depending on each other.
 
 use chime_shared::config::{BackoffConfig, Config, ConfigError};
+use chime_shared::control::Running;
 use chime_shared::telemetry::{self, outcome};
 use chime_shared::topology::Names;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -175,6 +176,24 @@ pub(crate) struct Core {
     pub intake_stopped: CancellationToken,
     /// Cancelled at the drain deadline: stop running handlers.
     pub hard_stop: CancellationToken,
+    /// Jobs running now, by owner token (for the heartbeat).
+    pub running: Mutex<HashMap<String, Running>>,
+    /// Queues whose pause flag is set: not consumed.
+    pub paused: watch::Sender<BTreeSet<String>>,
+    /// When this worker started.
+    pub started_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Removes a run from [`Core::running`] when dropped.
+pub(crate) struct RunningGuard<'a> {
+    core: &'a Core,
+    owner: String,
+}
+
+impl Drop for RunningGuard<'_> {
+    fn drop(&mut self) {
+        self.core.running.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.owner);
+    }
 }
 
 impl Core {
@@ -192,7 +211,16 @@ impl Core {
             redis_ok: watch::channel(false).0,
             intake_stopped: CancellationToken::new(),
             hard_stop: CancellationToken::new(),
+            running: Mutex::new(HashMap::new()),
+            paused: watch::channel(BTreeSet::new()).0,
+            started_at: chrono::Utc::now(),
         }
+    }
+
+    /// Registers a run for the heartbeat until the guard is dropped.
+    pub fn running(&self, owner: &str, run: Running) -> RunningGuard<'_> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner()).insert(owner.to_string(), run);
+        RunningGuard { core: self, owner: owner.to_string() }
     }
 
     pub fn job(&self, name: &str) -> Option<Arc<JobSpec>> {

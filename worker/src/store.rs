@@ -7,6 +7,7 @@ use chime_shared::amqp::{self, AmqpError};
 use chime_shared::config::QueueType;
 use chime_shared::delay;
 use chime_shared::envelope::Envelope;
+use chime_shared::history::RunEvent;
 use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, IdemStore, Recorded, Renewal};
 use chime_shared::topology::Names;
 use lapin::types::FieldTable;
@@ -35,9 +36,19 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
         fence: u64,
         dead: &DeadInfo,
     ) -> impl Future<Output = Result<Recorded, IdemError>> + Send;
+    /// Whether settled runs are recorded in the history.
+    fn records_history(&self) -> bool;
+    /// Records a settled run (best-effort; nobody waits).
+    fn record_run(&self, event: &RunEvent);
 }
 
 impl KeyStore for IdemStore {
+    fn records_history(&self) -> bool {
+        IdemStore::records_history(self)
+    }
+    fn record_run(&self, event: &RunEvent) {
+        IdemStore::record_run(self, event)
+    }
     fn lease(&self) -> Duration {
         IdemStore::lease(self)
     }

@@ -6,6 +6,8 @@
 //!   Advanced with a max, so two leaders in a split brain can never move it backwards.
 
 use chime_shared::config::RedisConfig;
+use chime_shared::control::{self, Target};
+use chime_shared::topology::Names;
 use redis::Script;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use std::collections::HashMap;
@@ -90,6 +92,9 @@ pub struct TickerStore {
     conn: ConnectionManager,
     leader_key: String,
     wm_key: String,
+    /// `<job>:missed` and `<job>:paused` → slots counted so far (for `status` and the
+    /// dashboard; the metrics say the same per process).
+    counts_key: String,
 }
 
 impl TickerStore {
@@ -104,6 +109,7 @@ impl TickerStore {
             conn: ConnectionManager::new_lazy_with_config(client, cm)?,
             leader_key: format!("{prefix}:ticker:leader"),
             wm_key: format!("{prefix}:ticker:wm"),
+            counts_key: format!("{prefix}:ticker:counts"),
         })
     }
 
@@ -166,5 +172,45 @@ impl TickerStore {
         }
         let _: i64 = inv.invoke_async(&mut c).await?;
         Ok(())
+    }
+
+    /// Pause flags of these schedules, in order (`true`: paused).
+    pub async fn paused(&self, names: &Names, jobs: &[String]) -> Result<Vec<bool>, redis::RedisError> {
+        let mut c = self.conn.clone();
+        let flags = control::flags(&mut c, names, Target::Schedule, jobs).await?;
+        Ok(flags.iter().map(Option::is_some).collect())
+    }
+
+    /// Adds `n` to a job's `missed` or `paused` count (best-effort).
+    pub async fn count(&self, job: &str, what: &str, n: u64) {
+        let mut c = self.conn.clone();
+        let r: Result<i64, _> = redis::cmd("HINCRBY")
+            .arg(&self.counts_key)
+            .arg(format!("{job}:{what}"))
+            .arg(n)
+            .query_async(&mut c)
+            .await;
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "slot count not recorded");
+        }
+    }
+
+    /// Every job's `missed` and `paused` counts.
+    pub async fn counts(&self) -> Result<HashMap<String, (u64, u64)>, redis::RedisError> {
+        let mut c = self.conn.clone();
+        let raw: HashMap<String, u64> =
+            redis::cmd("HGETALL").arg(&self.counts_key).query_async(&mut c).await?;
+        let mut out: HashMap<String, (u64, u64)> = HashMap::new();
+        for (field, n) in raw {
+            if let Some((job, what)) = field.rsplit_once(':') {
+                let e = out.entry(job.to_string()).or_default();
+                match what {
+                    "missed" => e.0 += n,
+                    "paused" => e.1 += n,
+                    _ => {}
+                }
+            }
+        }
+        Ok(out)
     }
 }

@@ -378,6 +378,7 @@ impl Ticker {
                     for (job, n) in &plan.missed {
                         warn!(%job, missed = n, "slots outside the catch-up window or skipped by the catch-up policy");
                         metrics::counter!(telemetry::SLOTS_MISSED, "job" => job.clone()).increment(*n as u64);
+                        self.store.count(job, "missed", *n as u64).await;
                     }
                     info!(jobs = jobs.len(), "planned");
                     return Some(plan);
@@ -407,8 +408,26 @@ impl Ticker {
         let timeout = config.amqp.publish_timeout;
         let mut pending = Vec::with_capacity(due.len());
         let mut healthy = true;
-        for (i, slot) in due {
+        // Paused schedules: their slots are skipped and count as handled (the watermark
+        // moves on), so neither a resume nor a new leader runs them late.
+        let due_jobs: Vec<String> =
+            due.iter().filter_map(|(i, _)| jobs.get(*i).map(|j| j.name.clone())).collect();
+        let paused: Vec<bool> = match self.store.paused(names, &due_jobs).await {
+            Ok(p) => p,
+            Err(e) => {
+                warn!(error = %e, "cannot read pause flags; publishing");
+                vec![false; due_jobs.len()]
+            }
+        };
+        let mut skipped = Vec::new();
+        for ((i, slot), paused) in due.into_iter().zip(paused.into_iter().chain(std::iter::repeat(false))) {
             let Some(job) = jobs.get(i) else { continue };
+            if paused {
+                debug!(job = %job.name, %slot, "schedule paused: slot skipped");
+                metrics::counter!(telemetry::SLOTS_PAUSED, "job" => job.name.clone()).increment(1);
+                skipped.push((i, slot));
+                continue;
+            }
             let key = envelope::scheduled_key(&job.name, slot);
             let env = Envelope::new(
                 &job.name,
@@ -455,6 +474,12 @@ impl Ticker {
                 plan.heap.push(Reverse((retry_at.timestamp_millis(), slot.timestamp(), i)));
             }
         }
+        for (i, _) in &skipped {
+            if let Some(job) = jobs.get(*i) {
+                self.store.count(&job.name, "paused", 1).await;
+            }
+        }
+        confirmed.extend(skipped);
         let marks: Vec<(&str, i64)> = confirmed
             .iter()
             .filter_map(|(i, slot)| jobs.get(*i).map(|j| (j.name.as_str(), slot.timestamp())))

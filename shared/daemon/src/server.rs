@@ -62,6 +62,16 @@ pub async fn serve(
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_route))
         .with_state(AppState { health, metrics });
+    serve_router(listener, app, token).await
+}
+
+/// Serves `app` on `listener` with the same bounds (connection cap, header timeout,
+/// connection lifetime) until `token` is cancelled.
+pub async fn serve_router(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    token: CancellationToken,
+) -> std::io::Result<()> {
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let accepted = tokio::select! {
@@ -72,7 +82,7 @@ pub async fn serve(
             Ok((stream, _)) => stream,
             Err(e) => {
                 // Out of file descriptors, say: keep serving once some are back.
-                tracing::warn!(error = %e, "health server cannot accept a connection");
+                tracing::warn!(error = %e, "server cannot accept a connection");
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }

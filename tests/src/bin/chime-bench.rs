@@ -10,7 +10,8 @@
 //! Scenarios: publish (raw vs EnqueueClient), consume (raw per-message ack + chime's 2 scripts,
 //! or 2 plain SETs, vs 1/2/4 chime-worker processes), latency (enqueue → handler start at
 //! steady rates), duplicates, ticker (100,000 schedules); opt-in: properties (the broker's
-//! cost of each AMQP property of the envelope).
+//! cost of each AMQP property of the envelope), history (the run history's cost on the drain
+//! rate, and its memory per event).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chime_producer::EnqueueClient;
@@ -403,6 +404,19 @@ async fn chime_drain(
     procs: usize,
     dup: bool,
 ) -> Drain {
+    chime_drain_with(env, queue_type, client, n, procs, dup, "").await
+}
+
+/// [`chime_drain`] with `extra` config sections (`[history]`, …) added.
+async fn chime_drain_with(
+    env: &TestEnv,
+    queue_type: &str,
+    client: Option<&EnqueueClient>,
+    n: usize,
+    procs: usize,
+    dup: bool,
+    extra: &str,
+) -> Drain {
     if let Some(client) = client {
         let batch = envelopes(n, dup);
         assert_eq!(client.publish_batch(&batch).await.confirmed, n);
@@ -412,7 +426,7 @@ async fn chime_drain(
         queue_type,
         "",
         &format!("concurrency = 32\nprefetch = 64\nthreads = {threads}"),
-        "[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n",
+        &format!("{extra}[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n"),
     );
     let path = env.write_config(&text);
     let ports: Vec<u16> = (0..procs).map(|_| free_port()).collect();
@@ -810,6 +824,46 @@ async fn main() {
                 median(rates)
             );
         }
+    }
+
+    // Opt-in (--only history): the run history's cost on one worker's drain rate, history
+    // on and off interleaved; and its memory per event.
+    if o.only.as_ref().is_some_and(|v| v.iter().any(|x| x == "history")) {
+        let env = TestEnv::new("bench-hist");
+        let config = Arc::new(bench_config(&env, &qt, ""));
+        let client = EnqueueClient::connect(config.clone()).await.unwrap();
+        let n = 20_000 * secs as usize;
+        let (mut on, mut off, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        for r in 0..o.runs {
+            progress(&format!("history: off, run {}/{} ({n} jobs)", r + 1, o.runs));
+            let a =
+                chime_drain_with(&env, &qt, Some(&client), n, 1, false, "[history]\nenabled = false\n").await;
+            progress(&format!("history: on, run {}/{} ({n} jobs)", r + 1, o.runs));
+            let b = chime_drain_with(&env, &qt, Some(&client), n, 1, false, "").await;
+            ratios.push(b.rate / a.rate);
+            off.push(a.rate);
+            on.push(b.rate);
+        }
+        progress("");
+        let mut r = connect_redis(&env.redis_url).await;
+        let stream = env.names().history("default");
+        let len: u64 = redis::cmd("XLEN").arg(&stream).query_async(&mut r).await.unwrap();
+        let bytes: u64 = redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(&stream)
+            .arg("SAMPLES")
+            .arg(0)
+            .query_async(&mut r)
+            .await
+            .unwrap();
+        println!(
+            "history  drain, 1 worker: off {:.0} jobs/s, on {:.0} jobs/s: {:.3}x with history   stream: {len} events, {:.0} bytes/event ({:.0} MiB per million)",
+            median(off),
+            median(on),
+            median(ratios),
+            bytes as f64 / len.max(1) as f64,
+            bytes as f64 / len.max(1) as f64 * 1e6 / 1_048_576.0
+        );
     }
 
     if want("latency") {

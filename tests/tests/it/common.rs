@@ -112,6 +112,16 @@ pub async fn depth(queue: &str) -> u32 {
     d
 }
 
+/// Waits until `queue` holds exactly `n` ready messages.
+pub async fn wait_depth(queue: &str, n: u32, within: Duration) {
+    let q = queue.to_string();
+    wait_until(&format!("{n} messages in {queue}"), within, || {
+        let q = q.clone();
+        async move { depth(&q).await == n }
+    })
+    .await;
+}
+
 /// State (`run`, `done`, `dead`, `free`) of an idempotency key in Redis.
 pub async fn idem_state(env: &TestEnv, key: &str) -> Option<String> {
     let mut r = connect_redis(&env.redis_url).await;

@@ -13,15 +13,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::common::*;
 
-async fn wait_depth(queue: &str, n: u32, within: Duration) {
-    let q = queue.to_string();
-    wait_until(&format!("{n} messages in {queue}"), within, || {
-        let q = q.clone();
-        async move { depth(&q).await == n }
-    })
-    .await;
-}
-
 /// Publishes raw bytes to a prefix's work exchange, as a careless or hostile publisher would.
 async fn publish_raw(env: &TestEnv, body: &[u8]) {
     let conn = connect_amqp().await;

@@ -17,5 +17,6 @@ mod redis_outage;
 mod reliability;
 mod retries;
 mod runtime;
+mod steer;
 mod ticker;
 mod topology;

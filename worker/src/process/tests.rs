@@ -10,6 +10,7 @@ use crate::state::resolve_jobs;
 use chime_shared::amqp::AmqpError;
 use chime_shared::config::Config;
 use chime_shared::envelope::{Source, adhoc_key};
+use chime_shared::history::{Outcome, RunEvent};
 use chime_shared::idempotency::{Claim, IdemError};
 use futures_util::future::BoxFuture;
 use std::collections::HashMap;
@@ -36,6 +37,8 @@ struct FakeStore {
     /// `finish` fails (Redis went away after the claim).
     finish_down: AtomicBool,
     lease_ms: u64,
+    /// Runs recorded in the history.
+    events: Mutex<Vec<RunEvent>>,
 }
 
 impl FakeStore {
@@ -65,6 +68,12 @@ impl FakeStore {
 }
 
 impl KeyStore for FakeStore {
+    fn records_history(&self) -> bool {
+        true
+    }
+    fn record_run(&self, event: &RunEvent) {
+        self.events.lock().unwrap().push(event.clone());
+    }
     fn lease(&self) -> Duration {
         Duration::from_millis(self.lease_ms)
     }
@@ -447,6 +456,29 @@ async fn every_claim_outcome_attempt_and_publish_result_settles_by_the_table() {
                     }
                     let ran = h.runs.load(Ordering::SeqCst);
                     assert_eq!(ran, usize::from(before == Before::Fresh), "{case}: handler runs");
+                    // History: one event per decided outcome, none for duplicates, redelays
+                    // or a delivery given back without a decision.
+                    let events = h.store.events.lock().unwrap().clone();
+                    let want = match (settle, sent) {
+                        ("ack", Some("retry")) => Some(Outcome::Retried),
+                        ("ack", Some("dead")) => Some(Outcome::DeadLettered),
+                        ("ack", None) if before == Before::Fresh => Some(Outcome::Succeeded),
+                        _ => None,
+                    };
+                    assert_eq!(
+                        events.iter().map(|e| e.outcome).collect::<Vec<_>>(),
+                        Vec::from_iter(want),
+                        "{case}: history"
+                    );
+                    if let Some(e) = events.first() {
+                        assert_eq!(
+                            (e.key.as_str(), e.attempt, e.job.as_str()),
+                            (key.as_str(), env.attempt, "job"),
+                            "{case}"
+                        );
+                        assert_eq!(e.started_at.is_some(), before == Before::Fresh, "{case}: ran iff fresh");
+                        assert_eq!(e.error.is_some(), want != Some(Outcome::Succeeded), "{case}: error kept");
+                    }
                     checked += 1;
                 }
             }

@@ -146,8 +146,11 @@ pub async fn run(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> 
         options: None,
     };
     // Validate before connecting, so a bad request never touches the broker.
-    prepare(&config, &req).map_err(from_enqueue)?;
-    let client = EnqueueClient::connect(config).await.map_err(from_enqueue)?;
+    let key = prepare(&config, &req).map_err(from_enqueue)?.envelope.key;
+    // Asked before publishing: a worker may settle this very copy a moment later.
+    let settled =
+        if args.key.is_some() { settled_keys(&config, &[key.to_string()]).await } else { Vec::new() };
+    let client = EnqueueClient::connect(config.clone()).await.map_err(from_enqueue)?;
     let done = client.enqueue(req).await.map_err(from_enqueue)?;
     if args.json {
         println!(
@@ -160,7 +163,45 @@ pub async fn run(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> 
             done.job, done.queue, done.key, done.id
         );
     }
+    warn_settled(&settled);
     Ok(())
+}
+
+/// A key that already ran to an end: the key, `done` or `dead`, and when.
+type Settled = (String, String, Option<chrono::DateTime<chrono::Utc>>);
+
+/// The keys among `keys` that already ran to an end: their new copies will be absorbed as
+/// duplicates. Empty when Redis cannot be asked.
+async fn settled_keys(config: &Config, keys: &[String]) -> Vec<Settled> {
+    let Ok(reader) = super::history::reader(config).await else { return Vec::new() };
+    let Ok(states) = reader.states(keys).await else { return Vec::new() };
+    keys.iter()
+        .zip(states)
+        .filter_map(|(k, s)| s.filter(|(s, _)| s == "done" || s == "dead").map(|(s, t)| (k.clone(), s, t)))
+        .collect()
+}
+
+/// Warns (on stderr; the exit code stays 0) about copies that will be absorbed, which
+/// otherwise look like fresh jobs that never run.
+fn warn_settled(settled: &[Settled]) {
+    match settled {
+        [] => {}
+        [(key, state, at)] => {
+            let when = at.map(|t| format!(" at {}", t.format("%Y-%m-%d %H:%M:%S UTC"))).unwrap_or_default();
+            let fate = if state == "dead" {
+                "it was dead-lettered; `chime dlq replay` runs it again"
+            } else {
+                "it will not run again; use a new --key to run the job again"
+            };
+            eprintln!(
+                "warning: key {key} is already {state}{when}: this copy will be absorbed as a duplicate ({fate})"
+            );
+        }
+        many => eprintln!(
+            "warning: {} of these keys already ran to an end (done or dead): their copies will be absorbed as duplicates",
+            many.len()
+        ),
+    }
 }
 
 async fn enqueue_batch(
@@ -204,9 +245,16 @@ async fn enqueue_batch(
     for (i, r) in reqs.iter().enumerate() {
         prepare(&config, r).map_err(|e| usage(anyhow::anyhow!("{source} entry {}: {e}", i + 1)))?;
     }
-    let client = EnqueueClient::connect(config).await.map_err(from_enqueue)?;
+    let keyed: Vec<String> = reqs
+        .iter()
+        .filter(|r| r.key.is_some())
+        .filter_map(|r| prepare(&config, r).ok().map(|p| p.envelope.key.to_string()))
+        .collect();
+    let settled = if keyed.is_empty() { Vec::new() } else { settled_keys(&config, &keyed).await };
+    let client = EnqueueClient::connect(config.clone()).await.map_err(from_enqueue)?;
     let started = Instant::now();
     let report = client.enqueue_batch(&reqs).await.map_err(from_enqueue)?;
+    warn_settled(&settled);
     let secs = started.elapsed().as_secs_f64();
     if args.json {
         println!(

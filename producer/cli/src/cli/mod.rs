@@ -4,7 +4,9 @@
 mod dlq;
 mod enqueue;
 mod failure;
+mod history;
 mod ops;
+mod steer;
 mod table;
 mod watch;
 
@@ -52,6 +54,28 @@ pub enum Command {
     /// Inspect, replay and purge dead letters (over AMQP; no plugin needed)
     #[command(subcommand)]
     Dlq(dlq::DlqCommand),
+    /// Runs that finished: when, where, how (newest first)
+    History(history::HistoryArgs),
+    /// One key: its idempotency record, its runs and its dead letter
+    Inspect(history::InspectArgs),
+    /// Live workers (from their heartbeats) and the jobs they are running
+    Workers {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop consuming a queue, or stop publishing a schedule's slots (kept in Redis)
+    #[command(subcommand)]
+    Pause(steer::PauseTarget),
+    /// Undo `chime pause`
+    #[command(subcommand)]
+    Resume(steer::ResumeTarget),
+    /// Run a job now, ad hoc, with its configured payload (a new key)
+    Run {
+        /// Job name
+        job: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Watch DLQ depths and raise alerts (log and webhook); until SIGTERM/SIGINT
     Watch {
         /// Serve /metrics, /livez and /readyz here
@@ -91,5 +115,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Tick { listen } => ops::tick(config, path, listen).await,
         Command::Jobs(cmd) => ops::jobs(&config, cmd),
         Command::Status { json } => ops::status(config, json).await,
+        Command::History(args) => history::history(config, args).await,
+        Command::Inspect(args) => history::inspect(config, args).await,
+        Command::Workers { json } => steer::workers(config, json).await,
+        Command::Pause(target) => steer::pause(config, target, &chime_shared::control::operator()).await,
+        Command::Resume(target) => steer::resume(config, target).await,
+        Command::Run { job, json } => steer::run_now(config, job, json).await,
     }
 }

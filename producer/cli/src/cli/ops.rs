@@ -17,6 +17,7 @@ use super::failure::{Failure, runtime, usage};
 use super::table;
 use crate::lease::TickerStore;
 use crate::ticker::{Ticker, scheduled_jobs};
+use chime_shared::control::{self, Target};
 
 #[derive(Debug, Subcommand)]
 pub enum JobsCommand {
@@ -167,6 +168,7 @@ struct QueueRow {
     ready: u32,
     consumers: u32,
     dlq: u32,
+    paused: Option<chime_shared::control::PauseFlag>,
 }
 
 #[derive(serde::Serialize)]
@@ -174,6 +176,7 @@ struct JobRow {
     job: String,
     last_published: Option<String>,
     next_due: Option<String>,
+    paused: Option<chime_shared::control::PauseFlag>,
 }
 
 /// `chime status`: depths, consumers, the leader and per-job slots.
@@ -184,7 +187,7 @@ pub async fn status(config: Config, json: bool) -> Result<(), Failure> {
     for q in config.all_queues() {
         let (ready, consumers) = topology::depth(&conn, &names.work_queue(&q)).await.unwrap_or((0, 0));
         let dlq = topology::depth(&conn, &names.dlq(&q)).await.map(|d| d.0).unwrap_or(0);
-        queues.push(QueueRow { queue: q, ready, consumers, dlq });
+        queues.push(QueueRow { queue: q, ready, consumers, dlq, paused: None });
     }
     let mut delayed = 0u64;
     for level in 0..delay::LEVELS {
@@ -202,6 +205,7 @@ pub async fn status(config: Config, json: bool) -> Result<(), Failure> {
         .map(|j| {
             let last = marks.get(&j.name).and_then(|s| DateTime::from_timestamp(*s, 0));
             JobRow {
+                paused: None,
                 last_published: last.map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
                 next_due: j
                     .schedule
@@ -211,8 +215,21 @@ pub async fn status(config: Config, json: bool) -> Result<(), Failure> {
             }
         })
         .collect();
+    let mut jobs = jobs;
+    let mut redis = super::history::reader(&config).await?.connection();
+    let queue_names: Vec<String> = queues.iter().map(|q| q.queue.clone()).collect();
+    let flags = control::flags(&mut redis, &names, Target::Queue, &queue_names).await.map_err(runtime)?;
+    for (q, f) in queues.iter_mut().zip(flags) {
+        q.paused = f;
+    }
+    let job_names: Vec<String> = jobs.iter().map(|j| j.job.clone()).collect();
+    let flags = control::flags(&mut redis, &names, Target::Schedule, &job_names).await.map_err(runtime)?;
+    for (j, f) in jobs.iter_mut().zip(flags) {
+        j.paused = f;
+    }
+    let workers = control::workers(&mut redis, &names).await.map_err(runtime)?;
     if json {
-        let v = serde_json::json!({"leader": leader, "queues": queues, "delayed": delayed, "jobs": jobs});
+        let v = serde_json::json!({"leader": leader, "queues": queues, "delayed": delayed, "jobs": jobs, "workers": workers});
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Ok(());
     }
@@ -226,20 +243,31 @@ pub async fn status(config: Config, json: bool) -> Result<(), Failure> {
         None => println!("leader: none (no ticker holds the lease)"),
     }
     println!();
-    let mut t = table::new(["QUEUE", "READY", "CONSUMERS", "DLQ"], &["READY", "CONSUMERS", "DLQ"]);
+    let paused = |f: &Option<chime_shared::control::PauseFlag>| {
+        f.as_ref().map(|f| format!("paused by {}", f.by)).unwrap_or_default()
+    };
+    let mut t = table::new(["QUEUE", "READY", "CONSUMERS", "DLQ", ""], &["READY", "CONSUMERS", "DLQ"]);
     for q in &queues {
-        t.add_row([q.queue.clone(), q.ready.to_string(), q.consumers.to_string(), q.dlq.to_string()]);
+        t.add_row([
+            q.queue.clone(),
+            q.ready.to_string(),
+            q.consumers.to_string(),
+            q.dlq.to_string(),
+            paused(&q.paused),
+        ]);
     }
     table::print(&t);
     println!("delayed (retries and --delay, every prefix on this virtual host): {delayed}");
     if !jobs.is_empty() {
         println!();
-        let mut t = table::new(["JOB", "LAST PUBLISHED (UTC)", "NEXT DUE (UTC)"], &[]);
+        let mut t = table::new(["JOB", "LAST PUBLISHED (UTC)", "NEXT DUE (UTC)", ""], &[]);
         for j in &jobs {
             let or_dash = |v: &Option<String>| v.as_deref().unwrap_or("-").to_string();
-            t.add_row([j.job.clone(), or_dash(&j.last_published), or_dash(&j.next_due)]);
+            t.add_row([j.job.clone(), or_dash(&j.last_published), or_dash(&j.next_due), paused(&j.paused)]);
         }
         table::print(&t);
     }
+    println!();
+    super::steer::print_workers(&workers);
     Ok(())
 }

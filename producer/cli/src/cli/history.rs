@@ -1,0 +1,280 @@
+//! `chime history` (what ran) and `chime inspect` (one key: its record, its runs, its dead
+//! letter).
+
+use chime_shared::config::{Config, escape_control};
+use chime_shared::history::{HistoryReader, KeyRecord, Outcome, Query, RunEvent};
+use chime_shared::topology::Names;
+use chrono::{DateTime, Utc};
+use clap::Args;
+use std::sync::Arc;
+use uuid::Uuid;
+
+use super::failure::{Failure, runtime, usage};
+use super::table;
+use crate::dlq::{DlqClient, Filter};
+
+#[derive(Debug, Args)]
+pub struct HistoryArgs {
+    /// Only this job
+    #[arg(long)]
+    pub job: Option<String>,
+    /// Only this idempotency key (a UUID)
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Only this queue
+    #[arg(long)]
+    pub queue: Option<String>,
+    /// Only this outcome: succeeded, retried, dead_lettered, expired, stopped, lost_lease
+    #[arg(long)]
+    pub outcome: Option<String>,
+    /// Only runs that finished within this long ("1h", "2d")
+    #[arg(long, value_name = "DUR")]
+    pub since: Option<String>,
+    /// Only runs older than this stream entry (the next page of a search)
+    #[arg(long, value_name = "ENTRY")]
+    pub before: Option<String>,
+    /// At most this many runs, newest first
+    #[arg(long, default_value_t = 50)]
+    pub limit: usize,
+    /// Print JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// The idempotency key (a UUID, as printed by `chime enqueue` and `chime history`)
+    #[arg(required_unless_present = "job", conflicts_with = "job")]
+    pub key: Option<String>,
+    /// Derive the key from a job name and the `--key` given to `chime enqueue`
+    #[arg(long, requires = "user_key")]
+    pub job: Option<String>,
+    /// With `--job`: the key given to `chime enqueue --key`
+    #[arg(long = "key", value_name = "K", id = "user_key")]
+    pub user_key: Option<String>,
+    /// Print JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn reader(config: &Config) -> Result<HistoryReader, Failure> {
+    HistoryReader::connect(&config.redis, Names::new(&config.prefix))
+        .await
+        .map_err(|e| runtime(anyhow::anyhow!("redis: {}", chime_shared::config::redact_text(&e.to_string()))))
+}
+
+/// A `--key` argument: a UUID.
+fn parse_key(text: &str) -> Result<Uuid, Failure> {
+    Uuid::parse_str(text.trim()).map_err(|_| {
+        usage(anyhow::anyhow!(
+            "{:?} is not an idempotency key (a UUID); to derive one from `chime enqueue --key K`, \
+             use `chime inspect --job JOB --key K`",
+            escape_control(text)
+        ))
+    })
+}
+
+/// The query `args` describe.
+pub fn query(args: &HistoryArgs) -> Result<Query, Failure> {
+    let outcome = args
+        .outcome
+        .as_deref()
+        .map(|o| {
+            Outcome::parse(o).ok_or_else(|| {
+                let all: Vec<&str> = Outcome::ALL.iter().map(|o| o.as_str()).collect();
+                usage(anyhow::anyhow!("--outcome {o:?}: expected one of {}", all.join(", ")))
+            })
+        })
+        .transpose()?;
+    let since = args
+        .since
+        .as_deref()
+        .map(|d| {
+            chime_shared::duration::parse(d).map_err(|e| usage(anyhow::anyhow!("--since: {e}"))).and_then(
+                |d| chrono::Duration::from_std(d).map_err(|e| usage(anyhow::anyhow!("--since: {e}"))),
+            )
+        })
+        .transpose()?
+        .map(|d| Utc::now() - d);
+    let key = args.key.as_deref().map(parse_key).transpose()?.map(|k| k.to_string());
+    if args.limit == 0 {
+        return Err(usage(anyhow::anyhow!("--limit must be at least 1")));
+    }
+    Ok(Query {
+        queue: args.queue.clone(),
+        job: args.job.clone(),
+        key,
+        outcome,
+        since,
+        before: args.before.clone(),
+        limit: args.limit,
+    })
+}
+
+fn at(t: DateTime<Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S%.3f").to_string()
+}
+
+fn cut(s: &str, n: usize) -> String {
+    let one_line = escape_control(&s.replace('\n', " ")).into_owned();
+    if one_line.chars().count() <= n {
+        one_line
+    } else {
+        format!("{}…", one_line.chars().take(n - 1).collect::<String>())
+    }
+}
+
+/// Runs as a table, newest first.
+pub fn print_runs(events: &[RunEvent]) {
+    let mut t = table::new(
+        ["FINISHED (UTC)", "JOB", "QUEUE", "OUTCOME", "ATT", "TOOK", "WORKER", "KEY", "ERROR"],
+        &["ATT", "TOOK"],
+    );
+    for e in events {
+        let took =
+            e.duration_ms.map(|ms| format!("{:.3}s", ms as f64 / 1000.0)).unwrap_or_else(|| "-".into());
+        let error = match (&e.reason, &e.error) {
+            (Some(r), Some(err)) => format!("{r}: {err}"),
+            (Some(r), None) => r.clone(),
+            (None, Some(err)) => err.clone(),
+            (None, None) => String::new(),
+        };
+        t.add_row([
+            at(e.finished_at),
+            cut(if e.job.is_empty() { "-" } else { &e.job }, 32),
+            e.queue.clone(),
+            e.outcome.as_str().to_string(),
+            format!("{}/{}", e.attempt, e.max_attempts),
+            took,
+            cut(&e.worker, 28),
+            if e.key.is_empty() { "-".into() } else { e.key.clone() },
+            cut(&error, 60),
+        ]);
+    }
+    table::print(&t);
+}
+
+pub async fn history(config: Config, args: HistoryArgs) -> Result<(), Failure> {
+    let q = query(&args)?;
+    let reader = reader(&config).await?;
+    let found = reader.search(&config.all_queues(), &q).await.map_err(runtime)?;
+    if args.json {
+        let out = serde_json::json!({"runs": found.events, "scanned": found.scanned, "more_before": found.truncated});
+        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+        return Ok(());
+    }
+    if found.events.is_empty() {
+        println!("no runs found");
+    } else {
+        print_runs(&found.events);
+    }
+    if let Some(entry) = found.truncated {
+        eprintln!(
+            "searched the newest {} entries; older runs may match: add --before {entry}",
+            found.scanned
+        );
+    }
+    Ok(())
+}
+
+pub async fn inspect(config: Config, args: InspectArgs) -> Result<(), Failure> {
+    let key = match (&args.key, &args.job, &args.user_key) {
+        (Some(k), _, _) => parse_key(k)?,
+        (None, Some(job), Some(k)) => chime_shared::envelope::adhoc_key(job, k),
+        _ => return Err(usage(anyhow::anyhow!("give a KEY, or --job JOB --key K"))),
+    };
+    let reader = reader(&config).await?;
+    let record = reader.record(&key.to_string()).await.map_err(runtime)?;
+    // The DLQs the key's runs name (every queue when none ran here).
+    let mut queues: Vec<String> = record.runs.iter().map(|r| r.queue.clone()).collect();
+    queues.sort();
+    queues.dedup();
+    if queues.is_empty() {
+        queues = config.all_queues();
+    }
+    let config = Arc::new(config);
+    let dlq = DlqClient::connect(config.clone()).await.map_err(runtime)?;
+    let filter = Filter { keys: vec![key], ..Filter::default() };
+    let mut dead = Vec::new();
+    for q in &queues {
+        dead.extend(dlq.list(q, &filter).await.map_err(runtime)?);
+    }
+    dlq.close().await;
+    if args.json {
+        let dead: Vec<_> = dead
+            .iter()
+            .map(|d| serde_json::json!({"id": d.id, "queue": d.queue, "reason": d.reason, "error": d.error}))
+            .collect();
+        let out = serde_json::json!({"key": key, "record": record, "dead_letters": dead});
+        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+        return Ok(());
+    }
+    print_record(&key, &record);
+    if dead.is_empty() {
+        println!(
+            "dead letters: none in {}",
+            queues.iter().map(|q| format!("{q}'s DLQ")).collect::<Vec<_>>().join(", ")
+        );
+    } else {
+        for d in &dead {
+            println!(
+                "dead letter: {} in {}'s DLQ ({}{}) — `chime dlq replay {}` runs it again",
+                d.id,
+                d.queue,
+                d.reason,
+                d.error.as_deref().map(|e| format!(": {}", cut(e, 80))).unwrap_or_default(),
+                d.id
+            );
+        }
+    }
+    Ok(())
+}
+
+fn print_record(key: &Uuid, r: &KeyRecord) {
+    println!("key       {key}");
+    let Some(state) = &r.state else {
+        println!("record    none: never claimed, or expired after redis.done_retention (or Redis lost it)");
+        return print_key_runs(r);
+    };
+    let meaning = match state.as_str() {
+        "run" => "running (claimed; its owner renews the lease)",
+        "done" => "done: later copies are absorbed as duplicates",
+        "dead" => "dead: dead-lettered; later copies are absorbed until it is replayed",
+        "dying" => "dying: its dead letter is being published (a later copy publishes it again)",
+        "free" => "free: released for a retry",
+        _ => "unknown state",
+    };
+    println!("state     {state} — {meaning}");
+    if let Some(o) = &r.owner {
+        println!("owner     {o}");
+    }
+    if let Some(f) = r.fence {
+        println!("fence     {f}");
+    }
+    if let Some(t) = r.claimed_at {
+        println!("claimed   {} UTC", at(t));
+    }
+    if let Some(t) = r.finished_at {
+        println!("finished  {} UTC", at(t));
+    }
+    if let Some(t) = r.lease_until {
+        println!("lease     until {} UTC", at(t));
+    }
+    if let Some(ms) = r.expires_in_ms {
+        let left = std::time::Duration::from_secs(u64::try_from(ms / 1000).unwrap_or(0));
+        println!("expires   in {}", chime_shared::duration::format(left));
+    }
+    if let Some(reason) = &r.dying_reason {
+        println!("dying     reason {reason}");
+    }
+    print_key_runs(r);
+}
+
+fn print_key_runs(r: &KeyRecord) {
+    if r.runs.is_empty() {
+        println!("runs      none recorded (history off, or the record expired)");
+    } else {
+        println!("runs      (oldest first)");
+        print_runs(&r.runs);
+    }
+}

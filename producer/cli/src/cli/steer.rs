@@ -1,0 +1,254 @@
+//! `chime pause|resume (queue Q | schedule J)`, `chime run JOB` and `chime workers`.
+
+use chime_producer::{EnqueueClient, EnqueueRequest};
+use chime_shared::config::{CatchUp, Config};
+use chime_shared::control::{self, PauseFlag, Target, WorkerBeat};
+use chime_shared::envelope::{self, Envelope, Source};
+use chime_shared::topology::Names;
+use chrono::{DateTime, Utc};
+use clap::Subcommand;
+use std::sync::Arc;
+
+use super::failure::{Failure, from_enqueue, runtime, usage};
+use super::table;
+use crate::ticker::scheduled_jobs;
+
+#[derive(Debug, Subcommand)]
+pub enum PauseTarget {
+    /// Workers stop consuming the queue within about a second (running jobs finish)
+    Queue {
+        /// Logical queue name
+        name: String,
+    },
+    /// The ticker skips the job's slots (counted in chime_slots_paused_total)
+    Schedule {
+        /// Job name
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ResumeTarget {
+    /// Workers consume the queue again
+    Queue {
+        /// Logical queue name
+        name: String,
+    },
+    /// The ticker publishes the job's slots again, from the next one on
+    Schedule {
+        /// Job name
+        name: String,
+        /// Also publish the slots skipped while paused (within the job's catch-up window and
+        /// by its catch-up policy)
+        #[arg(long)]
+        catch_up: bool,
+    },
+}
+
+async fn redis(config: &Config) -> Result<redis::aio::MultiplexedConnection, Failure> {
+    Ok(super::history::reader(config).await?.connection())
+}
+
+fn check_queue(config: &Config, name: &str) -> Result<(), Failure> {
+    if config.all_queues().iter().any(|q| q == name) {
+        Ok(())
+    } else {
+        Err(usage(anyhow::anyhow!(
+            "queue {name:?} is not a queue of this config (queues: {})",
+            config.all_queues().join(", ")
+        )))
+    }
+}
+
+fn check_schedule(config: &Config, name: &str) -> Result<(), Failure> {
+    match config.job(name) {
+        Some(j) if j.schedule.is_some() => Ok(()),
+        Some(_) => Err(usage(anyhow::anyhow!("job {name:?} has no schedule (it runs ad hoc only)"))),
+        None => Err(usage(anyhow::anyhow!("unknown job {name:?} (not in the config's [[jobs]])"))),
+    }
+}
+
+fn since(flag: &PauseFlag) -> String {
+    format!("since {} by {}", flag.at.format("%Y-%m-%d %H:%M:%S UTC"), flag.by)
+}
+
+pub async fn pause(config: Config, target: PauseTarget, by: &str) -> Result<(), Failure> {
+    let (kind, name) = match &target {
+        PauseTarget::Queue { name } => {
+            check_queue(&config, name)?;
+            (Target::Queue, name)
+        }
+        PauseTarget::Schedule { name } => {
+            check_schedule(&config, name)?;
+            (Target::Schedule, name)
+        }
+    };
+    let names = Names::new(&config.prefix);
+    let mut conn = redis(&config).await?;
+    let earlier = control::pause(&mut conn, &names, kind, name, by).await.map_err(runtime)?;
+    let what = if kind == Target::Queue { "queue" } else { "schedule" };
+    match earlier {
+        Some(flag) => println!("{what} {name} was already paused ({})", since(&flag)),
+        None if kind == Target::Queue => {
+            println!(
+                "paused queue {name}: workers stop consuming it within about a second; running jobs finish"
+            )
+        }
+        None => println!(
+            "paused schedule {name}: the ticker skips its slots until `chime resume schedule {name}`"
+        ),
+    }
+    Ok(())
+}
+
+pub async fn resume(config: Config, target: ResumeTarget) -> Result<(), Failure> {
+    let names = Names::new(&config.prefix);
+    match target {
+        ResumeTarget::Queue { name } => {
+            check_queue(&config, &name)?;
+            let mut conn = redis(&config).await?;
+            match control::resume(&mut conn, &names, Target::Queue, &name).await.map_err(runtime)? {
+                Some(flag) => println!(
+                    "resumed queue {name} (paused {}): workers consume it again within about a second",
+                    since(&flag)
+                ),
+                None => println!("queue {name} was not paused"),
+            }
+        }
+        ResumeTarget::Schedule { name, catch_up } => {
+            check_schedule(&config, &name)?;
+            let mut conn = redis(&config).await?;
+            let flag = control::resume(&mut conn, &names, Target::Schedule, &name).await.map_err(runtime)?;
+            let Some(flag) = flag else {
+                println!("schedule {name} was not paused");
+                return Ok(());
+            };
+            println!("resumed schedule {name} (paused {})", since(&flag));
+            if catch_up {
+                let n = catch_up_paused(Arc::new(config), &name, flag.at, Utc::now()).await?;
+                println!("published {n} slot(s) skipped while paused");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Publishes the slots of `job` in `(from, until]` that its catch-up policy and window allow,
+/// under their scheduled keys (a slot that did run is absorbed as a duplicate).
+async fn catch_up_paused(
+    config: Arc<Config>,
+    job: &str,
+    from: DateTime<Utc>,
+    until: DateTime<Utc>,
+) -> Result<usize, Failure> {
+    let jobs = scheduled_jobs(&config).map_err(|(j, e)| usage(anyhow::anyhow!("job {j}: {e}")))?;
+    let Some(j) = jobs.iter().find(|j| j.name == job) else { return Ok(0) };
+    let window = chrono::Duration::from_std(j.window).unwrap_or(chrono::Duration::hours(1));
+    let from = from.max(until - window);
+    let mut slots = j.schedule.slots_between(from, until, 100_000);
+    match j.catch_up {
+        CatchUp::All => {}
+        CatchUp::Latest => slots = slots.split_off(slots.len().saturating_sub(1)),
+        CatchUp::None => {
+            println!("job {job} has catch_up = \"none\": nothing to publish");
+            return Ok(0);
+        }
+    }
+    let client = EnqueueClient::connect(config.clone()).await.map_err(from_enqueue)?;
+    for slot in &slots {
+        let env = Envelope::new(
+            &j.name,
+            &j.queue,
+            envelope::scheduled_key(&j.name, *slot),
+            j.payload.clone(),
+            Some(*slot),
+            j.max_attempts,
+            Source::Schedule,
+        );
+        client.publish(&env, std::time::Duration::ZERO).await.map_err(from_enqueue)?;
+    }
+    Ok(slots.len())
+}
+
+/// `chime run JOB`: the job now, ad hoc, with its configured payload and a key of its own.
+pub async fn run_now(config: Config, job: String, json: bool) -> Result<(), Failure> {
+    if config.job(&job).is_none() {
+        return Err(usage(anyhow::anyhow!("unknown job {job:?} (not in the config's [[jobs]])")));
+    }
+    let client = EnqueueClient::connect(Arc::new(config)).await.map_err(from_enqueue)?;
+    let done = client.enqueue(EnqueueRequest::new(&job)).await.map_err(from_enqueue)?;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"confirmed": true, "id": done.id, "key": done.key, "job": done.job, "queue": done.queue})
+        );
+    } else {
+        println!("triggered {} now on queue {} (key {}), confirmed", done.job, done.queue, done.key);
+    }
+    Ok(())
+}
+
+/// The live workers, oldest heartbeat first.
+pub async fn list_workers(config: &Config) -> Result<Vec<WorkerBeat>, Failure> {
+    let mut conn = redis(config).await?;
+    control::workers(&mut conn, &Names::new(&config.prefix)).await.map_err(runtime)
+}
+
+/// Workers as a table.
+pub fn print_workers(workers: &[WorkerBeat]) {
+    if workers.is_empty() {
+        println!(
+            "no live workers (none has written a heartbeat in the last {}s)",
+            control::BEAT_TTL.as_secs()
+        );
+        return;
+    }
+    let now = Utc::now();
+    let mut t = table::new(
+        ["WORKER", "VERSION", "QUEUES", "PAUSED", "CONC", "RUNNING", "DONE", "UP", "SEEN"],
+        &["CONC", "RUNNING", "DONE"],
+    );
+    for w in workers {
+        let up = (now - w.started_at).to_std().unwrap_or_default();
+        let seen = (now - w.seen_at).num_seconds().max(0);
+        t.add_row([
+            w.id.clone(),
+            w.version.clone(),
+            w.queues.join(","),
+            if w.paused.is_empty() { "-".into() } else { w.paused.join(",") },
+            w.concurrency.to_string(),
+            w.running.len().to_string(),
+            w.settled[0].to_string(),
+            chime_shared::duration::format(std::time::Duration::from_secs(up.as_secs())),
+            format!("{seen}s ago"),
+        ]);
+    }
+    table::print(&t);
+    let running: Vec<_> = workers.iter().flat_map(|w| w.running.iter().map(move |r| (w, r))).collect();
+    if !running.is_empty() {
+        println!();
+        let mut t = table::new(["RUNNING JOB", "KEY", "QUEUE", "ATT", "FOR", "WORKER"], &["ATT", "FOR"]);
+        for (w, r) in running {
+            let secs = (now - r.started_at).num_milliseconds().max(0) as f64 / 1000.0;
+            t.add_row([
+                r.job.clone(),
+                r.key.clone(),
+                r.queue.clone(),
+                r.attempt.to_string(),
+                format!("{secs:.1}s"),
+                w.id.clone(),
+            ]);
+        }
+        table::print(&t);
+    }
+}
+
+pub async fn workers(config: Config, json: bool) -> Result<(), Failure> {
+    let workers = list_workers(&config).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&workers).unwrap_or_default());
+    } else {
+        print_workers(&workers);
+    }
+    Ok(())
+}

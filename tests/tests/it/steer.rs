@@ -1,0 +1,404 @@
+//! Seeing and steering: run history, `chime inspect`, worker heartbeats, pause and resume of
+//! queues and schedules, `chime run`.
+
+use chime_worker::{JobContext, JobError, Registry, raw_handler_fn};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::common::*;
+
+/// `count` (records `payload.n`) and `doomed` (fails for good).
+fn registry(ledger: &Ledger) -> Registry {
+    let mut r = counting_registry(ledger);
+    r.register("doomed", raw_handler_fn(|_, _| async { Err(JobError::permanent("the invoice is empty")) }));
+    r
+}
+
+const JOBS: &str = "[[jobs]]\nname = \"count\"\nhandler = \"count\"\n\
+                    [[jobs]]\nname = \"doomed\"\nhandler = \"doomed\"\n";
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_and_inspect_answer_did_it_run_and_how() {
+    let env = TestEnv::new("history");
+    let text = env.config_text("classic", "", "", JOBS);
+    let path = env.write_config(&text);
+    let ledger = Ledger::default();
+    let worker = Running::start(env.config("classic", "", "", JOBS), registry(&ledger), 4).await;
+
+    let (code, out, err) =
+        chime(&path, &["enqueue", "count", "--key", "manual-1", "--payload", r#"{"n":1}"#], None);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(!err.contains("warning"), "a fresh key: {err}");
+    let l = ledger.clone();
+    wait_until("count ran", Duration::from_secs(20), || {
+        let l = l.clone();
+        async move { l.get(1) == 1 }
+    })
+    .await;
+    // The second enqueue of the same key says why nothing will happen.
+    let key = chime_shared::envelope::adhoc_key("count", "manual-1").to_string();
+    let e = env.names().idem_key(&key);
+    wait_until("done recorded", Duration::from_secs(10), || {
+        let (env, e) = (&env, e.clone());
+        async move {
+            let mut r = connect_redis(&env.redis_url).await;
+            let s: Option<String> = redis::cmd("HGET").arg(&e).arg("s").query_async(&mut r).await.unwrap();
+            s.as_deref() == Some("done")
+        }
+    })
+    .await;
+    let (code, _, err) =
+        chime(&path, &["enqueue", "count", "--key", "manual-1", "--payload", r#"{"n":1}"#], None);
+    assert_eq!(code, 0, "a warning, not an error");
+    assert!(
+        err.contains(&format!("warning: key {key} is already done at ")) && err.contains("new --key"),
+        "{err}"
+    );
+
+    let (code, out, err) = chime(&path, &["enqueue", "doomed", "--key", "inv-7", "--json"], None);
+    assert_eq!(code, 0, "{err}");
+    let doomed_key = json(&out)["key"].as_str().unwrap().to_string();
+    wait_depth(&env.names().dlq("default"), 1, Duration::from_secs(20)).await;
+
+    // History, newest first: the dead letter with its reason and error, the success, and
+    // the absorbed duplicate recorded nowhere.
+    let runs = || {
+        let (code, out, err) = chime(&path, &["history", "--json"], None);
+        assert_eq!(code, 0, "{err}");
+        json(&out)["runs"].as_array().cloned().unwrap_or_default()
+    };
+    wait_until("both runs in the history", Duration::from_secs(10), || {
+        let n = runs().len();
+        async move { n == 2 }
+    })
+    .await;
+    let all = runs();
+    assert_eq!(all[0]["job"], "doomed");
+    assert_eq!(all[0]["outcome"], "dead_lettered");
+    assert_eq!(all[0]["reason"], "permanent");
+    assert!(all[0]["error"].as_str().unwrap().contains("the invoice is empty"), "{all:?}");
+    assert_eq!(all[1]["job"], "count");
+    assert_eq!(all[1]["outcome"], "succeeded");
+    assert_eq!(all[1]["key"], key.as_str());
+    assert_eq!(all[1]["attempt"], 1);
+    assert!(all[1]["worker"].as_str().is_some_and(|w| !w.is_empty()));
+    assert!(all[1]["started_at"].is_string() && all[1]["duration_ms"].is_number());
+    let (_, out, _) = chime(&path, &["history", "--outcome", "dead_lettered"], None);
+    assert!(out.contains("doomed") && !out.contains(" count "), "{out}");
+    let (_, out, _) = chime(&path, &["history", "--job", "count", "--json"], None);
+    assert_eq!(json(&out)["runs"].as_array().unwrap().len(), 1);
+    let (code, _, err) = chime(&path, &["history", "--outcome", "exploded"], None);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("dead_lettered"), "the valid outcomes are listed: {err}");
+
+    // One key: derived from the job and the user's key.
+    let (code, out, err) = chime(&path, &["inspect", "--job", "count", "--key", "manual-1"], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&key) && out.contains("state     done"), "{out}");
+    assert!(out.contains("succeeded") && out.contains("dead letters: none"), "{out}");
+    let (code, out, err) = chime(&path, &["inspect", &doomed_key, "--json"], None);
+    assert_eq!(code, 0, "{err}");
+    let v = json(&out);
+    assert_eq!(v["record"]["state"], "dead");
+    assert_eq!(v["record"]["runs"][0]["outcome"], "dead_lettered");
+    assert_eq!(v["dead_letters"].as_array().unwrap().len(), 1, "its copy in the DLQ: {v}");
+    assert!(v["record"]["expires_in_ms"].as_i64().unwrap() > 0);
+    let (code, out, _) = chime(&path, &["inspect", "00000000-0000-0000-0000-000000000000"], None);
+    assert_eq!(code, 0);
+    assert!(out.contains("record    none"), "{out}");
+    let (code, _, err) = chime(&path, &["inspect", "manual-1"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("--job JOB --key K"), "{err}");
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_can_be_switched_off() {
+    let env = TestEnv::new("history-off");
+    let ledger = Ledger::default();
+    let config = env.config("classic", "", "", &format!("[history]\nenabled = false\n{JOBS}"));
+    let worker = Running::start(config.clone(), registry(&ledger), 4).await;
+    let client = chime_producer::EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    client
+        .enqueue(chime_producer::EnqueueRequest::new("count").payload(serde_json::json!({"n": 5})))
+        .await
+        .unwrap();
+    let l = ledger.clone();
+    wait_until("count ran", Duration::from_secs(20), || {
+        let l = l.clone();
+        async move { l.get(5) == 1 }
+    })
+    .await;
+    worker.stop().await;
+    let mut r = connect_redis(&env.redis_url).await;
+    let len: u64 = redis::cmd("XLEN").arg(env.names().history("default")).query_async(&mut r).await.unwrap();
+    assert_eq!(len, 0, "nothing recorded");
+}
+
+/// Redis stream length of the prefix's `default` history.
+async fn history_len(env: &TestEnv) -> u64 {
+    let mut r = connect_redis(&env.redis_url).await;
+    redis::cmd("XLEN").arg(env.names().history("default")).query_async(&mut r).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_are_capped_by_length_and_age() {
+    let env = TestEnv::new("history-cap");
+    // Tiny caps: 100 entries; a 1 s age (trimmed every 64 events).
+    let jobs = format!("[history]\nmax_len = 100\nmax_age = \"1s\"\n{JOBS}");
+    let config = env.config("classic", "", "", &jobs);
+    let ledger = Ledger::default();
+    let worker = Running::start(config.clone(), registry(&ledger), 32).await;
+    let client = chime_producer::EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+    let reqs: Vec<_> = (0..1000)
+        .map(|n| chime_producer::EnqueueRequest::new("count").payload(serde_json::json!({ "n": n })))
+        .collect();
+    client.enqueue_batch(&reqs).await.unwrap();
+    let l = ledger.clone();
+    wait_until("1000 ran", Duration::from_secs(60), || {
+        let l = l.clone();
+        async move { l.distinct() == 1000 }
+    })
+    .await;
+    let e = &env;
+    wait_until("all 1000 events written", Duration::from_secs(10), || async move {
+        let mut r = connect_redis(&e.redis_url).await;
+        let added: Vec<redis::Value> = redis::cmd("XINFO")
+            .arg("STREAM")
+            .arg(e.names().history("default"))
+            .query_async(&mut r)
+            .await
+            .unwrap();
+        // `entries-added` (Redis 7): every event ever appended.
+        let i = added.iter().position(|v| matches!(v, redis::Value::BulkString(b) if b == b"entries-added"));
+        i.and_then(|i| redis::from_redis_value::<u64>(added[i + 1].clone()).ok()) == Some(1000)
+    })
+    .await;
+    let len = history_len(&env).await;
+    assert!(len < 1000, "capped by length (approximately, in whole nodes): {len}");
+    // Age: once every event is older than 1 s, the next trim (every 64 events) drops them.
+    let written = std::time::Instant::now();
+    wait_until("the events are older than max_age", Duration::from_secs(5), || async move {
+        written.elapsed() > Duration::from_millis(1100)
+    })
+    .await;
+    client.enqueue_batch(&reqs[..200]).await.unwrap();
+    wait_until("old events trimmed by age", Duration::from_secs(30), || {
+        let e = &env;
+        async move { history_len(e).await <= 200 }
+    })
+    .await;
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_are_listed_with_their_running_jobs_and_vanish_when_stopped() {
+    let env = TestEnv::new("workers");
+    let jobs =
+        "[[jobs]]\nname = \"slow\"\nhandler = \"exec\"\ncommand = [\"sleep\", \"30\"]\ntimeout = \"60s\"\n";
+    let path = env.write_config(&env.config_text("classic", "", "", jobs));
+    let mut worker = Child::worker(&env.dir, &path, &["--concurrency", "3"], "w");
+    let (code, out, err) = chime(&path, &["enqueue", "slow", "--json"], None);
+    assert_eq!(code, 0, "{err}");
+    let key = json(&out)["key"].as_str().unwrap().to_string();
+    let p = path.clone();
+    wait_until("the running job in the heartbeat", Duration::from_secs(20), || {
+        let (_, out, _) = chime(&p, &["workers", "--json"], None);
+        let k = key.clone();
+        async move {
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+            v[0]["running"][0]["key"] == k.as_str()
+        }
+    })
+    .await;
+    let (_, out, _) = chime(&path, &["workers", "--json"], None);
+    let w = &json(&out)[0];
+    assert_eq!(w["pid"], worker.pid());
+    assert_eq!(w["concurrency"], 3);
+    assert_eq!(w["queues"], serde_json::json!(["default"]));
+    assert_eq!(w["running"][0]["job"], "slow");
+    let (_, out, _) = chime(&path, &["workers"], None);
+    assert!(out.contains("RUNNING JOB") && out.contains("slow"), "{out}");
+    let (_, out, _) = chime(&path, &["status"], None);
+    assert!(out.contains(&w["id"].as_str().unwrap().to_string()), "status lists the workers: {out}");
+    worker.signal(libc::SIGKILL);
+    worker.child_exited();
+    // A killed worker's beat expires; a stopped one deletes it (tested by the in-process
+    // workers of the pause test). Here: gone within the TTL.
+    wait_until("the dead worker disappears", Duration::from_secs(30), || {
+        let (_, out, _) = chime(&path, &["workers", "--json"], None);
+        async move { out.trim() == "[]" }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_queue_is_not_consumed_until_resumed() {
+    let env = TestEnv::new("pause-q");
+    let path = env.write_config(&env.config_text("classic", "", "", JOBS));
+    let ledger = Ledger::default();
+    let worker = Running::start(env.config("classic", "", "", JOBS), registry(&ledger), 4).await;
+    let (code, out, err) = chime(&path, &["pause", "queue", "default"], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("paused queue default"), "{out}");
+    let h = worker.health.clone();
+    wait_until("the worker stopped consuming", Duration::from_secs(10), || {
+        let h = h.clone();
+        async move { !h.get("consuming") }
+    })
+    .await;
+    let conn = connect_amqp().await;
+    let consumers = || async {
+        chime_shared::topology::depth(&conn, &env.names().work_queue("default")).await.map(|d| d.1).unwrap()
+    };
+    assert_eq!(consumers().await, 0, "no consumer on a paused queue");
+    let batch: String = (0..5).map(|n| format!("{{\"n\":{n}}}\n")).collect();
+    let (code, _, err) = chime(&path, &["enqueue", "count", "--batch", "-"], Some(&batch));
+    assert_eq!(code, 0, "{err}");
+    let (_, out, _) = chime(&path, &["status"], None);
+    assert!(out.contains("paused by"), "{out}");
+    let (_, out, _) = chime(&path, &["pause", "queue", "default"], None);
+    assert!(out.contains("already paused"), "{out}");
+    assert_eq!(depth(&env.names().work_queue("default")).await, 5, "waiting, not consumed");
+    assert_eq!(ledger.distinct(), 0);
+    let (code, out, _) = chime(&path, &["resume", "queue", "default"], None);
+    assert_eq!(code, 0);
+    assert!(out.contains("resumed queue default"), "{out}");
+    let l = ledger.clone();
+    wait_until("the 5 jobs ran after the resume", Duration::from_secs(20), || {
+        let l = l.clone();
+        async move { l.distinct() == 5 }
+    })
+    .await;
+    assert_eq!(consumers().await, 1);
+    let (code, _, err) = chime(&path, &["pause", "queue", "nope"], None);
+    assert_eq!(code, 2, "an unknown queue is named: {err}");
+    let _ = conn.close(200, "".into()).await;
+    worker.stop().await;
+    let mut r = connect_redis(&env.redis_url).await;
+    let beats: u32 = redis::cmd("EXISTS")
+        .arg(env.names().worker(&chime_shared::names::process_name()))
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    assert_eq!(beats, 0, "a stopped worker deletes its heartbeat");
+}
+
+/// A scheduled job whose runs record their slot.
+fn slot_registry(slots: &Arc<Mutex<BTreeSet<i64>>>) -> Registry {
+    let s = slots.clone();
+    let mut r = Registry::new();
+    r.register(
+        "tick",
+        raw_handler_fn(move |ctx: JobContext, _| {
+            let s = s.clone();
+            async move {
+                if let Some(slot) = ctx.slot() {
+                    s.lock().unwrap().insert(slot.timestamp());
+                }
+                Ok::<_, JobError>(())
+            }
+        }),
+    );
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_schedule_skips_its_slots_and_resume_catches_up_only_when_asked() {
+    let env = TestEnv::new("pause-s");
+    let jobs = "[[jobs]]\nname = \"tick\"\nhandler = \"tick\"\nschedule = \"* * * * * *\"\n";
+    let path = env.write_config(&env.config_text("classic", "", "", jobs));
+    let slots = Arc::new(Mutex::new(BTreeSet::new()));
+    let worker = Running::start(env.config("classic", "", "", jobs), slot_registry(&slots), 8).await;
+    let _ticker = Child::ticker(&env.dir, &path, &[], "t");
+    let s = slots.clone();
+    wait_until("slots run", Duration::from_secs(30), || {
+        let s = s.clone();
+        async move { s.lock().unwrap().len() >= 2 }
+    })
+    .await;
+    let paused_count = || async {
+        let mut r = connect_redis(&env.redis_url).await;
+        let n: Option<u64> = redis::cmd("HGET")
+            .arg(format!("{}:ticker:counts", env.prefix))
+            .arg("tick:paused")
+            .query_async(&mut r)
+            .await
+            .unwrap();
+        n.unwrap_or(0)
+    };
+
+    // Pause, no catch-up: the skipped slots never run.
+    let (code, _, err) = chime(&path, &["pause", "schedule", "tick"], None);
+    assert_eq!(code, 0, "{err}");
+    wait_until("3 slots skipped", Duration::from_secs(20), || async { paused_count().await >= 3 }).await;
+    let (code, out, _) = chime(&path, &["resume", "schedule", "tick"], None);
+    assert_eq!(code, 0);
+    assert!(out.contains("resumed schedule tick"), "{out}");
+    let skipped_until = chrono::Utc::now().timestamp();
+    let s = slots.clone();
+    wait_until("slots run again", Duration::from_secs(20), || {
+        let s = s.clone();
+        async move { s.lock().unwrap().range(skipped_until + 1..).count() >= 2 }
+    })
+    .await;
+    let ran: Vec<i64> = slots.lock().unwrap().iter().copied().collect();
+    let gaps = ran.windows(2).filter(|w| w[1] - w[0] > 1).count();
+    assert_eq!(gaps, 1, "one hole where the schedule was paused: {ran:?}");
+    let hole = ran.windows(2).find(|w| w[1] - w[0] > 1).map(|w| w[1] - w[0] - 1).unwrap();
+    assert!(hole >= 3, "at least the 3 counted slots were skipped: {ran:?}");
+
+    // Pause, then resume with --catch-up: the skipped slots are published after all.
+    let before = paused_count().await;
+    let (code, _, _) = chime(&path, &["pause", "schedule", "tick"], None);
+    assert_eq!(code, 0);
+    wait_until("3 more slots skipped", Duration::from_secs(20), || async {
+        paused_count().await >= before + 3
+    })
+    .await;
+    let (code, out, err) = chime(&path, &["resume", "schedule", "tick", "--catch-up"], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("slot(s) skipped while paused"), "{out}");
+    let s = slots.clone();
+    let last_hole_end = chrono::Utc::now().timestamp();
+    wait_until("the caught-up slots ran", Duration::from_secs(20), || {
+        let s = s.clone();
+        async move {
+            let ran: Vec<i64> = s.lock().unwrap().range(..last_hole_end).copied().collect();
+            let holes = ran.windows(2).filter(|w| w[1] - w[0] > 1).count();
+            holes == 1 // only the first pause's hole is left
+        }
+    })
+    .await;
+    worker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_triggers_a_job_now_with_a_key_of_its_own() {
+    let env = TestEnv::new("run-now");
+    let jobs =
+        "[[jobs]]\nname = \"count\"\nhandler = \"count\"\nschedule = \"0 3 * * *\"\npayload = { n = 42 }\n";
+    let path = env.write_config(&env.config_text("classic", "", "", jobs));
+    let ledger = Ledger::default();
+    let worker = Running::start(env.config("classic", "", "", jobs), counting_registry(&ledger), 2).await;
+    let (code, out, err) = chime(&path, &["run", "count", "--json"], None);
+    assert_eq!(code, 0, "{err}");
+    let first = json(&out)["key"].as_str().unwrap().to_string();
+    let (code, out, _) = chime(&path, &["run", "count", "--json"], None);
+    assert_eq!(code, 0);
+    assert_ne!(json(&out)["key"].as_str().unwrap(), first, "each run is a new key");
+    let l = ledger.clone();
+    wait_until("both runs, with the configured payload", Duration::from_secs(20), || {
+        let l = l.clone();
+        async move { l.get(42) == 2 }
+    })
+    .await;
+    let (code, _, err) = chime(&path, &["run", "nope"], None);
+    assert_eq!(code, 2, "{err}");
+    worker.stop().await;
+}
