@@ -148,31 +148,73 @@ pub async fn flags<C: ConnectionLike + Send>(
     Ok(texts.into_iter().map(|t| t.map(|t| parse_flag(&t))).collect())
 }
 
-/// Every live worker of the prefix, by id.
+/// Writes (or refreshes) a worker's heartbeat: its key with [`BEAT_TTL`] and its entry in the
+/// workers index.
+pub async fn beat<C: ConnectionLike + Send>(
+    conn: &mut C,
+    names: &Names,
+    beat: &WorkerBeat,
+) -> redis::RedisResult<()> {
+    let ttl = u64::try_from(BEAT_TTL.as_millis()).unwrap_or(15_000);
+    let until = Utc::now().timestamp_millis() + i64::try_from(ttl).unwrap_or(15_000);
+    redis::pipe()
+        .cmd("SET")
+        .arg(names.worker(&beat.id))
+        .arg(serde_json::to_string(beat).unwrap_or_default())
+        .arg("PX")
+        .arg(ttl)
+        .ignore()
+        .cmd("ZADD")
+        .arg(names.workers_index())
+        .arg(until)
+        .arg(&beat.id)
+        .ignore()
+        .query_async(conn)
+        .await
+}
+
+/// Removes a worker's heartbeat (on a clean shutdown).
+pub async fn unregister<C: ConnectionLike + Send>(
+    conn: &mut C,
+    names: &Names,
+    id: &str,
+) -> redis::RedisResult<()> {
+    redis::pipe()
+        .cmd("DEL")
+        .arg(names.worker(id))
+        .ignore()
+        .cmd("ZREM")
+        .arg(names.workers_index())
+        .arg(id)
+        .ignore()
+        .query_async(conn)
+        .await
+}
+
+/// Every live worker of the prefix, by id: the index, then the heartbeats that have not
+/// expired. Index entries a minute past their heartbeat's expiry are dropped.
 pub async fn workers<C: ConnectionLike + Send>(
     conn: &mut C,
     names: &Names,
 ) -> redis::RedisResult<Vec<WorkerBeat>> {
-    let mut keys = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(names.workers_pattern())
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(conn)
-            .await?;
-        keys.extend(batch);
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
-    if keys.is_empty() {
+    let index = names.workers_index();
+    let stale = Utc::now().timestamp_millis() - 60_000;
+    let (ids,): (Vec<String>,) = redis::pipe()
+        .cmd("ZREMRANGEBYSCORE")
+        .arg(&index)
+        .arg("-inf")
+        .arg(stale)
+        .ignore()
+        .cmd("ZRANGE")
+        .arg(&index)
+        .arg(0)
+        .arg(-1)
+        .query_async(conn)
+        .await?;
+    if ids.is_empty() {
         return Ok(Vec::new());
     }
+    let keys: Vec<String> = ids.iter().map(|id| names.worker(id)).collect();
     let texts: Vec<Option<String>> = redis::cmd("MGET").arg(&keys).query_async(conn).await?;
     let mut beats: Vec<WorkerBeat> =
         texts.into_iter().flatten().filter_map(|t| serde_json::from_str(&t).ok()).collect();

@@ -336,13 +336,15 @@ impl HistoryReader {
         };
         let floor = q.since.map(|t| t.timestamp_millis().to_string()).unwrap_or_else(|| "-".into());
         let (mut out, mut scanned) = (Vec::new(), 0usize);
+        // Without a filter beyond the range, the first `limit` entries are the answer.
+        let page_size = if q.job.is_none() && q.outcome.is_none() { q.limit.clamp(1, PAGE) } else { PAGE };
         loop {
             let page: Vec<(String, Vec<String>)> = redis::cmd("XREVRANGE")
                 .arg(&stream)
                 .arg(&end)
                 .arg(&floor)
                 .arg("COUNT")
-                .arg(PAGE)
+                .arg(page_size)
                 .query_async(&mut conn)
                 .await?;
             let n = page.len();
@@ -360,7 +362,7 @@ impl HistoryReader {
                 }
             }
             let Some((last, _)) = page.last() else { return Ok((out, scanned, None)) };
-            if n < PAGE {
+            if n < page_size {
                 return Ok((out, scanned, None));
             }
             if scanned >= self.budget {
@@ -378,6 +380,26 @@ impl HistoryReader {
         let bytes: Option<u64> =
             redis::cmd("MEMORY").arg("USAGE").arg(&stream).query_async(&mut conn).await?;
         Ok((len, bytes))
+    }
+
+    /// Events ever added to `queue`'s stream (`XINFO STREAM` `entries-added`, Redis 7; 0 if
+    /// the stream does not exist yet), for rates.
+    pub async fn entries_added(&self, queue: &str) -> redis::RedisResult<u64> {
+        let stream = self.names.history(queue);
+        let mut conn = self.conn.clone();
+        let info: redis::RedisResult<HashMap<String, redis::Value>> =
+            redis::cmd("XINFO").arg("STREAM").arg(&stream).query_async(&mut conn).await;
+        match info {
+            Ok(map) => match map.get("entries-added") {
+                Some(redis::Value::Int(n)) => Ok(u64::try_from(*n).unwrap_or(0)),
+                _ => Err(redis::RedisError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "no entries-added (Redis < 7)",
+                ))),
+            },
+            Err(e) if e.to_string().contains("no such key") => Ok(0),
+            Err(e) => Err(e),
+        }
     }
 
     /// The connection, for the other Redis reads of the CLI and the dashboard.

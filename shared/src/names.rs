@@ -82,9 +82,10 @@ impl Names {
     pub fn worker(&self, id: &str) -> String {
         format!("{}:workers:{id}", self.prefix)
     }
-    /// `SCAN` pattern of every worker heartbeat of this prefix.
-    pub fn workers_pattern(&self) -> String {
-        format!("{}:workers:*", self.prefix)
+    /// Redis sorted set of the worker ids that wrote a heartbeat (score: when it expires, in
+    /// Unix ms), so listing workers never scans the keyspace.
+    pub fn workers_index(&self) -> String {
+        format!("{}:workers-index", self.prefix)
     }
     /// Redis key of the pause flag of a queue.
     pub fn paused_queue(&self, queue: &str) -> String {

@@ -80,6 +80,7 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 /// exchange the test declared and every Redis key under its prefix.
 pub mod proxy;
 pub mod reliability;
+pub mod webdriver;
 
 pub struct TestEnv {
     pub prefix: String,
@@ -402,7 +403,14 @@ impl Child {
     }
 
     /// Runs `cmd --config CONFIG args…` with debug logs into `dir/TAG.log`.
-    fn run(mut cmd: tokio::process::Command, dir: &Path, config: &Path, args: &[&str], tag: &str) -> Self {
+    /// Spawns `cmd --config CONFIG args…`, logging to a file in `dir`.
+    pub fn run(
+        mut cmd: tokio::process::Command,
+        dir: &Path,
+        config: &Path,
+        args: &[&str],
+        tag: &str,
+    ) -> Self {
         let log = dir.join(format!("{tag}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let child = cmd

@@ -21,7 +21,6 @@ use futures_util::stream::SelectAll;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
-use redis::AsyncCommands;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -483,7 +482,6 @@ async fn control(
     shutdown: CancellationToken,
 ) {
     let mut conn = store.connection();
-    let key = core.names.worker(&core.worker_id);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut last_beat: Option<tokio::time::Instant> = None;
     loop {
@@ -514,15 +512,12 @@ async fn control(
         if last_beat.is_none_or(|t| t.elapsed() >= control::BEAT_EVERY) {
             last_beat = Some(tokio::time::Instant::now());
             let beat = heartbeat(&core, &queues, concurrency, &health);
-            let ttl = u64::try_from(control::BEAT_TTL.as_millis()).unwrap_or(15_000);
-            let json = serde_json::to_string(&beat).unwrap_or_default();
-            let written: redis::RedisResult<()> = conn.pset_ex(&key, json, ttl).await;
-            if let Err(e) = written {
+            if let Err(e) = control::beat(&mut conn, &core.names, &beat).await {
                 debug!(error = %e, "heartbeat not written");
             }
         }
     }
-    let _: redis::RedisResult<()> = conn.del(&key).await;
+    let _ = control::unregister(&mut conn, &core.names, &core.worker_id).await;
 }
 
 fn heartbeat(core: &Core, queues: &[String], concurrency: usize, health: &Health) -> WorkerBeat {

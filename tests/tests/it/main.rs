@@ -20,3 +20,4 @@ mod runtime;
 mod steer;
 mod ticker;
 mod topology;
+mod web;

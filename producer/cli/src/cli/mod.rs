@@ -9,6 +9,7 @@ mod ops;
 mod steer;
 mod table;
 mod watch;
+mod web;
 
 use chime_shared::config::Config;
 use clap::{Parser, Subcommand};
@@ -76,6 +77,8 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The dashboard: overview, schedules, running jobs, history, keys and dead letters
+    Web(web::WebArgs),
     /// Watch DLQ depths and raise alerts (log and webhook); until SIGTERM/SIGINT
     Watch {
         /// Serve /metrics, /livez and /readyz here
@@ -121,5 +124,6 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Pause(target) => steer::pause(config, target, &chime_shared::control::operator()).await,
         Command::Resume(target) => steer::resume(config, target).await,
         Command::Run { job, json } => steer::run_now(config, job, json).await,
+        Command::Web(args) => web::run(config, args).await,
     }
 }
