@@ -313,10 +313,10 @@ impl Default for AlertsConfig {
 pub struct HistoryConfig {
     /// Record runs (default `true`).
     pub enabled: bool,
-    /// Most events kept per queue (default 1,000,000; trimmed in whole stream nodes, so a few
-    /// hundred more may stay).
+    /// Most runs kept per queue (default 1,000,000): the stream is cut to `max_len / 8`
+    /// entries of up to 8 runs ([`crate::history::RUNS_PER_ENTRY`]).
     pub max_len: u64,
-    /// Events older than this are trimmed (default 24 h; lazily, as new events arrive).
+    /// Runs older than this are trimmed (default 24 h; as new runs are written).
     #[serde(deserialize_with = "duration::de")]
     pub max_age: Duration,
     /// Runs kept in a key's record for `chime inspect` (default 20, at most 100).

@@ -1,11 +1,13 @@
 //! Run history: what ran, where, when, and how it ended.
 //!
-//! Workers write one [`RunEvent`] per settled run to a Redis stream per queue
-//! (`<prefix>:history:<queue>`, `XADD … MAXLEN ~ history.max_len`, and `XTRIM … MINID ~` for
-//! `history.max_age`), and the same event into the key's idempotency record (field `run:<n>`,
-//! the last `history.runs_per_key` kept), so one key's runs are read without scanning a stream.
-//! Both writes ride the worker's Redis batching and nobody waits for them: history is
-//! best-effort and never delays an ack.
+//! Workers record one [`RunEvent`] per settled run in a Redis stream per queue
+//! (`<prefix>:history:<queue>`): a writer task gathers a worker's runs for up to a second and
+//! appends them up to [`RUNS_PER_ENTRY`] to an entry (field `runs`), capped at
+//! `history.max_len / RUNS_PER_ENTRY` entries (`MAXLEN ~`) and by `history.max_age` (`XTRIM
+//! MINID ~`). The same run, as one short line, goes into the key's idempotency record (field
+//! `run:<n>`, the last `history.runs_per_key` kept; written by the script that records the
+//! outcome), so one key's runs are read without scanning a stream. Nobody waits for either
+//! write: history is best-effort and never delays an ack.
 //!
 //! Readers ([`HistoryReader`]) walk the streams newest first. A filtered search reads at most
 //! `budget` entries per queue and says so when it stopped early, so a page over a million
@@ -63,6 +65,23 @@ impl Outcome {
         }
     }
 
+    /// One letter, for a key's record lines.
+    pub fn code(self) -> char {
+        match self {
+            Outcome::Succeeded => 's',
+            Outcome::Retried => 'r',
+            Outcome::DeadLettered => 'd',
+            Outcome::Expired => 'e',
+            Outcome::Stopped => 'x',
+            Outcome::LostLease => 'l',
+        }
+    }
+
+    /// Parses [`Outcome::code`].
+    pub fn from_code(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|o| s.len() == 1 && s.starts_with(o.code()))
+    }
+
     /// Parses [`Outcome::as_str`]'s spelling.
     pub fn parse(s: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|o| o.as_str() == s)
@@ -115,8 +134,9 @@ pub fn truncate(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-fn ms(t: DateTime<Utc>) -> String {
-    t.timestamp_millis().to_string()
+/// When a run that took `duration_ms` and finished at `finished` started.
+fn started(finished: DateTime<Utc>, duration_ms: Option<u64>) -> Option<DateTime<Utc>> {
+    duration_ms.map(|d| finished - chrono::Duration::milliseconds(i64::try_from(d).unwrap_or(0)))
 }
 
 fn from_ms(s: &str) -> Option<DateTime<Utc>> {
@@ -124,44 +144,70 @@ fn from_ms(s: &str) -> Option<DateTime<Utc>> {
 }
 
 impl RunEvent {
-    /// The stream entry's fields (the same names in every entry, which streams store once per
-    /// node).
-    pub fn fields(&self) -> [(&'static str, String); 12] {
-        [
-            ("job", self.job.clone()),
-            ("key", self.key.clone()),
-            ("id", self.id.clone()),
-            ("attempt", self.attempt.to_string()),
-            ("max", self.max_attempts.to_string()),
-            ("worker", self.worker.clone()),
-            ("started", self.started_at.map(ms).unwrap_or_default()),
-            ("finished", ms(self.finished_at)),
-            ("outcome", self.outcome.as_str().to_string()),
-            ("ms", self.duration_ms.map(|d| d.to_string()).unwrap_or_default()),
-            ("reason", self.reason.clone().unwrap_or_default()),
-            ("error", self.error.clone().unwrap_or_default()),
-        ]
+    /// The run's values in a stream entry: job, key, message id and its
+    /// [`RunEvent::record_line`].
+    pub fn stream_values(&self) -> [String; 4] {
+        [self.job.clone(), self.key.clone(), self.id.clone(), self.record_line()]
     }
 
-    /// An event read back from entry `entry` of `queue`'s stream; `None` if it is not one.
-    pub fn from_fields(queue: &str, entry: &str, f: &HashMap<String, String>) -> Option<Self> {
-        let get = |k: &str| f.get(k).map(String::as_str).unwrap_or("");
-        let opt = |k: &str| Some(get(k).to_string()).filter(|v| !v.is_empty());
+    /// The run as its key's record keeps it, one line: `<outcome code> <attempt> <max>
+    /// <finished_ms> <duration_ms or -> <worker>`, then `\n<reason>\n<error>` when either is
+    /// present. The key, job and queue are the record's own (`j`, `q`), so a run that
+    /// succeeded fits Redis's compact hash encoding (values up to 64 bytes) with a worker id
+    /// of up to ~35 characters.
+    pub fn record_line(&self) -> String {
+        let duration = self.duration_ms.map(|d| d.to_string()).unwrap_or_else(|| "-".into());
+        let mut line = format!(
+            "{} {} {} {} {duration} {}",
+            self.outcome.code(),
+            self.attempt,
+            self.max_attempts,
+            self.finished_at.timestamp_millis(),
+            self.worker
+        );
+        if self.reason.is_some() || self.error.is_some() {
+            line.push('\n');
+            line.push_str(self.reason.as_deref().unwrap_or(""));
+            line.push('\n');
+            line.push_str(self.error.as_deref().unwrap_or(""));
+        }
+        line
+    }
+
+    /// A run of `key` (job `job` on `queue`) from its record line; `None` if it is not one.
+    pub fn from_record_line(line: &str, key: &str, job: &str, queue: &str) -> Option<Self> {
+        let (head, tail) = match line.split_once('\n') {
+            Some((h, t)) => (h, Some(t)),
+            None => (line, None),
+        };
+        let mut f = head.splitn(6, ' ');
+        let outcome = Outcome::from_code(f.next()?)?;
+        let attempt = f.next()?.parse().ok()?;
+        let max_attempts = f.next()?.parse().ok()?;
+        let finished_at = Utc.timestamp_millis_opt(f.next()?.parse().ok()?).single()?;
+        let duration_ms = f.next()?.parse().ok();
+        let worker = f.next()?.to_string();
+        let (reason, error) = match tail.map(|t| t.split_once('\n').unwrap_or((t, ""))) {
+            Some((r, e)) => {
+                (Some(r.to_string()).filter(|r| !r.is_empty()), Some(e.to_string()).filter(|e| !e.is_empty()))
+            }
+            None => (None, None),
+        };
         Some(Self {
-            job: get("job").to_string(),
-            key: get("key").to_string(),
-            id: get("id").to_string(),
+            job: job.to_string(),
+            key: key.to_string(),
+            id: String::new(),
             queue: queue.to_string(),
-            attempt: get("attempt").parse().unwrap_or(0),
-            max_attempts: get("max").parse().unwrap_or(0),
-            worker: get("worker").to_string(),
-            started_at: from_ms(get("started")),
-            finished_at: from_ms(get("finished"))?,
-            outcome: Outcome::parse(get("outcome"))?,
-            duration_ms: get("ms").parse().ok(),
-            reason: opt("reason"),
-            error: opt("error"),
-            entry: Some(entry.to_string()),
+            attempt,
+            max_attempts,
+            worker,
+            started_at: started(finished_at, duration_ms),
+            finished_at,
+            outcome,
+            duration_ms,
+            reason,
+            error,
+            entry: None,
         })
     }
 
@@ -169,6 +215,32 @@ impl RunEvent {
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
     }
+}
+
+/// Runs per stream entry, at most: the writer appends a worker's runs of the last second a
+/// few to an entry (one `XADD` per entry is what a run costs Redis), and the stream is
+/// capped at `history.max_len / RUNS_PER_ENTRY` entries.
+pub const RUNS_PER_ENTRY: usize = 8;
+
+/// One stream entry's `runs` field: a JSON array of `[job, key, id, line]`, oldest first.
+pub fn encode_entry(runs: &[[String; 4]]) -> String {
+    serde_json::to_string(runs).unwrap_or_else(|_| "[]".into())
+}
+
+/// The runs of stream entry `entry` of `queue`, oldest first; each event's `entry` is
+/// `<entry>:<index>`, the cursor a search continues before.
+pub fn decode_entry(queue: &str, entry: &str, fields: &HashMap<String, String>) -> Vec<RunEvent> {
+    let Some(runs) = fields.get("runs") else { return Vec::new() };
+    let Ok(runs) = serde_json::from_str::<Vec<[String; 4]>>(runs) else { return Vec::new() };
+    runs.iter()
+        .enumerate()
+        .filter_map(|(i, [job, key, id, line])| {
+            let mut e = RunEvent::from_record_line(line, key, job, queue)?;
+            e.id = id.clone();
+            e.entry = Some(format!("{entry}:{i}"));
+            Some(e)
+        })
+        .collect()
 }
 
 /// What to look for in the history.
@@ -226,15 +298,16 @@ pub struct KeyRecord {
 }
 
 impl KeyRecord {
-    /// Decodes the fields of an idempotency hash and its `PTTL`.
-    pub fn decode(fields: &HashMap<String, String>, pttl: i64) -> Self {
+    /// Decodes the fields of `key`'s idempotency hash and its `PTTL`.
+    pub fn decode(key: &str, fields: &HashMap<String, String>, pttl: i64) -> Self {
         let get = |k: &str| fields.get(k).cloned().filter(|v| !v.is_empty());
         let at = |k: &str| get(k).as_deref().and_then(from_ms).filter(|t| t.timestamp_millis() > 0);
+        let (job, queue) = (get("j").unwrap_or_default(), get("q").unwrap_or_default());
         let mut runs: Vec<(u64, RunEvent)> = fields
             .iter()
             .filter_map(|(k, v)| {
                 let n = k.strip_prefix("run:")?.parse::<u64>().ok()?;
-                Some((n, serde_json::from_str::<RunEvent>(v).ok()?))
+                Some((n, RunEvent::from_record_line(v, key, &job, &queue)?))
             })
             .collect();
         runs.sort_by_key(|(n, _)| *n);
@@ -281,7 +354,7 @@ impl HistoryReader {
         let idem = self.names.idem_key(key);
         let (fields, pttl): (HashMap<String, String>, i64) =
             redis::pipe().hgetall(&idem).pttl(&idem).query_async(&mut conn).await?;
-        Ok(KeyRecord::decode(&fields, pttl))
+        Ok(KeyRecord::decode(key, &fields, pttl))
     }
 
     /// States of several keys at once (`None`: no record), in order.
@@ -330,14 +403,22 @@ impl HistoryReader {
     ) -> redis::RedisResult<(Vec<RunEvent>, usize, Option<String>)> {
         let stream = self.names.history(queue);
         let mut conn = self.conn.clone();
-        let mut end = match &q.before {
-            Some(id) => format!("({id}"),
-            None => "+".to_string(),
+        // A cursor `<entry>:<i>` continues inside that entry, before its run `i`; a bare
+        // entry id continues before the entry.
+        let (mut end, mut skip_from) = match q.before.as_deref().map(|b| b.split_once(':').unwrap_or((b, "")))
+        {
+            Some((id, "")) => (format!("({id}"), None),
+            Some((id, i)) => (id.to_string(), i.parse::<usize>().ok()),
+            None => ("+".to_string(), None),
         };
         let floor = q.since.map(|t| t.timestamp_millis().to_string()).unwrap_or_else(|| "-".into());
         let (mut out, mut scanned) = (Vec::new(), 0usize);
-        // Without a filter beyond the range, the first `limit` entries are the answer.
-        let page_size = if q.job.is_none() && q.outcome.is_none() { q.limit.clamp(1, PAGE) } else { PAGE };
+        // Without a filter beyond the range, the first entries hold the answer.
+        let page_size = if q.job.is_none() && q.outcome.is_none() {
+            q.limit.div_ceil(RUNS_PER_ENTRY).clamp(1, PAGE) + 1
+        } else {
+            PAGE
+        };
         loop {
             let page: Vec<(String, Vec<String>)> = redis::cmd("XREVRANGE")
                 .arg(&stream)
@@ -349,15 +430,19 @@ impl HistoryReader {
                 .await?;
             let n = page.len();
             for (id, flat) in &page {
-                scanned += 1;
                 let fields: HashMap<String, String> =
                     flat.chunks_exact(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect();
-                if let Some(e) = RunEvent::from_fields(queue, id, &fields)
-                    && matches(&e, q)
-                {
-                    out.push(e);
-                    if out.len() >= q.limit {
-                        return Ok((out, scanned, None));
+                let mut runs = decode_entry(queue, id, &fields);
+                if let Some(i) = skip_from.take() {
+                    runs.truncate(i);
+                }
+                for e in runs.into_iter().rev() {
+                    scanned += 1;
+                    if matches(&e, q) {
+                        out.push(e);
+                        if out.len() >= q.limit {
+                            return Ok((out, scanned, None));
+                        }
                     }
                 }
             }
@@ -408,10 +493,11 @@ impl HistoryReader {
     }
 }
 
-fn entry_order(e: &RunEvent) -> (u64, u64) {
-    let id = e.entry.as_deref().unwrap_or("");
+fn entry_order(e: &RunEvent) -> (u64, u64, u64) {
+    let cursor = e.entry.as_deref().unwrap_or("");
+    let (id, i) = cursor.split_once(':').unwrap_or((cursor, "0"));
     let (a, b) = id.split_once('-').unwrap_or((id, "0"));
-    (a.parse().unwrap_or(0), b.parse().unwrap_or(0))
+    (a.parse().unwrap_or(0), b.parse().unwrap_or(0), i.parse().unwrap_or(0))
 }
 
 fn matches(e: &RunEvent, q: &Query) -> bool {
@@ -447,19 +533,33 @@ mod tests {
     #[test]
     fn events_round_trip_through_stream_fields_and_json() {
         let e = event();
+        let ok = RunEvent { outcome: Outcome::Succeeded, reason: None, error: None, ..e.clone() };
         let fields: HashMap<String, String> =
-            e.fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-        let back = RunEvent::from_fields("default", "1-0", &fields).unwrap();
-        assert_eq!(RunEvent { entry: None, ..back.clone() }, e);
-        assert_eq!(back.entry.as_deref(), Some("1-0"));
-        assert_eq!(serde_json::from_str::<RunEvent>(&e.to_json()).unwrap(), e);
-        let none = RunEvent { started_at: None, duration_ms: None, reason: None, error: None, ..e };
-        let fields: HashMap<String, String> =
-            none.fields().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-        assert_eq!(
-            RunEvent::from_fields("default", "1-0", &fields).map(|b| RunEvent { entry: None, ..b }),
-            Some(none)
+            [("runs".to_string(), encode_entry(&[e.stream_values(), ok.stream_values()]))].into();
+        let back = decode_entry("default", "1-0", &fields);
+        assert_eq!(back.len(), 2);
+        assert_eq!(RunEvent { entry: None, ..back[0].clone() }, e);
+        assert_eq!(RunEvent { entry: None, ..back[1].clone() }, ok);
+        assert_eq!(back[1].entry.as_deref(), Some("1-0:1"));
+        assert!(
+            decode_entry("default", "1-0", &[("runs".to_string(), "nonsense".to_string())].into()).is_empty()
         );
+        assert_eq!(serde_json::from_str::<RunEvent>(&e.to_json()).unwrap(), e);
+        let line = e.record_line();
+        let back = RunEvent::from_record_line(&line, &e.key, &e.job, &e.queue).unwrap();
+        assert_eq!(back, RunEvent { id: String::new(), ..e.clone() });
+        let ok = RunEvent {
+            reason: None,
+            error: None,
+            worker: "invoice-worker-7d9f8c6b5-x2x9k:1".into(),
+            ..e.clone()
+        };
+        assert!(ok.record_line().len() <= 64, "a success fits the compact encoding: {}", ok.record_line());
+        let none = RunEvent { started_at: None, duration_ms: None, reason: None, error: None, ..e.clone() };
+        let fields: HashMap<String, String> =
+            [("runs".to_string(), encode_entry(&[none.stream_values()]))].into();
+        let back = decode_entry("default", "1-0", &fields);
+        assert_eq!(back.into_iter().map(|b| RunEvent { entry: None, ..b }).collect::<Vec<_>>(), [none]);
     }
 
     #[test]
@@ -477,19 +577,28 @@ mod tests {
         }
         let mut second = event();
         second.outcome = Outcome::Succeeded;
-        f.insert("run:10".into(), second.to_json());
-        f.insert("run:9".into(), event().to_json());
+        f.insert("run:10".into(), second.record_line());
+        f.insert("run:9".into(), event().record_line());
         f.insert("run:x".into(), "garbage".into());
-        let r = KeyRecord::decode(&f, 5000);
+        f.insert("run:11".into(), "z 1 1 1700000000250 - w".into());
+        let multi = RunEvent { error: Some("line one\nline two".into()), ..event() };
+        f.insert("run:12".into(), multi.record_line());
+        f.insert("j".into(), event().job);
+        f.insert("q".into(), event().queue);
+        let r = KeyRecord::decode(&event().key, &f, 5000);
         assert_eq!(r.state.as_deref(), Some("done"));
         assert_eq!(r.fence, Some(1_700_000_000_000_123));
         assert_eq!(r.lease_until, None, "no lease once settled");
         assert_eq!(r.expires_in_ms, Some(5000));
         assert_eq!(
             r.runs.iter().map(|e| e.outcome).collect::<Vec<_>>(),
-            [Outcome::DeadLettered, Outcome::Succeeded]
+            [Outcome::DeadLettered, Outcome::Succeeded, Outcome::DeadLettered]
         );
-        assert_eq!(KeyRecord::decode(&HashMap::new(), -2).state, None);
+        assert_eq!(r.runs[2].error.as_deref(), Some("line one\nline two"));
+        assert_eq!(r.runs[2].reason.as_deref(), Some("permanent"));
+        assert_eq!(r.runs[0].job, event().job);
+        assert_eq!(r.runs[1].key, event().key);
+        assert_eq!(KeyRecord::decode("k", &HashMap::new(), -2).state, None);
     }
 
     #[test]

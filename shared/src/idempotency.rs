@@ -35,7 +35,6 @@ use tokio::sync::{mpsc, oneshot};
 use crate::config::{HistoryConfig, RedisConfig};
 use crate::history::RunEvent;
 use crate::topology::Names;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// `now` (µs) and `now_ms` from Redis `TIME`, and `int()` to write a number exactly (Redis
 /// turns Lua numbers into strings with 14 significant digits, too few for microseconds).
@@ -84,15 +83,27 @@ return {{'renewed', tonumber(h[3]) or 0}}"
     ))
 });
 
-/// KEYS[1]; ARGV owner, fence, new state, retention_ms → 1 recorded, 0 another owner holds
-/// the key, 2 recorded although the record was gone (Redis lost data; `free` writes nothing).
+/// Lua: `log_run(i)` appends the run line `ARGV[i]` to the record as `run:<n>`, keeps the last
+/// `ARGV[i+1]`, and sets the record's job (`j`, `ARGV[i+2]`) and queue (`q`, `ARGV[i+3]`).
+const LOG_RUN: &str = "local function log_run(i) \
+local n = redis.call('HINCRBY', KEYS[1], 'n', 1) \
+redis.call('HSET', KEYS[1], 'run:' .. n, ARGV[i], 'j', ARGV[i + 2], 'q', ARGV[i + 3]) \
+local old = n - tonumber(ARGV[i + 1]) \
+if old >= 1 then redis.call('HDEL', KEYS[1], 'run:' .. old) end end";
+
+/// KEYS[1]; ARGV owner, fence, new state, retention_ms[, run line, runs kept, job, queue] → 1
+/// recorded, 0 another owner holds the key, 2 recorded although the record was gone (Redis
+/// lost data; `free` writes nothing). With a run, the run is appended to the record in the
+/// same step (the run history's per-key index costs no command of its own).
 static FINISH: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{PRELUDE}
+{LOG_RUN}
 local h = redis.call('HMGET', KEYS[1], 's', 'o')
 if not h[1] then
   if ARGV[3] ~= 'free' then
     redis.call('HSET', KEYS[1], 's', ARGV[3], 'o', ARGV[1], 'f', ARGV[2], 'u', 0, 't', int(now_ms))
+    if ARGV[5] then log_run(5) end
     redis.call('PEXPIRE', KEYS[1], ARGV[4])
   end
   return 2
@@ -100,22 +111,36 @@ end
 if (h[1] ~= 'run' and h[1] ~= 'dying') or h[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 's', ARGV[3], 'u', 0, 't', int(now_ms))
 redis.call('HDEL', KEYS[1], 'r', 'e', 'a')
+if ARGV[5] then log_run(5) end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1"
     ))
 });
 
-/// KEYS[1]; ARGV event JSON, runs to keep. Appends a run to an existing record as `run:<n>`
-/// and drops the one that falls out; writes nothing when there is no record (it would have
-/// no TTL).
+/// KEYS[1]; ARGV run line, runs kept, job, queue. Appends a run to an existing record (see
+/// `LOG_RUN`); writes nothing when there is no record (it would have no TTL).
 static RUNLOG: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        r"{LOG_RUN}
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+log_run(1)
+return 1"
+    ))
+});
+
+/// KEYS[1] a history stream; ARGV max entries, min id, then one entry's runs per argument
+/// (see [`crate::history::encode_entry`]). Appends the entries, then trims the stream to the
+/// newest max entries and drops those older than min id. Exact trims, once per call (a call
+/// carries up to a second of a worker's runs): an approximate one only drops whole stream
+/// nodes, which never happens to a quiet stream's last node.
+static XADDS: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
-        r"if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
-redis.call('HSET', KEYS[1], 'run:' .. n, ARGV[1])
-local old = n - tonumber(ARGV[2])
-if old >= 1 then redis.call('HDEL', KEYS[1], 'run:' .. old) end
-return 1",
+        r"for i = 3, #ARGV do
+  redis.call('XADD', KEYS[1], '*', 'runs', ARGV[i])
+end
+redis.call('XTRIM', KEYS[1], 'MAXLEN', ARGV[1])
+redis.call('XTRIM', KEYS[1], 'MINID', ARGV[2])
+return #ARGV - 2",
     )
 });
 
@@ -322,12 +347,23 @@ pub struct IdemStore {
     batcher: Arc<Mutex<Option<mpsc::UnboundedSender<Op>>>>,
     /// Run history settings (`None`: off).
     history: Option<HistoryConfig>,
-    /// Events recorded, to trim streams by age every [`TRIM_EVERY`] events.
-    recorded: Arc<AtomicU64>,
+    /// The history writer's queue (started like the batching task).
+    writer: Arc<Mutex<Option<mpsc::UnboundedSender<ToWriter>>>>,
 }
 
-/// A stream is trimmed by age once per this many events recorded by one store.
-const TRIM_EVERY: u64 = 64;
+/// What the history writer is told.
+enum ToWriter {
+    /// One run: its stream and its values ([`RunEvent::stream_values`]).
+    Run { stream: String, values: [String; 4] },
+    /// Write what is waiting now, then answer.
+    Flush(oneshot::Sender<()>),
+}
+
+/// Most runs the writer holds before it writes them.
+const MAX_PENDING: usize = 4096;
+/// How long the writer lets runs gather (so that quiet queues, too, get entries of several
+/// runs; see [`crate::history::RUNS_PER_ENTRY`]).
+const LINGER: Duration = Duration::from_secs(1);
 
 impl IdemStore {
     /// Creates the store without waiting for Redis: the first command connects, and a
@@ -359,7 +395,7 @@ impl IdemStore {
             retention: config.done_retention,
             batcher: Arc::new(Mutex::new(None)),
             history: None,
-            recorded: Arc::new(AtomicU64::new(0)),
+            writer: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -374,29 +410,43 @@ impl IdemStore {
         self.history.is_some()
     }
 
-    /// Appends `event` to its queue's history stream and to its key's record. Nobody waits:
-    /// the commands join the next pipeline and their replies are dropped (history is
+    /// Hands `event` to the history writer (its queue's stream) and, unless `logged` (the
+    /// finishing script already did), appends it to its key's record. Nobody waits: the
+    /// writer gathers runs for up to a second and writes them a few to a stream entry, and
+    /// the record's line joins the next pipeline with its reply dropped (history is
     /// best-effort and must never hold up an ack).
-    pub fn record_run(&self, event: &RunEvent) {
+    pub fn record_run(&self, event: &RunEvent, logged: bool) {
         let Some(h) = &self.history else { return };
-        let stream = self.names.history(&event.queue);
-        let mut xadd = redis::cmd("XADD");
-        xadd.arg(&stream).arg("MAXLEN").arg("~").arg(h.max_len).arg("*");
-        for (field, value) in event.fields() {
-            xadd.arg(field).arg(value);
-        }
-        self.send(xadd);
-        if !event.key.is_empty() {
+        let values = event.stream_values();
+        if !logged && !event.key.is_empty() {
             let mut log = evalsha(&RUNLOG, self.names.idem_key(&event.key));
-            log.arg(event.to_json()).arg(h.runs_per_key);
+            log.arg(&values[3]).arg(h.runs_per_key).arg(&event.job).arg(&event.queue);
             self.send(log);
         }
-        if self.recorded.fetch_add(1, Ordering::Relaxed).is_multiple_of(TRIM_EVERY) {
-            let oldest = chrono::Utc::now().timestamp_millis()
-                - i64::try_from(h.max_age.as_millis()).unwrap_or(i64::MAX);
-            let mut trim = redis::cmd("XTRIM");
-            trim.arg(&stream).arg("MINID").arg("~").arg(oldest.max(0));
-            self.send(trim);
+        let _ = self.writer(h).send(ToWriter::Run { stream: self.names.history(&event.queue), values });
+    }
+
+    /// Writes the runs the history writer holds (a worker calls it as it stops).
+    pub async fn flush_history(&self) {
+        let Some(h) = &self.history else { return };
+        let (done, answer) = oneshot::channel();
+        if self.writer(h).send(ToWriter::Flush(done)).is_ok() {
+            let _ = tokio::time::timeout(self.timeout * 2, answer).await;
+        }
+    }
+
+    /// The history writer's queue, starting the writer if needed.
+    fn writer(&self, h: &HistoryConfig) -> mpsc::UnboundedSender<ToWriter> {
+        let mut writer = self.writer.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match writer.as_ref() {
+            Some(tx) if !tx.is_closed() => tx.clone(),
+            _ => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                let batcher = (self.batcher.clone(), self.conn.clone());
+                tokio::spawn(write_history(batcher, rx, h.clone()));
+                *writer = Some(tx.clone());
+                tx
+            }
         }
     }
 
@@ -423,16 +473,7 @@ impl IdemStore {
 
     /// The batching task's queue, starting the task if needed.
     fn batcher(&self) -> mpsc::UnboundedSender<Op> {
-        let mut batcher = self.batcher.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        match batcher.as_ref() {
-            Some(tx) if !tx.is_closed() => tx.clone(),
-            _ => {
-                let (tx, rx) = mpsc::unbounded_channel();
-                tokio::spawn(batch_loop(self.conn.clone(), rx));
-                *batcher = Some(tx.clone());
-                tx
-            }
-        }
+        batcher_of(&self.batcher, &self.conn)
     }
 
     /// Sends one script call through the batching task and waits for its reply.
@@ -492,8 +533,25 @@ impl IdemStore {
         fence: u64,
         state: Final,
     ) -> Result<Recorded, IdemError> {
+        self.finish_with_run(key, owner, fence, state, None).await
+    }
+
+    /// [`IdemStore::finish`], appending `run` to the key's record in the same script when
+    /// history is on (then [`IdemStore::record_run`] with `logged = true` hands it to the
+    /// stream only).
+    pub async fn finish_with_run(
+        &self,
+        key: &str,
+        owner: &str,
+        fence: u64,
+        state: Final,
+        run: Option<&RunEvent>,
+    ) -> Result<Recorded, IdemError> {
         let mut cmd = evalsha(&FINISH, self.names.idem_key(key));
         cmd.arg(owner).arg(fence).arg(state.as_str()).arg(Self::ms(self.retention));
+        if let (Some(h), Some(run)) = (&self.history, run) {
+            cmd.arg(run.record_line()).arg(h.runs_per_key).arg(&run.job).arg(&run.queue);
+        }
         let n: i64 = self.call(cmd).await?;
         Ok(Recorded::from_reply(n))
     }
@@ -545,6 +603,106 @@ fn evalsha(script: &Script, key: String) -> Cmd {
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(script.get_hash()).arg(1).arg(key);
     cmd
+}
+
+/// The batching task's queue in `slot`, starting the task on `conn` if needed.
+fn batcher_of(
+    slot: &Mutex<Option<mpsc::UnboundedSender<Op>>>,
+    conn: &ConnectionManager,
+) -> mpsc::UnboundedSender<Op> {
+    let mut batcher = slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    match batcher.as_ref() {
+        Some(tx) if !tx.is_closed() => tx.clone(),
+        _ => {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tokio::spawn(batch_loop(conn.clone(), rx));
+            *batcher = Some(tx.clone());
+            tx
+        }
+    }
+}
+
+/// The history writer. It gathers runs for up to [`LINGER`] (or [`MAX_PENDING`] runs), then
+/// appends them, [`crate::history::RUNS_PER_ENTRY`] to a stream entry, with one `XADDS` call
+/// per stream through the batching task; that call also trims the stream by length (in
+/// entries) and by age. A failed call loses its runs (history is best-effort). Ends, after
+/// writing what it holds, when every store handle is gone.
+async fn write_history(
+    batcher: (Arc<Mutex<Option<mpsc::UnboundedSender<Op>>>>, ConnectionManager),
+    mut rx: mpsc::UnboundedReceiver<ToWriter>,
+    h: HistoryConfig,
+) {
+    let mut pending: Vec<(String, [String; 4])> = Vec::new();
+    let mut open = true;
+    while open {
+        let mut flushed = Vec::new();
+        match rx.recv().await {
+            None => break,
+            Some(ToWriter::Flush(done)) => flushed.push(done),
+            Some(ToWriter::Run { stream, values }) => {
+                pending.push((stream, values));
+                let deadline = tokio::time::Instant::now() + LINGER;
+                while pending.len() < MAX_PENDING {
+                    match tokio::time::timeout_at(deadline, rx.recv()).await {
+                        Err(_) => break,
+                        Ok(None) => {
+                            open = false;
+                            break;
+                        }
+                        Ok(Some(ToWriter::Run { stream, values })) => pending.push((stream, values)),
+                        Ok(Some(ToWriter::Flush(done))) => {
+                            flushed.push(done);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        write_runs(&batcher, std::mem::take(&mut pending), &h).await;
+        for done in flushed {
+            let _ = done.send(());
+        }
+    }
+}
+
+/// Appends `runs` to their streams (one `XADDS` call per stream) and waits for the replies.
+async fn write_runs(
+    batcher: &(Arc<Mutex<Option<mpsc::UnboundedSender<Op>>>>, ConnectionManager),
+    runs: Vec<(String, [String; 4])>,
+    h: &HistoryConfig,
+) {
+    if runs.is_empty() {
+        return;
+    }
+    let oldest =
+        chrono::Utc::now().timestamp_millis() - i64::try_from(h.max_age.as_millis()).unwrap_or(i64::MAX);
+    let max_entries = h.max_len.div_ceil(crate::history::RUNS_PER_ENTRY as u64);
+    let mut by_stream: Vec<(String, Vec<[String; 4]>)> = Vec::new();
+    for (stream, values) in runs {
+        match by_stream.iter_mut().find(|(s, _)| *s == stream) {
+            Some((_, v)) => v.push(values),
+            None => by_stream.push((stream, vec![values])),
+        }
+    }
+    let tx = batcher_of(&batcher.0, &batcher.1);
+    let mut answers = Vec::with_capacity(by_stream.len());
+    for (stream, runs) in by_stream {
+        let mut cmd = evalsha(&XADDS, stream);
+        cmd.arg(max_entries).arg(oldest.max(0));
+        for entry in runs.chunks(crate::history::RUNS_PER_ENTRY) {
+            cmd.arg(crate::history::encode_entry(entry));
+        }
+        let (reply, answer) = oneshot::channel();
+        if tx.send(Op { cmd, reply }).is_err() {
+            return;
+        }
+        answers.push(answer);
+    }
+    for a in answers {
+        if let Ok(Err(e)) = a.await {
+            tracing::debug!(error = %e, "run history not written");
+        }
+    }
 }
 
 /// The batching task: one pipeline in flight at a time; calls that arrive meanwhile form the
@@ -601,7 +759,7 @@ async fn send_batch(conn: &mut ConnectionManager, ops: Vec<Op>) {
         if again_replies.is_empty() {
             return;
         }
-        for script in [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*RUNLOG] {
+        for script in [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*RUNLOG, &*XADDS] {
             if let Err(e) = script.prepare_invoke().load_async(conn).await {
                 return fail_all(again_replies, || IdemError::Redis(e.clone()));
             }

@@ -318,10 +318,20 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
 ) {
     let Verdict { plan, env, held, spec, run } = verdict;
     let stats = &core.stats;
-    let record = |outcome: Outcome, reason: Option<&str>, error: Option<&str>| {
-        if store.records_history() {
-            store.record_run(&run_event(core, incoming, env.as_ref(), run.as_ref(), outcome, reason, error));
+    // The run's event when history is on; `finish` puts it in the key's record, `record`
+    // in the stream (and in the record unless `finish` did).
+    let event = |outcome: Outcome, reason: Option<&str>, error: Option<&str>| {
+        store
+            .records_history()
+            .then(|| run_event(core, incoming, env.as_ref(), run.as_ref(), outcome, reason, error))
+    };
+    let record_event = |e: Option<RunEvent>, logged: bool| {
+        if let Some(e) = e {
+            store.record_run(&e, logged);
         }
+    };
+    let record = |outcome: Outcome, reason: Option<&str>, error: Option<&str>| {
+        record_event(event(outcome, reason, error), false)
     };
     let run_error = run.as_ref().and_then(|r| r.error.as_deref());
     // The hot outcomes use the job's interned handles; the rest look the series up.
@@ -358,10 +368,11 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
         }
         Plan::RecordDone => {
             let Some(h) = held else { return ticket.requeue() };
-            if record_until_done(core, store, &h).await {
+            let done = event(Outcome::Succeeded, None, None);
+            if let Some(logged) = record_until_done(core, store, &h, done.as_ref()).await {
                 Stats::bump(&stats.succeeded);
                 completed(outcome::SUCCEEDED);
-                record(Outcome::Succeeded, None, None);
+                record_event(done, logged);
                 info!("job succeeded");
                 ticket.ack();
             } else {
@@ -383,14 +394,18 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
             next.attempt += 1;
             next.id = Uuid::now_v7();
             let sent = outbox.delayed(&incoming.queue, &next, delay, FieldTable::default()).await;
+            let retried = if sent.is_ok() { event(Outcome::Retried, None, run_error) } else { None };
             // Free the key either way: the retry (or the requeued copy) must be able to claim it.
-            best_effort(core, "free the key", || store.finish(&h.key, &h.owner, h.fence, Final::Free)).await;
+            let freed = best_effort(core, "free the key", || {
+                store.finish(&h.key, &h.owner, h.fence, Final::Free, retried.as_ref())
+            })
+            .await;
             match sent {
                 Ok(()) => {
                     info!(retry_in = ?delay, attempt = next.attempt, "retry published");
                     Stats::bump(&stats.retried);
                     completed(outcome::RETRIED);
-                    record(Outcome::Retried, None, run_error);
+                    record_event(retried, logged(freed));
                     ticket.ack();
                 }
                 Err(e) => {
@@ -439,17 +454,19 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
             let props = dead_letter_properties(core, incoming, &dead);
             match outbox.dead_letter(&incoming.queue, &incoming.data, props).await {
                 Ok(()) => {
+                    let error = chime_shared::config::redact_text(&dead.error);
+                    let died = event(Outcome::DeadLettered, Some(&dead.reason), Some(&error));
+                    let mut recorded = None;
                     if let Some(h) = &held {
-                        best_effort(core, "record dead", || {
-                            store.finish(&h.key, &h.owner, h.fence, Final::Dead)
+                        recorded = best_effort(core, "record dead", || {
+                            store.finish(&h.key, &h.owner, h.fence, Final::Dead, died.as_ref())
                         })
                         .await;
                     }
-                    let error = chime_shared::config::redact_text(&dead.error);
                     warn!(reason = %dead.reason, error = %chime_shared::config::escape_control(&error), queue = %incoming.queue, "dead-lettered");
                     Stats::bump(&stats.dead_lettered);
                     completed(outcome::DEAD_LETTERED);
-                    record(Outcome::DeadLettered, Some(&dead.reason), Some(&error));
+                    record_event(died, logged(recorded));
                     ticket.ack();
                 }
                 Err(e) => {
@@ -461,13 +478,17 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
             }
         }
         Plan::Release => {
+            let stopped = event(Outcome::Stopped, None, run_error);
+            let mut freed = None;
             if let Some(h) = &held {
-                best_effort(core, "free the key", || store.finish(&h.key, &h.owner, h.fence, Final::Free))
-                    .await;
+                freed = best_effort(core, "free the key", || {
+                    store.finish(&h.key, &h.owner, h.fence, Final::Free, stopped.as_ref())
+                })
+                .await;
             }
             info!("job stopped by the drain deadline; requeued");
             Stats::bump(&stats.requeued);
-            record(Outcome::Stopped, None, run_error);
+            record_event(stopped, logged(freed));
             ticket.requeue();
         }
     }
@@ -517,7 +538,20 @@ fn dead_letter_properties(core: &Core, incoming: &Incoming, dead: &DeadInfo) -> 
 
 /// Records `done`, retrying across a Redis outage until it is written or the drain deadline
 /// passes (`false`): a delivery is never acked with its key left in `run`.
-async fn record_until_done<S: KeyStore>(core: &Core, store: &S, h: &Held) -> bool {
+/// Whether a finish put its run in the key's record.
+fn logged(recorded: Option<Recorded>) -> bool {
+    matches!(recorded, Some(Recorded::Yes | Recorded::Recreated))
+}
+
+/// Records `done` (with `run` in the key's record), retrying across a Redis outage. `None`:
+/// the drain deadline passed first (the delivery goes back unacked); `Some(logged)`: settled,
+/// `logged` when the run joined the record.
+async fn record_until_done<S: KeyStore>(
+    core: &Core,
+    store: &S,
+    h: &Held,
+    run: Option<&RunEvent>,
+) -> Option<bool> {
     let policy = backon::ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(100))
         .with_max_delay(Duration::from_secs(5))
@@ -525,7 +559,7 @@ async fn record_until_done<S: KeyStore>(core: &Core, store: &S, h: &Held) -> boo
     // Every attempt runs to its answer (at a hard stop too: Redis may well be fine); only the
     // wait between attempts is cut short, and a hard stop ends the retries.
     let stop = core.hard_stop.clone();
-    let recorded = (|| store.finish(&h.key, &h.owner, h.fence, Final::Done))
+    let recorded = (|| store.finish(&h.key, &h.owner, h.fence, Final::Done, run))
         .retry(policy)
         .sleep(move |wait| {
             let stop = stop.clone();
@@ -545,15 +579,15 @@ async fn record_until_done<S: KeyStore>(core: &Core, store: &S, h: &Held) -> boo
     match recorded {
         Ok(Recorded::NotOurs) => {
             warn!("key taken over by another owner before `done` was recorded; that owner settles it");
-            true
+            Some(false)
         }
-        Ok(Recorded::Yes | Recorded::Recreated) => true,
+        Ok(Recorded::Yes | Recorded::Recreated) => Some(true),
         Err(e) if e.is_bad_record() => {
             error!(error = %e, "`done` cannot be recorded over an unreadable record; acking (the job ran)");
-            true
+            Some(false)
         }
         // The drain deadline passed with `done` unrecorded: the delivery goes back unacked.
-        Err(_) => false,
+        Err(_) => None,
     }
 }
 

@@ -269,6 +269,8 @@ impl Worker {
         }
         monitor.abort();
         let _ = steering.await;
+        // The last second's runs are still with the history writer.
+        self.store.flush_history().await;
         self.health.set("consuming", false);
         info!("worker stopped");
         result
@@ -492,7 +494,7 @@ async fn control(
         if let Ok(flags) = control::flags(&mut conn, &core.names, Target::Queue, &queues).await {
             let now: BTreeSet<String> =
                 queues.iter().zip(&flags).filter(|(_, f)| f.is_some()).map(|(q, _)| q.clone()).collect();
-            core.paused.send_if_modified(|before| {
+            let changed = core.paused.send_if_modified(|before| {
                 if *before == now {
                     return false;
                 }
@@ -508,6 +510,9 @@ async fn control(
                 *before = now.clone();
                 true
             });
+            if changed {
+                last_beat = None; // the heartbeat shows the change at once
+            }
         }
         if last_beat.is_none_or(|t| t.elapsed() >= control::BEAT_EVERY) {
             last_beat = Some(tokio::time::Instant::now());

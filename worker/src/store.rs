@@ -22,12 +22,15 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
     fn lease(&self) -> Duration;
     fn claim(&self, key: &str, owner: &str) -> impl Future<Output = Result<Claim, IdemError>> + Send;
     fn renew(&self, key: &str, owner: &str) -> impl Future<Output = Result<Renewal, IdemError>> + Send;
+    /// Records the final state; `run` (when history is on) joins the key's record in the
+    /// same step.
     fn finish(
         &self,
         key: &str,
         owner: &str,
         fence: u64,
         state: Final,
+        run: Option<&RunEvent>,
     ) -> impl Future<Output = Result<Recorded, IdemError>> + Send;
     fn mark_dying(
         &self,
@@ -38,16 +41,17 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Recorded, IdemError>> + Send;
     /// Whether settled runs are recorded in the history.
     fn records_history(&self) -> bool;
-    /// Records a settled run (best-effort; nobody waits).
-    fn record_run(&self, event: &RunEvent);
+    /// Records a settled run (best-effort; nobody waits); `logged`: `finish` already put it
+    /// in the key's record.
+    fn record_run(&self, event: &RunEvent, logged: bool);
 }
 
 impl KeyStore for IdemStore {
     fn records_history(&self) -> bool {
         IdemStore::records_history(self)
     }
-    fn record_run(&self, event: &RunEvent) {
-        IdemStore::record_run(self, event)
+    fn record_run(&self, event: &RunEvent, logged: bool) {
+        IdemStore::record_run(self, event, logged)
     }
     fn lease(&self) -> Duration {
         IdemStore::lease(self)
@@ -64,8 +68,9 @@ impl KeyStore for IdemStore {
         owner: &str,
         fence: u64,
         state: Final,
+        run: Option<&RunEvent>,
     ) -> impl Future<Output = Result<Recorded, IdemError>> + Send {
-        IdemStore::finish(self, key, owner, fence, state)
+        IdemStore::finish_with_run(self, key, owner, fence, state, run)
     }
     fn mark_dying(
         &self,

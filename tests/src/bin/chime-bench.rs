@@ -11,7 +11,8 @@
 //! or 2 plain SETs, vs 1/2/4 chime-worker processes), latency (enqueue → handler start at
 //! steady rates), duplicates, ticker (100,000 schedules); opt-in: properties (the broker's
 //! cost of each AMQP property of the envelope), history (the run history's cost on the drain
-//! rate, and its memory per event).
+//! rate, and its memory per event), web (the dashboard's page times over 1,000,000 history
+//! events and 10,000 dead letters).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chime_producer::EnqueueClient;
@@ -834,36 +835,116 @@ async fn main() {
         let client = EnqueueClient::connect(config.clone()).await.unwrap();
         let n = 20_000 * secs as usize;
         let (mut on, mut off, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut cpu_on, mut cpu_off) = (Vec::new(), Vec::new());
         for r in 0..o.runs {
-            progress(&format!("history: off, run {}/{} ({n} jobs)", r + 1, o.runs));
-            let a =
-                chime_drain_with(&env, &qt, Some(&client), n, 1, false, "[history]\nenabled = false\n").await;
-            progress(&format!("history: on, run {}/{} ({n} jobs)", r + 1, o.runs));
-            let b = chime_drain_with(&env, &qt, Some(&client), n, 1, false, "").await;
+            // Alternate which goes first: a quorum queue compacts its log after a drain, which
+            // would otherwise always slow the second drain of a round.
+            let mut pair = [None, None];
+            for first in [r % 2 == 1, r % 2 == 0] {
+                let with = first;
+                progress(&format!(
+                    "history: {}, run {}/{} ({n} jobs)",
+                    if with { "on" } else { "off" },
+                    r + 1,
+                    o.runs
+                ));
+                let extra = if with { "" } else { "[history]\nenabled = false\n" };
+                pair[usize::from(with)] =
+                    Some(chime_drain_with(&env, &qt, Some(&client), n, 1, false, extra).await);
+            }
+            let (a, b) = (pair[0].take().unwrap(), pair[1].take().unwrap());
             ratios.push(b.rate / a.rate);
             off.push(a.rate);
             on.push(b.rate);
+            cpu_off.push(a.cpu);
+            cpu_on.push(b.cpu);
         }
         progress("");
         let mut r = connect_redis(&env.redis_url).await;
         let stream = env.names().history("default");
-        let len: u64 = redis::cmd("XLEN").arg(&stream).query_async(&mut r).await.unwrap();
-        let bytes: u64 = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(&stream)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(&mut r)
-            .await
-            .unwrap();
+        // Runs in the stream: entries hold up to RUNS_PER_ENTRY each.
+        let mut len: u64 = 0;
+        let mut from = "-".to_string();
+        loop {
+            let page: Vec<(String, std::collections::HashMap<String, String>)> = redis::cmd("XRANGE")
+                .arg(&stream)
+                .arg(&from)
+                .arg("+")
+                .arg("COUNT")
+                .arg(10_000)
+                .query_async(&mut r)
+                .await
+                .unwrap();
+            for (id, f) in &page {
+                len += chime_shared::history::decode_entry("default", id, f).len() as u64;
+            }
+            match page.last() {
+                Some((id, _)) if page.len() == 10_000 => from = format!("({id}"),
+                _ => break,
+            }
+        }
+        let bytes: u64 = memory_usage(&mut r, &stream).await;
         println!(
-            "history  drain, 1 worker: off {:.0} jobs/s, on {:.0} jobs/s: {:.3}x with history   stream: {len} events, {:.0} bytes/event ({:.0} MiB per million)",
+            "history  drain, 1 worker: off {:.0} jobs/s, on {:.0} jobs/s: {:.3}x with history (rounds: {})   stream: {len} runs, {:.0} bytes/run ({:.0} MiB per million)",
             median(off),
             median(on),
-            median(ratios),
+            median(ratios.clone()),
+            ratios.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(" "),
             bytes as f64 / len.max(1) as f64,
             bytes as f64 / len.max(1) as f64 * 1e6 / 1_048_576.0
         );
+        let cpu = |v: &[[f64; 3]], i: usize| median(v.iter().map(|c| c[i]).collect());
+        println!(
+            "history  CPU µs per job (broker / Redis / worker): off {:.0} / {:.0} / {:.0}, on {:.0} / {:.0} / {:.0}",
+            cpu(&cpu_off, 0),
+            cpu(&cpu_off, 1),
+            cpu(&cpu_off, 2),
+            cpu(&cpu_on, 0),
+            cpu(&cpu_on, 1),
+            cpu(&cpu_on, 2)
+        );
+        // A key's record with and without its run entries, from a sample of this prefix's keys.
+        let (mut with, mut without) = (Vec::new(), Vec::new());
+        let mut cursor = 0u64;
+        while with.len() < 500 || without.len() < 500 {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{}:idem:*", env.prefix))
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut r)
+                .await
+                .unwrap();
+            for k in keys {
+                let (runs, bytes): (bool, u64) = redis::pipe()
+                    .hexists(&k, "n")
+                    .cmd("MEMORY")
+                    .arg("USAGE")
+                    .arg(&k)
+                    .query_async(&mut r)
+                    .await
+                    .unwrap();
+                if runs { with.push(bytes as f64) } else { without.push(bytes as f64) }
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        if !with.is_empty() && !without.is_empty() {
+            println!(
+                "history  a key's record: {:.0} bytes without history, {:.0} with one run (kept for redis.done_retention)",
+                median(without),
+                median(with)
+            );
+        }
+    }
+
+    // Opt-in (--only web): the dashboard's page times over 1,000,000 history entries and
+    // 10,000 dead letters.
+    if o.only.as_ref().is_some_and(|v| v.iter().any(|x| x == "web")) {
+        web_pages(&qt).await;
     }
 
     if want("latency") {
@@ -910,4 +991,206 @@ async fn main() {
         }
     }
     let _ = conn.close(200, "".into()).await;
+}
+
+/// Fills a prefix with 1,000,000 history events (10 jobs, 1 in 1,000 dead-lettered) and 10,000
+/// dead letters, starts `chime web` on it and times each page (median and p95 of 20 loads,
+/// after one warm-up; the DLQ's first read, a pass over the whole queue, is timed apart).
+async fn web_pages(qt: &str) {
+    use chime_shared::history::{Outcome, RunEvent};
+    const EVENTS: usize = 1_000_000;
+    const DEAD: usize = 10_000;
+    let env = TestEnv::new("bench-web");
+    let jobs: String = (0..10)
+        .map(|i| format!("[[jobs]]\nname = \"job-{i}\"\nhandler = \"noop\"\nschedule = \"*/15 * * * *\"\n"))
+        .collect();
+    let text = env.config_text(qt, "", "", &jobs);
+    let path = env.write_config(&text);
+    let config = Config::from_toml_str(&text).unwrap();
+    let names = env.names();
+    let mut r = connect_redis(&env.redis_url).await;
+    let stream = names.history("default");
+    let now = chrono::Utc::now();
+    let mut some_key = String::new();
+    let t = Instant::now();
+    for chunk in 0..EVENTS / 10_000 {
+        progress(&format!("web: writing history {}/{EVENTS}", chunk * 10_000));
+        let mut pipe = redis::pipe();
+        let mut entry = Vec::new();
+        for i in chunk * 10_000..(chunk + 1) * 10_000 {
+            let dead = i % 1000 == 999;
+            let key = envelope::random_key().to_string();
+            if i == EVENTS - 10 {
+                some_key = key.clone();
+            }
+            let finished = now - chrono::Duration::milliseconds((EVENTS - i) as i64 * 50);
+            let e = RunEvent {
+                job: format!("job-{}", i % 10),
+                key,
+                id: uuid::Uuid::now_v7().to_string(),
+                queue: "default".into(),
+                attempt: 1,
+                max_attempts: 5,
+                worker: "bench-host:4242".into(),
+                started_at: Some(finished - chrono::Duration::milliseconds(12)),
+                finished_at: finished,
+                outcome: if dead { Outcome::DeadLettered } else { Outcome::Succeeded },
+                duration_ms: Some(12),
+                reason: dead.then(|| "exhausted".to_string()),
+                error: dead.then(|| "exit code 3: upstream answered 503".to_string()),
+                entry: None,
+            };
+            // As the worker writes them: a few runs to an entry.
+            entry.push(e.stream_values());
+            if entry.len() == chime_shared::history::RUNS_PER_ENTRY {
+                let runs = chime_shared::history::encode_entry(&std::mem::take(&mut entry));
+                pipe.cmd("XADD").arg(&stream).arg("*").arg("runs").arg(runs).ignore();
+            }
+        }
+        let _: () = pipe.query_async(&mut r).await.unwrap();
+    }
+    let bytes: u64 = memory_usage(&mut r, &stream).await;
+    let history_secs = t.elapsed().as_secs_f64();
+    // The key page's record, as the worker leaves it.
+    let idem = names.idem_key(&some_key);
+    let _: () = redis::pipe()
+        .cmd("HSET")
+        .arg(&idem)
+        .arg("s")
+        .arg("done")
+        .arg("o")
+        .arg("bench-host:4242/1")
+        .arg("f")
+        .arg(7)
+        .ignore()
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    // Dead letters, as the worker publishes them.
+    let conn = connect_amqp().await;
+    chime_shared::topology::declare(&conn, &config, &config.all_queues()).await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let dlq = names.dlq("default");
+    let mut first_id = String::new();
+    for chunk in 0..DEAD / 1000 {
+        progress(&format!("web: publishing dead letters {}/{DEAD}", chunk * 1000));
+        let mut confirms = Vec::new();
+        for i in 0..1000 {
+            let env_ = Envelope::new(
+                &format!("job-{}", i % 10),
+                "default",
+                envelope::random_key(),
+                serde_json::json!({"invoice": i, "amount_cents": 4200}),
+                None,
+                5,
+                Source::Adhoc,
+            );
+            let id = uuid::Uuid::now_v7().to_string();
+            if first_id.is_empty() {
+                first_id = id.clone();
+            }
+            let mut h = FieldTable::default();
+            let failed_at = chrono::Utc::now().to_rfc3339();
+            for (k, v) in [
+                ("x-chime-reason", "exhausted"),
+                ("x-chime-error", "exit code 3: upstream answered 503 Service Unavailable"),
+                ("x-chime-attempts", "5"),
+                ("x-chime-failed-at", failed_at.as_str()),
+                ("x-chime-worker", "bench-host:4242"),
+                ("x-chime-queue", "default"),
+                ("x-chime-dead-id", id.as_str()),
+            ] {
+                h.insert(k.into(), lapin::types::AMQPValue::LongString(v.into()));
+            }
+            let props = env_.properties().with_headers(h);
+            confirms.push(
+                ch.basic_publish("".into(), dlq.as_str().into(), Default::default(), &env_.encode(), props)
+                    .await
+                    .unwrap(),
+            );
+        }
+        for c in confirms {
+            c.await.unwrap();
+        }
+    }
+    progress("web: starting chime web");
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let _web = Child::chime(&env.dir, &path, &["web", "--listen", &format!("127.0.0.1:{port}")], "web");
+    let http = reqwest::Client::new();
+    wait_until("chime web answers", Duration::from_secs(30), || {
+        let (http, url) = (http.clone(), format!("{base}/livez"));
+        async move { http.get(url).send().await.is_ok() }
+    })
+    .await;
+    let time = |url: String| {
+        let http = http.clone();
+        async move {
+            let t = Instant::now();
+            let resp = http.get(&url).send().await.unwrap();
+            let status = resp.status();
+            let body = resp.bytes().await.unwrap();
+            assert!(status.is_success(), "{url}: {status}");
+            (t.elapsed().as_secs_f64() * 1000.0, body.len())
+        }
+    };
+    // The first view of a large DLQ starts a background pass over it; the page says so
+    // (id="reading") until the pass is done.
+    progress("web: the DLQ's first read");
+    let t = Instant::now();
+    loop {
+        let body = http.get(format!("{base}/dlq?queue=default")).send().await.unwrap().text().await.unwrap();
+        if !body.contains("id=\"reading\"") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(300), "the DLQ was never read");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let cold = t.elapsed().as_secs_f64() * 1000.0;
+    let pages = [
+        ("overview", "/".to_string()),
+        ("schedules", "/schedules".to_string()),
+        ("running", "/running".to_string()),
+        ("history, newest 100", "/history".to_string()),
+        ("history, one job", "/history?job=job-3".to_string()),
+        ("history, dead_lettered (1 in 1,000)", "/history?outcome=dead_lettered".to_string()),
+        ("history, a job with no runs", "/history?job=nope".to_string()),
+        ("key", format!("/keys/{some_key}")),
+        ("DLQ, first 100 of 10,000", "/dlq?queue=default".to_string()),
+        ("DLQ, page 50", "/dlq?queue=default&page=50".to_string()),
+        ("DLQ, filtered by job", "/dlq?queue=default&job=job-3".to_string()),
+        ("dead letter", format!("/dlq/default/{first_id}")),
+    ];
+    println!(
+        "web      {EVENTS} history events ({:.0} MiB in Redis, written in {history_secs:.0}s), {DEAD} dead letters; \
+         the DLQ's first read (a pass over all of it): {cold:.0} ms",
+        bytes as f64 / 1_048_576.0
+    );
+    for (name, path) in pages {
+        progress(&format!("web: {name}"));
+        let _ = time(format!("{base}{path}")).await;
+        let mut ms = Vec::new();
+        let mut size = 0;
+        for _ in 0..20 {
+            let (m, n) = time(format!("{base}{path}")).await;
+            ms.push(m);
+            size = n;
+        }
+        ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        progress("");
+        println!(
+            "web      {name:<38} median {:>6.1} ms   p95 {:>6.1} ms   {:>7} bytes",
+            ms[ms.len() / 2],
+            ms[ms.len() * 95 / 100],
+            size
+        );
+    }
+    let _ = ch.close(200, "".into()).await;
+    let _ = conn.close(200, "".into()).await;
+}
+
+/// Bytes of Redis memory `key` takes, every element counted (`MEMORY USAGE … SAMPLES 0`).
+async fn memory_usage(r: &mut redis::aio::MultiplexedConnection, key: &str) -> u64 {
+    redis::cmd("MEMORY").arg("USAGE").arg(key).arg("SAMPLES").arg(0).query_async(r).await.unwrap()
 }

@@ -25,12 +25,20 @@ fn docker_compose_is_valid_yaml_with_the_whole_stack() {
     let text = std::fs::read_to_string(root().join("docker-compose.yml")).unwrap();
     let docs = YamlLoader::load_from_str(&text).unwrap();
     let services = &docs[0]["services"];
-    for s in ["rabbitmq", "redis", "worker", "worker-2", "ticker", "ticker-2"] {
+    for s in ["rabbitmq", "redis", "worker", "worker-2", "ticker", "ticker-2", "web"] {
         assert!(!services[s].is_badvalue(), "service {s} missing");
     }
     assert!(!services["rabbitmq"]["healthcheck"].is_badvalue());
     assert!(!services["redis"]["healthcheck"].is_badvalue());
     assert!(services["rabbitmq"]["image"].as_str().unwrap().contains("management"));
+    // The dashboard listens off loopback inside its container, so it must carry credentials
+    // (it refuses to start without them).
+    let web = &services["web"];
+    assert!(
+        !web["environment"]["CHIME_WEB_USER"].is_badvalue()
+            && !web["environment"]["CHIME_WEB_PASSWORD"].is_badvalue()
+    );
+    assert_eq!(web["ports"][0].as_str(), Some("127.0.0.1:8090:8090"));
     // The config it mounts is the (validated) demo config, and the image it builds has
     // both binaries the README names.
     assert!(text.contains("./examples/chime.toml:/etc/chime/chime.toml"));

@@ -141,15 +141,39 @@ async fn history_can_be_switched_off() {
 }
 
 /// Redis stream length of the prefix's `default` history.
-async fn history_len(env: &TestEnv) -> u64 {
+/// Entries and runs in the `default` queue's history stream.
+async fn history_size(env: &TestEnv) -> (usize, usize) {
     let mut r = connect_redis(&env.redis_url).await;
-    redis::cmd("XLEN").arg(env.names().history("default")).query_async(&mut r).await.unwrap()
+    let entries: Vec<(String, std::collections::HashMap<String, String>)> = redis::cmd("XRANGE")
+        .arg(env.names().history("default"))
+        .arg("-")
+        .arg("+")
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    let runs =
+        entries.iter().map(|(id, f)| chime_shared::history::decode_entry("default", id, f).len()).sum();
+    (entries.len(), runs)
+}
+
+/// `entries-added` of the `default` queue's history stream (Redis 7): every entry ever appended.
+async fn entries_added(env: &TestEnv) -> u64 {
+    let mut r = connect_redis(&env.redis_url).await;
+    let info: Vec<redis::Value> = redis::cmd("XINFO")
+        .arg("STREAM")
+        .arg(env.names().history("default"))
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    let i =
+        info.iter().position(|v| matches!(v, redis::Value::BulkString(b) if b == b"entries-added")).unwrap();
+    redis::from_redis_value::<u64>(info[i + 1].clone()).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_are_capped_by_length_and_age() {
     let env = TestEnv::new("history-cap");
-    // Tiny caps: 100 entries; a 1 s age (trimmed every 64 events).
+    // Tiny caps: 100 runs (13 entries of up to 8 runs); a 1 s age.
     let jobs = format!("[history]\nmax_len = 100\nmax_age = \"1s\"\n{JOBS}");
     let config = env.config("classic", "", "", &jobs);
     let ledger = Ledger::default();
@@ -165,35 +189,30 @@ async fn streams_are_capped_by_length_and_age() {
         async move { l.distinct() == 1000 }
     })
     .await;
-    let e = &env;
-    wait_until("all 1000 events written", Duration::from_secs(10), || async move {
-        let mut r = connect_redis(&e.redis_url).await;
-        let added: Vec<redis::Value> = redis::cmd("XINFO")
-            .arg("STREAM")
-            .arg(e.names().history("default"))
-            .query_async(&mut r)
-            .await
-            .unwrap();
-        // `entries-added` (Redis 7): every event ever appended.
-        let i = added.iter().position(|v| matches!(v, redis::Value::BulkString(b) if b == b"entries-added"));
-        i.and_then(|i| redis::from_redis_value::<u64>(added[i + 1].clone()).ok()) == Some(1000)
-    })
-    .await;
-    let len = history_len(&env).await;
-    assert!(len < 1000, "capped by length (approximately, in whole nodes): {len}");
-    // Age: once every event is older than 1 s, the next trim (every 64 events) drops them.
+    // A worker writes the runs it still holds as it stops.
+    worker.stop().await;
+    let added = entries_added(&env).await;
+    assert!(added >= 125, "1000 runs in entries of at most 8: {added} entries");
+    let (entries, runs) = history_size(&env).await;
+    assert!(entries == 13 && runs <= 104, "capped by length: {entries} entries, {runs} runs");
+    assert!(runs >= 50, "the newest entries are kept: {runs} runs");
+    // Age: once every run is older than 1 s, the next write drops them.
     let written = std::time::Instant::now();
-    wait_until("the events are older than max_age", Duration::from_secs(5), || async move {
+    wait_until("the runs are older than max_age", Duration::from_secs(5), || async move {
         written.elapsed() > Duration::from_millis(1100)
     })
     .await;
+    let worker = Running::start(config.clone(), registry(&ledger), 32).await;
     client.enqueue_batch(&reqs[..200]).await.unwrap();
-    wait_until("old events trimmed by age", Duration::from_secs(30), || {
-        let e = &env;
-        async move { history_len(e).await <= 200 }
+    let l = ledger.clone();
+    wait_until("200 more ran", Duration::from_secs(60), || {
+        let l = l.clone();
+        async move { (0..200).all(|n| l.get(n) == 2) }
     })
     .await;
     worker.stop().await;
+    let (_, runs) = history_size(&env).await;
+    assert!(runs <= 200, "trimmed by age: {runs} runs left");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -39,6 +39,8 @@ struct FakeStore {
     lease_ms: u64,
     /// Runs recorded in the history.
     events: Mutex<Vec<RunEvent>>,
+    /// Runs a successful `finish` put in a key's record.
+    logged: Mutex<Vec<RunEvent>>,
 }
 
 impl FakeStore {
@@ -71,7 +73,13 @@ impl KeyStore for FakeStore {
     fn records_history(&self) -> bool {
         true
     }
-    fn record_run(&self, event: &RunEvent) {
+    fn record_run(&self, event: &RunEvent, logged: bool) {
+        if logged {
+            assert!(
+                self.logged.lock().unwrap().contains(event),
+                "record_run says finish logged {event:?}, but no successful finish carried it"
+            );
+        }
         self.events.lock().unwrap().push(event.clone());
     }
     fn lease(&self) -> Duration {
@@ -131,7 +139,48 @@ impl KeyStore for FakeStore {
             Some(_) => Ok(Renewal::Lost),
         }
     }
-    async fn finish(&self, key: &str, owner: &str, fence: u64, state: Final) -> Result<Recorded, IdemError> {
+    async fn finish(
+        &self,
+        key: &str,
+        owner: &str,
+        fence: u64,
+        state: Final,
+        run: Option<&RunEvent>,
+    ) -> Result<Recorded, IdemError> {
+        let recorded = self.finish_state(key, owner, fence, state)?;
+        if let (Some(run), Recorded::Yes | Recorded::Recreated) = (run, &recorded) {
+            self.logged.lock().unwrap().push(run.clone());
+        }
+        Ok(recorded)
+    }
+    async fn mark_dying(
+        &self,
+        key: &str,
+        owner: &str,
+        fence: u64,
+        dead: &DeadInfo,
+    ) -> Result<Recorded, IdemError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(Self::err());
+        }
+        let mut recs = self.recs.lock().unwrap();
+        let now = std::time::Instant::now();
+        match recs.get(key) {
+            Some(r) if !(r.state == "run" && r.owner == owner) => Ok(Recorded::NotOurs),
+            found => {
+                let existed = found.is_some();
+                recs.insert(
+                    key.into(),
+                    Rec { state: "dying", owner: owner.into(), fence, until: now, dead: Some(dead.clone()) },
+                );
+                Ok(if existed { Recorded::Yes } else { Recorded::Recreated })
+            }
+        }
+    }
+}
+
+impl FakeStore {
+    fn finish_state(&self, key: &str, owner: &str, fence: u64, state: Final) -> Result<Recorded, IdemError> {
         if self.down.load(Ordering::SeqCst) || self.finish_down.load(Ordering::SeqCst) {
             return Err(Self::err());
         }
@@ -158,30 +207,6 @@ impl KeyStore for FakeStore {
                 Ok(Recorded::Yes)
             }
             Some(_) => Ok(Recorded::NotOurs),
-        }
-    }
-    async fn mark_dying(
-        &self,
-        key: &str,
-        owner: &str,
-        fence: u64,
-        dead: &DeadInfo,
-    ) -> Result<Recorded, IdemError> {
-        if self.down.load(Ordering::SeqCst) {
-            return Err(Self::err());
-        }
-        let mut recs = self.recs.lock().unwrap();
-        let now = std::time::Instant::now();
-        match recs.get(key) {
-            Some(r) if !(r.state == "run" && r.owner == owner) => Ok(Recorded::NotOurs),
-            found => {
-                let existed = found.is_some();
-                recs.insert(
-                    key.into(),
-                    Rec { state: "dying", owner: owner.into(), fence, until: now, dead: Some(dead.clone()) },
-                );
-                Ok(if existed { Recorded::Yes } else { Recorded::Recreated })
-            }
         }
     }
 }
