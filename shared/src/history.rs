@@ -117,7 +117,8 @@ pub struct RunEvent {
     pub reason: Option<String>,
     /// The error, at most [`ERROR_BYTES`] (cut on a character boundary).
     pub error: Option<String>,
-    /// Stream entry id, when read from a stream.
+    /// Where it was read from a stream: `<entry id>:<index in the entry>` (a search given it
+    /// as `before` continues with the runs older than this one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub entry: Option<String>,
 }

@@ -30,7 +30,8 @@ pub struct HistoryArgs {
     /// Only runs that finished within this long ("1h", "2d")
     #[arg(long, value_name = "DUR")]
     pub since: Option<String>,
-    /// Only runs older than this stream entry (the next page of a search)
+    /// Only runs older than this cursor: a stream entry id, or a run's `entry` from `--json`
+    /// (`<entry>:<index>`); the next page of a search
     #[arg(long, value_name = "ENTRY")]
     pub before: Option<String>,
     /// At most this many runs, newest first
@@ -169,10 +170,7 @@ pub async fn history(config: Config, args: HistoryArgs) -> Result<(), Failure> {
         print_runs(&found.events);
     }
     if let Some(entry) = found.truncated {
-        eprintln!(
-            "searched the newest {} entries; older runs may match: add --before {entry}",
-            found.scanned
-        );
+        eprintln!("searched the newest {} runs; older runs may match: add --before {entry}", found.scanned);
     }
     Ok(())
 }
