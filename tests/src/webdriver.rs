@@ -129,11 +129,18 @@ impl Browser {
             .unwrap_or_default()
     }
 
-    /// The element matching `css`; panics naming the page when there is none.
+    /// The element matching `css`, waiting up to 10 s for it (a click may return before the
+    /// page it leads to is loaded); panics naming the page when there is none.
     pub async fn get(&self, css: &str) -> Element<'_> {
-        match self.find(css).await {
-            Some(e) => e,
-            None => panic!("no {css:?} on {}:\n{}", self.url().await, self.text().await),
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(e) = self.find(css).await {
+                return e;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                panic!("no {css:?} on {}:\n{}", self.url().await, self.text().await);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 

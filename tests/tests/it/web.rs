@@ -66,7 +66,7 @@ async fn the_dashboard_in_a_real_browser_shows_runs_replays_a_dead_letter_and_pa
     assert!(text.contains("succeeded"), "{text}");
     browser.screenshot("history").await;
     browser.get(&format!("a[href=\"/keys/{receipt_key}\"]")).await.click().await;
-    let text = browser.text().await;
+    let text = browser.get("#record").await.text().await;
     assert!(text.contains("done: later copies are absorbed"), "{text}");
 
     // The payment run fails into the DLQ; its error is shown as text, not markup.
@@ -88,6 +88,7 @@ async fn the_dashboard_in_a_real_browser_shows_runs_replays_a_dead_letter_and_pa
     // Fixed upstream: replay it from the page, through the confirmation naming its exact id.
     std::fs::write(env.dir.join("fixed"), "").unwrap();
     browser.get("#replay").await.click().await;
+    browser.get("main form button").await;
     let text = browser.text().await;
     assert!(text.contains(&dead_id) && text.contains("exactly this id"), "{text}");
     browser.get("main form button").await.click().await;
