@@ -175,23 +175,6 @@ pub struct PassReport {
     pub unreplayable: usize,
 }
 
-/// Kept dead letters republished before their confirms are awaited (their originals stay
-/// unacked until then, so a failure loses none: it can only leave a duplicate).
-const KEEP_WINDOW: usize = 256;
-
-/// Waits for the confirms of the kept copies, then acks their originals.
-async fn settle_kept(
-    kept: &mut Vec<(lapin::PublisherConfirm, lapin::Acker)>,
-    dlq: &str,
-    timeout: Duration,
-) -> Result<(), DlqError> {
-    for (pending, acker) in kept.drain(..) {
-        amqp::check_confirm(pending, "", dlq, timeout).await?;
-        acker.ack(BasicAckOptions::default()).await?;
-    }
-    Ok(())
-}
-
 /// DLQ operations on one connection.
 pub struct DlqClient {
     conn: Connection,
@@ -315,7 +298,6 @@ impl DlqClient {
         let n = self.depth(queue).await?;
         let timeout = self.config.amqp.publish_timeout;
         let mut report = PassReport::default();
-        let mut kept = Vec::with_capacity(KEEP_WINDOW);
         for _ in 0..n {
             let Some(msg) = self.channel.basic_get(dlq.as_str().into(), BasicGetOptions::default()).await?
             else {
@@ -331,17 +313,16 @@ impl DlqClient {
             }
             match action {
                 Action::Keep => {
-                    // Republished to the tail; the original is acked once the copy is
-                    // confirmed (in windows, not one round trip each).
-                    let pending =
-                        amqp::publish(&self.channel, "", &dlq, &delivery.data, delivery.properties.clone())
-                            .await?;
-                    kept.push((pending, delivery.acker));
+                    amqp::publish_confirmed(
+                        &self.channel,
+                        "",
+                        &dlq,
+                        &delivery.data,
+                        delivery.properties.clone(),
+                        timeout,
+                    )
+                    .await?;
                     report.kept += 1;
-                    if kept.len() >= KEEP_WINDOW {
-                        settle_kept(&mut kept, &dlq, timeout).await?;
-                    }
-                    continue;
                 }
                 Action::Drop => report.dropped += 1,
                 Action::Replay => {
@@ -376,7 +357,6 @@ impl DlqClient {
             }
             delivery.acker.ack(BasicAckOptions::default()).await?;
         }
-        settle_kept(&mut kept, &dlq, timeout).await?;
         Ok(report)
     }
 

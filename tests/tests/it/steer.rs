@@ -421,3 +421,67 @@ async fn run_triggers_a_job_now_with_a_key_of_its_own() {
     assert_eq!(code, 2, "{err}");
     worker.stop().await;
 }
+
+/// Paging through the history: 21 runs in entries of 8, 8 and 5, read 5 at a time (pages end
+/// inside entries) and 3 at a time with a job filter; each run once, newest first, none
+/// skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_pages_continue_inside_entries_without_gaps_or_repeats() {
+    use chime_shared::history::{HistoryReader, Outcome, Query, RunEvent, encode_entry};
+    let env = TestEnv::new("history-pages");
+    let mut r = connect_redis(&env.redis_url).await;
+    let stream = env.names().history("default");
+    let t0 = chrono::Utc::now();
+    let run = |n: i64| RunEvent {
+        job: if n % 3 == 0 { "three".into() } else { "other".into() },
+        key: format!("k{n}"),
+        id: format!("i{n}"),
+        queue: "default".into(),
+        attempt: 1,
+        max_attempts: 1,
+        worker: "w".into(),
+        started_at: None,
+        finished_at: t0 + chrono::Duration::milliseconds(n),
+        outcome: Outcome::Succeeded,
+        duration_ms: None,
+        reason: None,
+        error: None,
+        entry: None,
+    };
+    for chunk in [0..8i64, 8..16, 16..21] {
+        let values: Vec<[String; 4]> = chunk.map(|n| run(n).stream_values()).collect();
+        let _: String = redis::cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg("runs")
+            .arg(encode_entry(&values))
+            .query_async(&mut r)
+            .await
+            .unwrap();
+    }
+    let reader = HistoryReader::connect(&env.config("classic", "", "", "").redis, env.names()).await.unwrap();
+    let queues = vec!["default".to_string()];
+    let page_through = |job: Option<&'static str>, limit: usize| {
+        let reader = reader.clone();
+        let queues = queues.clone();
+        async move {
+            let mut seen = Vec::new();
+            let mut before = None;
+            for _ in 0..30 {
+                let q =
+                    Query { job: job.map(str::to_string), before: before.clone(), limit, ..Query::default() };
+                let found = reader.search(&queues, &q).await.unwrap();
+                if found.events.is_empty() {
+                    return seen;
+                }
+                seen.extend(found.events.iter().map(|e| e.key.clone()));
+                before = found.events.last().and_then(|e| e.entry.clone());
+            }
+            panic!("paging never ended: {seen:?}");
+        }
+    };
+    let all: Vec<String> = (0..21).rev().map(|n| format!("k{n}")).collect();
+    assert_eq!(page_through(None, 5).await, all, "5 at a time");
+    let threes: Vec<String> = (0..21).rev().filter(|n| n % 3 == 0).map(|n| format!("k{n}")).collect();
+    assert_eq!(page_through(Some("three"), 3).await, threes, "filtered, 3 at a time");
+}
