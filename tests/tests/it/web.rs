@@ -210,6 +210,26 @@ async fn the_dashboard_guards_its_actions_and_its_address() {
     let r = post(bad, vec![]).await.unwrap();
     assert_eq!(r.status(), 400);
     assert!(r.text().await.unwrap().contains("\"nope\""));
+    // Schedules: pause, pause again, resume; an unknown operation is refused.
+    let schedule_flag = env.names().paused_schedule("payment-run");
+    let schedule = |op: &'static str| {
+        http.post(format!("{base}/actions/schedule"))
+            .bearer_auth(token)
+            .form(&[("csrf", csrf.as_str()), ("back", "/schedules"), ("op", op), ("job", "payment-run")])
+            .send()
+    };
+    let notice = |r: reqwest::Response| r.headers()["location"].to_str().unwrap().to_string();
+    assert!(
+        notice(schedule("pause").await.unwrap())
+            .starts_with("/schedules?msg=Paused%20schedule%20payment-run")
+    );
+    assert!(notice(schedule("pause").await.unwrap()).contains("already%20paused"));
+    let mut r = connect_redis(&env.redis_url).await;
+    let set: bool = redis::cmd("EXISTS").arg(&schedule_flag).query_async(&mut r).await.unwrap();
+    assert!(set, "the schedule's pause flag is in Redis");
+    assert!(notice(schedule("resume").await.unwrap()).starts_with("/schedules?msg=Resumed%20schedule"));
+    assert!(notice(schedule("resume").await.unwrap()).contains("was%20not%20paused"));
+    assert_eq!(schedule("explode").await.unwrap().status(), 400);
     drop(web);
 
     // Read-only: no forms, every POST refused.

@@ -166,9 +166,32 @@ impl Web {
             *guard = chime_shared::amqp::connect(&self.config.amqp, "chime-web").await.ok();
         }
         let Some(conn) = guard.as_ref() else { return vec![None; queues.len()] };
+        // One channel for every passive declare (a channel each cost two more round trips);
+        // a declare that fails (a queue that does not exist) closes it, so the next one opens
+        // another.
         let mut out = Vec::with_capacity(queues.len());
+        let mut channel: Option<lapin::Channel> = None;
         for q in queues {
-            out.push(chime_shared::topology::depth(conn, q).await.ok());
+            if channel.as_ref().is_none_or(|c| !c.status().connected()) {
+                channel = conn.create_channel().await.ok();
+            }
+            let Some(ch) = channel.as_ref() else {
+                out.push(None);
+                continue;
+            };
+            let declared = ch
+                .queue_declare(
+                    q.as_str().into(),
+                    lapin::options::QueueDeclareOptions { passive: true, ..Default::default() },
+                    lapin::types::FieldTable::default(),
+                )
+                .await;
+            out.push(declared.ok().map(|d| (d.message_count(), d.consumer_count())));
+        }
+        if let Some(ch) = channel
+            && ch.status().connected()
+        {
+            let _ = ch.close(200, "depths".into()).await;
         }
         out
     }

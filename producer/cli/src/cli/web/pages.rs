@@ -943,23 +943,12 @@ pub async fn queue_action(State(web): State<Arc<Web>>, Form(form): Form<ActionFo
         return (StatusCode::BAD_REQUEST, format!("{queue:?} is not a queue of this config\n"))
             .into_response();
     }
-    let mut conn = web.reader.connection();
-    let msg = match form.op.as_str() {
-        "pause" => {
-            match control::pause(&mut conn, &web.names, Target::Queue, &queue, &web_operator()).await {
-                Ok(None) => format!(
-                    "Paused queue {queue}: workers stop consuming it within about a second; running jobs finish."
-                ),
-                Ok(Some(f)) => format!("Queue {queue} was already paused by {}.", f.by),
-                Err(e) => return failed(&web, "Pause", e),
-            }
+    let msg = match pause_or_resume(&web, Target::Queue, &queue, &form.op).await {
+        Some(Ok(msg)) => msg,
+        Some(Err(page)) => return page,
+        None => {
+            return (StatusCode::BAD_REQUEST, format!("unknown operation {:?}\n", form.op)).into_response();
         }
-        "resume" => match control::resume(&mut conn, &web.names, Target::Queue, &queue).await {
-            Ok(Some(_)) => format!("Resumed queue {queue}: workers consume it again within about a second."),
-            Ok(None) => format!("Queue {queue} was not paused."),
-            Err(e) => return failed(&web, "Resume", e),
-        },
-        other => return (StatusCode::BAD_REQUEST, format!("unknown operation {other:?}\n")).into_response(),
     };
     tracing::info!(queue = %queue, op = %form.op, "dashboard action");
     back_to(&form.back, &msg)
@@ -976,24 +965,16 @@ pub async fn schedule_action(State(web): State<Arc<Web>>, Form(form): Form<Actio
     if spec.schedule.is_none() && form.op != "run" {
         return (StatusCode::BAD_REQUEST, format!("job {job:?} has no schedule\n")).into_response();
     }
-    let mut conn = web.reader.connection();
     let msg = match form.op.as_str() {
-        "pause" => match control::pause(&mut conn, &web.names, Target::Schedule, &job, &web_operator()).await
-        {
-            Ok(None) => format!("Paused schedule {job}: the ticker skips its slots until it is resumed."),
-            Ok(Some(f)) => format!("Schedule {job} was already paused by {}.", f.by),
-            Err(e) => return failed(&web, "Pause", e),
-        },
-        "resume" => match control::resume(&mut conn, &web.names, Target::Schedule, &job).await {
-            Ok(Some(_)) => format!("Resumed schedule {job} from its next slot."),
-            Ok(None) => format!("Schedule {job} was not paused."),
-            Err(e) => return failed(&web, "Resume", e),
-        },
         "run" => match web.run_now(&job).await {
             Ok(d) => format!("Triggered {job} now on queue {} (key {}), confirmed.", d.queue, d.key),
             Err(e) => return failed(&web, "Run now", e),
         },
-        other => return (StatusCode::BAD_REQUEST, format!("unknown operation {other:?}\n")).into_response(),
+        op => match pause_or_resume(&web, Target::Schedule, &job, op).await {
+            Some(Ok(msg)) => msg,
+            Some(Err(page)) => return page,
+            None => return (StatusCode::BAD_REQUEST, format!("unknown operation {op:?}\n")).into_response(),
+        },
     };
     tracing::info!(job = %job, op = %form.op, "dashboard action");
     back_to(&form.back, &msg)
@@ -1028,6 +1009,39 @@ pub async fn dlq_action(State(web): State<Arc<Web>>, Form(form): Form<ActionForm
         ),
     };
     back_to(&form.back, &msg)
+}
+
+/// Carries out `op` (`pause` or `resume`) on a queue or schedule and says what happened;
+/// `None` for any other `op`, `Some(Err(page))` when Redis failed.
+async fn pause_or_resume(
+    web: &Web,
+    target: Target,
+    name: &str,
+    op: &str,
+) -> Option<Result<String, Response>> {
+    let mut conn = web.reader.connection();
+    let label = if target == Target::Queue { "Queue" } else { "Schedule" };
+    Some(match op {
+        "pause" => match control::pause(&mut conn, &web.names, target, name, &web_operator()).await {
+            Ok(None) if target == Target::Queue => Ok(format!(
+                "Paused queue {name}: workers stop consuming it within about a second; running jobs finish."
+            )),
+            Ok(None) => {
+                Ok(format!("Paused schedule {name}: the ticker skips its slots until it is resumed."))
+            }
+            Ok(Some(f)) => Ok(format!("{label} {name} was already paused by {}.", f.by)),
+            Err(e) => Err(failed(web, "Pause", e)),
+        },
+        "resume" => match control::resume(&mut conn, &web.names, target, name).await {
+            Ok(Some(_)) if target == Target::Queue => {
+                Ok(format!("Resumed queue {name}: workers consume it again within about a second."))
+            }
+            Ok(Some(_)) => Ok(format!("Resumed schedule {name} from its next slot.")),
+            Ok(None) => Ok(format!("{label} {name} was not paused.")),
+            Err(e) => Err(failed(web, "Resume", e)),
+        },
+        _ => return None,
+    })
 }
 
 /// Who pauses from the dashboard, as the flag records it.
