@@ -230,6 +230,13 @@ async fn the_dashboard_guards_its_actions_and_its_address() {
     assert!(notice(schedule("resume").await.unwrap()).starts_with("/schedules?msg=Resumed%20schedule"));
     assert!(notice(schedule("resume").await.unwrap()).contains("was%20not%20paused"));
     assert_eq!(schedule("explode").await.unwrap().status(), 400);
+    // Run now: published with a key of its own, and waiting in the queue (no worker here).
+    let ran = notice(schedule("run").await.unwrap());
+    assert!(ran.starts_with("/schedules?msg=Triggered%20payment-run%20now"), "{ran}");
+    wait_depth(&env.names().work_queue("default"), 1, Duration::from_secs(10)).await;
+    let running = http.get(format!("{base}/running")).bearer_auth(token).send().await.unwrap();
+    assert_eq!(running.status(), 200);
+    assert!(running.text().await.unwrap().contains("0 job(s) running on 0 worker(s)"));
     drop(web);
 
     // Read-only: no forms, every POST refused.
