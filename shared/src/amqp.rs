@@ -105,17 +105,40 @@ async fn handshake_timeout(url: &str) -> String {
 /// Connects to the first URL of `config.url` that answers.
 pub async fn connect(config: &AmqpConfig, connection_name: &str) -> Result<Connection, AmqpError> {
     let urls = config.url.list();
+    let joined = || urls.iter().map(|u| redact(u)).collect::<Vec<_>>().join(", ");
+    // TLS files are read at every connect, so renewed certificates are picked up on reconnect.
+    let tls = crate::tls::amqp_tls(config)
+        .map_err(|e| AmqpError::Connect { urls: joined(), last: e.to_string() })?;
+    crate::tls::install_crypto_provider();
     let mut last = String::from("no URL configured");
     for url in &urls {
         let props = ConnectionProperties::default().with_connection_name(connection_name.into());
         let full = with_heartbeat(url, config.heartbeat);
-        match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect(&full, props)).await {
+        let builder = lapin::ConnectionBuilder::new()
+            .map_err(|e| AmqpError::Connect { urls: joined(), last: e.to_string() })?
+            .with_uri_str(full)
+            .with_properties(props)
+            .with_tls_config(tls.clone());
+        match tokio::time::timeout(CONNECT_TIMEOUT, builder.connect()).await {
             Ok(Ok(conn)) => return Ok(conn),
-            Ok(Err(e)) => last = format!("{}: {e}", redact(url)),
+            Ok(Err(e)) => {
+                let text = format!("{}: {e}", redact(url));
+                last = if url.starts_with("amqps://")
+                    && crate::tls::explain(&text).is_none()
+                    && text.contains("reset by peer")
+                {
+                    format!(
+                        "{text} (TLS: the broker closed the connection during the handshake: it may require a \
+                         client certificate (amqp.tls.client_cert) or refuse the one sent)"
+                    )
+                } else {
+                    crate::tls::with_explanation(text)
+                };
+            }
             Err(_) => last = format!("{}: {}", redact(url), handshake_timeout(url).await),
         }
     }
-    Err(AmqpError::Connect { urls: urls.iter().map(|u| redact(u)).collect::<Vec<_>>().join(", "), last })
+    Err(AmqpError::Connect { urls: joined(), last })
 }
 
 /// Publishes one message with `mandatory` set on a channel in confirm mode and waits for

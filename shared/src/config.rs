@@ -164,6 +164,22 @@ pub struct AmqpConfig {
     /// The broker's `consumer_timeout`: workers warn when a job timeout is not safely below it.
     #[serde(deserialize_with = "duration::de")]
     pub consumer_timeout: Duration,
+    /// `[amqp.tls]`: CA and client certificate for `amqps://` URLs.
+    pub tls: TlsConfig,
+}
+
+/// `[amqp.tls]` / `[redis.tls]`: what TLS needs beyond the platform's roots. Only used with
+/// `amqps://` / `rediss://` URLs (set with a plain URL it is an error, never ignored).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM file of the CA(s) that sign the server's certificate. AMQP trusts it besides the
+    /// platform's roots; Redis trusts it alone.
+    pub ca_file: Option<PathBuf>,
+    /// PEM certificate chain presented to the server (mutual TLS; needs `client_key`).
+    pub client_cert: Option<PathBuf>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of `client_cert`.
+    pub client_key: Option<PathBuf>,
 }
 
 impl Default for AmqpConfig {
@@ -176,6 +192,7 @@ impl Default for AmqpConfig {
             publish_timeout: Duration::from_secs(30),
             max_message_bytes: 1024 * 1024,
             consumer_timeout: Duration::from_secs(30 * 60),
+            tls: TlsConfig::default(),
         }
     }
 }
@@ -195,6 +212,8 @@ pub struct RedisConfig {
     /// Per-command response timeout; past it Redis counts as unreachable.
     #[serde(deserialize_with = "duration::de")]
     pub timeout: Duration,
+    /// `[redis.tls]`: CA and client certificate for a `rediss://` URL.
+    pub tls: TlsConfig,
 }
 
 impl Default for RedisConfig {
@@ -204,6 +223,7 @@ impl Default for RedisConfig {
             lease: Duration::from_secs(30),
             done_retention: Duration::from_secs(7 * 86_400),
             timeout: Duration::from_secs(3),
+            tls: TlsConfig::default(),
         }
     }
 }
@@ -661,6 +681,28 @@ impl Config {
         Ok(())
     }
 
+    /// `[<section>.tls]` is only valid with a TLS URL, and its files must be readable PEM.
+    fn check_tls(
+        &self,
+        section: &str,
+        tls_url: bool,
+        tls: &TlsConfig,
+        scheme: &str,
+    ) -> Result<(), ConfigError> {
+        if *tls == TlsConfig::default() {
+            return Ok(());
+        }
+        if !tls_url {
+            return Err(ConfigError::invalid(
+                format!("{section}.tls"),
+                format!("is set but {section}.url is not a {scheme} URL (the settings would be ignored)"),
+            ));
+        }
+        crate::tls::TlsFiles::read(&format!("{section}.tls"), tls)
+            .map(|_| ())
+            .map_err(|e| ConfigError::invalid(e.key, e.message))
+    }
+
     /// Checks every value once; the error names the first bad key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.prefix.len() > 64 {
@@ -699,6 +741,14 @@ impl Config {
                 ));
             }
         }
+        let tls_urls = urls.iter().filter(|u| u.starts_with("amqps://")).count();
+        if tls_urls != 0 && tls_urls != urls.len() {
+            return Err(ConfigError::invalid(
+                "amqp.url",
+                "mixes amqps:// and amqp:// URLs: a failover would drop to plaintext (use one scheme)",
+            ));
+        }
+        self.check_tls("amqp", tls_urls != 0, &self.amqp.tls, "amqps://")?;
         if self.amqp.delivery_limit == 0 {
             return Err(ConfigError::invalid(
                 "amqp.delivery_limit",
@@ -711,15 +761,23 @@ impl Config {
         if self.amqp.max_message_bytes < 1024 {
             return Err(ConfigError::invalid("amqp.max_message_bytes", "must be at least 1024"));
         }
-        if !self.redis.url.starts_with("redis://")
-            && !self.redis.url.starts_with("rediss://")
-            && !self.redis.url.starts_with("redis+unix://")
-        {
+        let scheme = self.redis.url.split_once("://").map(|(s, _)| s).unwrap_or("");
+        if !matches!(scheme, "redis" | "rediss" | "redis+unix" | "unix") {
             return Err(ConfigError::invalid(
                 "redis.url",
-                format!("{:?} must start with redis:// or rediss://", redact(&self.redis.url)),
+                format!(
+                    "{:?}: scheme {scheme:?} is not supported (use redis://, rediss:// or redis+unix://)",
+                    redact(&self.redis.url)
+                ),
             ));
         }
+        if self.redis.url.contains("#insecure") {
+            return Err(ConfigError::invalid(
+                "redis.url",
+                "#insecure would turn certificate checks off; chime does not allow it (set redis.tls.ca_file)",
+            ));
+        }
+        self.check_tls("redis", scheme == "rediss", &self.redis.tls, "rediss://")?;
         if self.redis.lease < Duration::from_secs(1) {
             return Err(ConfigError::invalid("redis.lease", "must be at least 1s"));
         }

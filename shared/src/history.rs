@@ -341,7 +341,7 @@ const PAGE: usize = 1000;
 impl HistoryReader {
     /// Connects to Redis (within `redis.timeout`).
     pub async fn connect(config: &RedisConfig, names: Names) -> redis::RedisResult<Self> {
-        let client = redis::Client::open(config.url.as_str())?;
+        let client = crate::tls::redis_client(config)?;
         let cfg = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(config.timeout))
             .set_response_timeout(Some(config.timeout));

@@ -326,7 +326,7 @@ struct Op {
 }
 
 /// A cheaply clonable handle on one multiplexed, self-reconnecting Redis connection (the hot
-/// path: no pool checkout per job), plus a small deadpool pool used only for health probes,
+/// path: no pool checkout per job), plus a connection of its own used only for health probes,
 /// so a probe tests Redis itself, not the state of the shared multiplexed pipeline.
 ///
 /// Claims, renewals and finishes go through one batching task: whatever calls are waiting
@@ -337,7 +337,7 @@ struct Op {
 #[derive(Clone)]
 pub struct IdemStore {
     conn: ConnectionManager,
-    probes: deadpool_redis::Pool,
+    probes: Arc<Probe>,
     timeout: Duration,
     names: Names,
     lease: Duration,
@@ -349,6 +349,13 @@ pub struct IdemStore {
     history: Option<HistoryConfig>,
     /// The history writer's queue (started like the batching task).
     writer: Arc<Mutex<Option<mpsc::UnboundedSender<ToWriter>>>>,
+}
+
+/// The readiness probe's own connection (kept while it answers), apart from the shared
+/// pipeline.
+struct Probe {
+    client: Client,
+    conn: tokio::sync::Mutex<Option<redis::aio::MultiplexedConnection>>,
 }
 
 /// What the history writer is told.
@@ -369,23 +376,14 @@ impl IdemStore {
     /// Creates the store without waiting for Redis: the first command connects, and a
     /// broken connection is re-established in the background.
     pub fn connect(config: &RedisConfig, names: Names) -> Result<Self, IdemError> {
-        let client = Client::open(config.url.as_str())?;
+        let client = crate::tls::redis_client(config)?;
         let cm = ConnectionManagerConfig::new()
             .set_response_timeout(Some(config.timeout))
             .set_connection_timeout(Some(config.timeout))
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_secs(1));
-        let conn = ConnectionManager::new_lazy_with_config(client, cm)?;
-        let probes = deadpool_redis::Config::from_url(config.url.as_str())
-            .builder()
-            .map_err(|e| IdemError::Protocol(format!("redis pool: {e}")))?
-            .max_size(1)
-            .wait_timeout(Some(config.timeout))
-            .create_timeout(Some(config.timeout))
-            .recycle_timeout(Some(config.timeout))
-            .runtime(deadpool_redis::Runtime::Tokio1)
-            .build()
-            .map_err(|e| IdemError::Protocol(format!("redis pool: {e}")))?;
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), cm)?;
+        let probes = Arc::new(Probe { client, conn: tokio::sync::Mutex::new(None) });
         Ok(Self {
             conn,
             probes,
@@ -587,9 +585,17 @@ impl IdemStore {
     /// `PING` on the probe pool's own connection, within the configured timeout.
     pub async fn ping(&self) -> Result<(), IdemError> {
         let probe = async {
-            let mut conn =
-                self.probes.get().await.map_err(|e| IdemError::Protocol(format!("redis pool: {e}")))?;
-            let _: String = redis::cmd("PING").query_async(&mut *conn).await?;
+            let mut slot = self.probes.conn.lock().await;
+            let mut conn = match slot.take() {
+                Some(c) => c,
+                None => {
+                    let cfg = redis::AsyncConnectionConfig::new().set_response_timeout(Some(self.timeout));
+                    self.probes.client.get_multiplexed_async_connection_with_config(&cfg).await?
+                }
+            };
+            let _: String = redis::cmd("PING").query_async(&mut conn).await?;
+            // Kept only after a good answer: a failed probe connects afresh next time.
+            *slot = Some(conn);
             Ok::<_, IdemError>(())
         };
         tokio::time::timeout(self.timeout, probe)

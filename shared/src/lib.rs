@@ -39,6 +39,7 @@ pub mod job;
 pub mod names;
 pub mod schedule;
 pub mod telemetry;
+pub mod tls;
 pub mod topology;
 
 pub use config::{Config, ConfigError};

@@ -80,6 +80,7 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 /// exchange the test declared and every Redis key under its prefix.
 pub mod proxy;
 pub mod reliability;
+pub mod tls;
 pub mod webdriver;
 
 pub struct TestEnv {

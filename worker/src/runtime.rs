@@ -555,12 +555,16 @@ fn heartbeat(core: &Core, queues: &[String], concurrency: usize, health: &Health
 async fn redis_monitor(core: Arc<Core>, store: IdemStore, health: Health, shutdown: CancellationToken) {
     let mut was_ok = None;
     loop {
-        let ok = store.ping().await.is_ok();
+        let ping = store.ping().await;
+        let ok = ping.is_ok();
         if was_ok != Some(ok) {
-            if ok {
-                info!("redis reachable");
-            } else {
-                warn!("redis unreachable");
+            let url = chime_shared::config::redact(&core.config.redis.url);
+            match ping {
+                Ok(()) => info!(%url, "redis reachable"),
+                Err(e) => {
+                    let error = chime_shared::tls::with_explanation(e.to_string());
+                    warn!(%url, %error, "redis unreachable")
+                }
             }
             was_ok = Some(ok);
         }

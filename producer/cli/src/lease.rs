@@ -99,7 +99,7 @@ pub struct TickerStore {
 
 impl TickerStore {
     pub fn connect(config: &RedisConfig, prefix: &str) -> Result<Self, redis::RedisError> {
-        let client = redis::Client::open(config.url.as_str())?;
+        let client = chime_shared::tls::redis_client(config)?;
         let cm = ConnectionManagerConfig::new()
             .set_response_timeout(Some(config.timeout))
             .set_connection_timeout(Some(config.timeout))

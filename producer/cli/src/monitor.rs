@@ -187,9 +187,13 @@ async fn sender(mut rx: mpsc::UnboundedReceiver<Notification>, config: Arc<Confi
             .with_max_delay(Duration::from_secs(30))
             .with_max_times(8)
             .with_jitter();
-        let notify = |e: &reqwest::Error, d: Duration| warn!(url = %shown, error = %e, retry_in = ?d, "alert webhook failed");
+        let notify = |e: &reqwest::Error, d: Duration| {
+            let error = chime_shared::tls::describe_error(e);
+            warn!(url = %shown, %error, retry_in = ?d, "alert webhook failed")
+        };
         if let Err(e) = send.retry(policy).notify(notify).await {
-            warn!(url = %shown, error = %e, queue = %n.queue, "alert webhook gave up; the log line above stands");
+            let error = chime_shared::tls::describe_error(&e);
+            warn!(url = %shown, %error, queue = %n.queue, "alert webhook gave up; the log line above stands");
         }
     }
 }

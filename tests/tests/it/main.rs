@@ -19,5 +19,6 @@ mod retries;
 mod runtime;
 mod steer;
 mod ticker;
+mod tls;
 mod topology;
 mod web;

@@ -42,17 +42,10 @@ impl HttpHandler {
     }
 }
 
-/// An error and its causes, one after the other, without the URL reqwest puts in it.
+/// An error and its causes, one after the other, without the URL reqwest puts in it (a TLS
+/// failure says which: unknown CA, name mismatch, expired).
 fn describe(e: reqwest::Error) -> String {
-    let e = e.without_url();
-    let mut out = e.to_string();
-    let mut source = std::error::Error::source(&e);
-    while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    out
+    chime_shared::tls::describe_error(&e.without_url())
 }
 
 /// Classifies a response status; `what` names the request in the error.

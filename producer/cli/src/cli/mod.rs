@@ -92,7 +92,8 @@ pub async fn main_exit_code(cli: Cli) -> i32 {
     match run(cli).await {
         Ok(()) => 0,
         Err(f) => {
-            eprintln!("chime: error: {:#}", f.error);
+            // Each cause once (a Redis error repeats its source), and what a TLS failure means.
+            eprintln!("chime: error: {}", chime_shared::tls::describe_error(f.error.as_ref()));
             f.code
         }
     }
@@ -101,7 +102,15 @@ pub async fn main_exit_code(cli: Cli) -> i32 {
 async fn run(cli: Cli) -> Result<(), Failure> {
     let path = Config::resolve_path(cli.config.as_deref());
     let config = Config::load(Some(&path)).map_err(usage)?;
-    match cli.command {
+    let redis_url = chime_shared::config::redact(&config.redis.url);
+    // A Redis error says nothing of the server it came from: name it.
+    let name_redis = |mut f: Failure| {
+        if f.error.chain().any(|c| c.downcast_ref::<redis::RedisError>().is_some()) {
+            f.error = f.error.context(format!("Redis at {redis_url}"));
+        }
+        f
+    };
+    let result = match cli.command {
         Command::CheckConfig => {
             println!(
                 "config OK: {} job(s), queues: {}, queue type {}, prefix {:?}",
@@ -125,5 +134,6 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Resume(target) => steer::resume(config, target).await,
         Command::Run { job, json } => steer::run_now(config, job, json).await,
         Command::Web(args) => web::run(config, args).await,
-    }
+    };
+    result.map_err(name_redis)
 }

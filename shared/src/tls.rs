@@ -1,0 +1,201 @@
+//! TLS for RabbitMQ (`amqps://`) and Redis (`rediss://`): rustls with the platform's roots
+//! (`SSL_CERT_FILE` / `SSL_CERT_DIR` are honoured), plus a CA file and a client certificate
+//! for mutual TLS from `[amqp.tls]` / `[redis.tls]`.
+//!
+//! chime never falls back to plaintext: a TLS URL either completes a verified handshake or
+//! fails with an error that names the endpoint and the TLS cause
+//! ([`explain`]). Settings that would be ignored (TLS files with a plain URL), a list that
+//! mixes plain and TLS URLs, and Redis's `#insecure` are rejected by
+//! [`crate::Config::validate`].
+
+use std::path::Path;
+
+use crate::config::{AmqpConfig, RedisConfig, TlsConfig};
+
+/// Makes rustls's ring provider the process default unless one is set already (a program
+/// that links rustls with another provider too would otherwise have none).
+pub fn install_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
+/// A TLS file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("{key}: {message}")]
+pub struct TlsFileError {
+    /// The setting (`amqp.tls.ca_file`).
+    pub key: String,
+    /// What is wrong with the file.
+    pub message: String,
+}
+
+/// Reads the PEM file of setting `key`, checking that it holds a `what` block
+/// (`CERTIFICATE`, `PRIVATE KEY`).
+pub fn read_pem(key: &str, path: &Path, what: &str) -> Result<Vec<u8>, TlsFileError> {
+    let bytes = std::fs::read(path).map_err(|e| TlsFileError {
+        key: key.into(),
+        message: format!("cannot read {}: {e}", path.display()),
+    })?;
+    let text = String::from_utf8_lossy(&bytes);
+    let found = text.lines().any(|l| l.starts_with("-----BEGIN ") && l.contains(what));
+    if !found {
+        return Err(TlsFileError {
+            key: key.into(),
+            message: format!("{} holds no PEM {what} block", path.display()),
+        });
+    }
+    Ok(bytes)
+}
+
+/// The three files of one `[*.tls]` section, read and checked.
+#[derive(Debug, Default)]
+pub struct TlsFiles {
+    /// PEM CA certificates to trust.
+    pub ca: Option<Vec<u8>>,
+    /// PEM client certificate chain and key (mutual TLS).
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl TlsFiles {
+    /// Reads the files `tls` names; `section` is `amqp.tls` or `redis.tls` (for errors).
+    pub fn read(section: &str, tls: &TlsConfig) -> Result<Self, TlsFileError> {
+        let ca = match &tls.ca_file {
+            Some(p) => Some(read_pem(&format!("{section}.ca_file"), p, "CERTIFICATE")?),
+            None => None,
+        };
+        let identity = match (&tls.client_cert, &tls.client_key) {
+            (Some(c), Some(k)) => Some((
+                read_pem(&format!("{section}.client_cert"), c, "CERTIFICATE")?,
+                read_pem(&format!("{section}.client_key"), k, "PRIVATE KEY")?,
+            )),
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(TlsFileError {
+                    key: format!("{section}.client_key"),
+                    message: "client_cert is set without client_key".into(),
+                });
+            }
+            (None, Some(_)) => {
+                return Err(TlsFileError {
+                    key: format!("{section}.client_cert"),
+                    message: "client_key is set without client_cert".into(),
+                });
+            }
+        };
+        Ok(Self { ca, identity })
+    }
+}
+
+/// lapin's TLS settings for `[amqp.tls]`: the CA file is trusted in addition to the
+/// platform's roots.
+pub fn amqp_tls(config: &AmqpConfig) -> Result<lapin::tcp::OwnedTLSConfig, TlsFileError> {
+    let files = TlsFiles::read("amqp.tls", &config.tls)?;
+    Ok(lapin::tcp::OwnedTLSConfig {
+        cert_chain: files.ca.map(|c| String::from_utf8_lossy(&c).into_owned()),
+        identity: files.identity.map(|(pem, key)| lapin::tcp::OwnedIdentity::PKCS8 { pem, key }),
+    })
+}
+
+/// A Redis client for `[redis]`: `rediss://` is verified against the platform's roots, or
+/// against `redis.tls.ca_file` alone when it is set; a client certificate is presented when
+/// configured.
+pub fn redis_client(config: &RedisConfig) -> redis::RedisResult<redis::Client> {
+    install_crypto_provider();
+    if config.tls == TlsConfig::default() {
+        return redis::Client::open(config.url.as_str());
+    }
+    let files = TlsFiles::read("redis.tls", &config.tls).map_err(|e| {
+        redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, "TLS", e.to_string()))
+    })?;
+    redis::Client::build_with_tls(
+        config.url.as_str(),
+        redis::TlsCertificates {
+            client_tls: files
+                .identity
+                .map(|(client_cert, client_key)| redis::ClientTlsConfig { client_cert, client_key }),
+            root_cert: files.ca,
+        },
+    )
+}
+
+/// Says in words what a TLS failure in `error` (lapin's, redis's or reqwest's text) means,
+/// when it is one.
+pub fn explain(error: &str) -> Option<&'static str> {
+    const CAUSES: &[(&str, &str)] = &[
+        (
+            "UnknownIssuer",
+            "TLS: the server's certificate is signed by a CA this client does not trust \
+             (set tls.ca_file to the CA's PEM, or SSL_CERT_FILE)",
+        ),
+        (
+            "NotValidForName",
+            "TLS: the server's certificate does not name the host in the URL (connect by a name \
+             the certificate lists)",
+        ),
+        ("not valid for name", "TLS: the server's certificate does not name the host in the URL"),
+        ("Expired", "TLS: the server's certificate has expired (or the local clock is wrong)"),
+        ("certificate expired", "TLS: the server's certificate has expired (or the local clock is wrong)"),
+        ("NotValidYet", "TLS: the server's certificate is not valid yet (or the local clock is wrong)"),
+        ("Revoked", "TLS: the server's certificate is revoked"),
+        (
+            "CertificateRequired",
+            "TLS: the server requires a client certificate (set tls.client_cert and tls.client_key)",
+        ),
+        ("UnknownCA", "TLS: the server does not trust this client's certificate (AlertReceived(UnknownCA))"),
+        (
+            "BadCertificate",
+            "TLS: the server rejected this client's certificate (AlertReceived(BadCertificate))",
+        ),
+        ("InvalidContentType", "TLS: the server did not answer with TLS (is this a plaintext port?)"),
+        ("CorruptMessage", "TLS: the server did not answer with TLS (is this a plaintext port?)"),
+    ];
+    CAUSES.iter().find(|(needle, _)| error.contains(needle)).map(|(_, says)| *says)
+}
+
+/// An error and its causes, one after the other, followed by what it means when it is a
+/// TLS failure (reqwest's `error sending request` alone says nothing).
+pub fn describe_error(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = cause.source();
+    }
+    with_explanation(out)
+}
+
+/// `error`, followed by what it means when it is a TLS failure.
+pub fn with_explanation(error: String) -> String {
+    match explain(&error) {
+        Some(says) if !error.contains(says) => format!("{error} ({says})"),
+        _ => error,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls_causes_are_named() {
+        let e = "invalid peer certificate: UnknownIssuer".to_string();
+        assert!(with_explanation(e).contains("signed by a CA this client does not trust"));
+        assert!(explain("invalid peer certificate: NotValidForName").unwrap().contains("does not name"));
+        assert!(explain("invalid peer certificate: Expired").unwrap().contains("expired"));
+        assert_eq!(explain("Connection refused (os error 111)"), None);
+    }
+
+    #[test]
+    fn half_an_identity_is_refused() {
+        let tls = TlsConfig { client_cert: Some("/x.pem".into()), ..TlsConfig::default() };
+        let e = TlsFiles::read("redis.tls", &tls).unwrap_err();
+        assert_eq!(e.key, "redis.tls.client_key");
+        let e = read_pem("amqp.tls.ca_file", Path::new("/nonexistent/ca.pem"), "CERTIFICATE").unwrap_err();
+        assert!(e.to_string().starts_with("amqp.tls.ca_file: cannot read /nonexistent/ca.pem"), "{e}");
+    }
+}
