@@ -45,6 +45,7 @@ async fn worker_ticker_and_cli_run_over_tls_and_every_bad_handshake_is_named() {
     env.redis_url = redis.url();
     let hook = HttpsServer::start(&pki.server, 200).await;
     let misnamed = HttpsServer::start(&pki.wrong_name, 200).await;
+    let alerts = HttpsServer::start(&pki.server, 200).await;
     let ledger_path = env.dir.join("ledger");
     let l = ledger_path.display();
     let jobs = format!(
@@ -60,18 +61,23 @@ async fn worker_ticker_and_cli_run_over_tls_and_every_bad_handshake_is_named() {
         hook.port, misnamed.port
     );
     let good = format!(
-        "prefix = \"{}\"\n{}[ticker]\nlease = \"2s\"\n{jobs}",
+        "prefix = \"{}\"\n{}[ticker]\nlease = \"2s\"\n\
+         [alerts]\nfor = \"1s\"\ninterval = \"200ms\"\nwebhook = \"https://localhost:{}/alerts\"\n{jobs}",
         env.prefix,
-        tls_sections(amqps, &mutual(&pki), rediss, &mutual(&pki))
+        tls_sections(amqps, &mutual(&pki), rediss, &mutual(&pki)),
+        alerts.port
     );
     let path = write(&env.dir, "chime.toml", &good);
     let (code, out, err) = chime(&path, &["check-config"], None);
     assert_eq!(code, 0, "check-config accepts the TLS config: {out}{err}");
 
-    // The worker trusts the test CA for https:// through SSL_CERT_FILE (the platform roots).
+    // The worker (http jobs) and the ticker (the DLQ alert webhook) trust the test CA for
+    // https:// through SSL_CERT_FILE (the platform's roots).
     let ca = pki.ca.display().to_string();
     let worker = Child::worker_env(&env.dir, &path, "w", &[("SSL_CERT_FILE", ca.as_str())]);
-    let ticker = Child::ticker(&env.dir, &path, &[], "t");
+    let mut tick = tokio::process::Command::new(bin("chime"));
+    tick.env("SSL_CERT_FILE", &ca);
+    let ticker = Child::run(tick, &env.dir, &path, &["tick"], "ticker-t");
     for job in ["ok", "flaky", "bad", "hook", "hook_misnamed"] {
         let (code, out, err) = chime(&path, &["enqueue", job, "--key", job], None);
         assert_eq!(code, 0, "enqueue {job} over TLS: {out}{err}");
@@ -110,6 +116,11 @@ async fn worker_ticker_and_cli_run_over_tls_and_every_bad_handshake_is_named() {
         "the https:// failure says the certificate names another host: {out}"
     );
     assert_eq!(misnamed.count(), 0, "nothing was sent to a server whose certificate names another host");
+    let a = &alerts;
+    wait_until("the DLQ alert reached the https:// webhook", Duration::from_secs(30), || async move {
+        a.count() >= 1
+    })
+    .await;
     let (code, out, err) = chime(&path, &["status", "--json"], None);
     assert_eq!(code, 0, "status over TLS: {err}");
     let status: serde_json::Value = serde_json::from_str(&out).unwrap();
