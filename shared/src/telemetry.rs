@@ -21,8 +21,30 @@ pub const DLQ_MESSAGES: &str = "chime_dlq_messages";
 pub const TICKER_LEADER: &str = "chime_ticker_leader";
 /// Gauge: local clock minus Redis `TIME`, in seconds.
 pub const TICKER_CLOCK_SKEW: &str = "chime_ticker_clock_skew_seconds";
+/// Gauge: jobs a worker process may run at once (`worker.concurrency`); one series per worker
+/// process, so `count(chime_worker_concurrency)` is the number of workers.
+pub const WORKER_CONCURRENCY: &str = "chime_worker_concurrency";
+/// Gauge: jobs a worker process is running now.
+pub const WORKER_RUNNING: &str = "chime_worker_running";
 /// Gauge: 1 when the dependency answers (`dependency` = `amqp` or `redis`).
 pub const UP: &str = "chime_up";
+
+/// Every metric name above (tests check dashboards and alert rules against it).
+pub const ALL: &[&str] = &[
+    JOBS_PUBLISHED,
+    JOBS_COMPLETED,
+    JOB_DURATION,
+    JOB_LAG,
+    SLOTS_MISSED,
+    SLOTS_PAUSED,
+    QUEUE_MESSAGES,
+    DLQ_MESSAGES,
+    TICKER_LEADER,
+    TICKER_CLOCK_SKEW,
+    WORKER_CONCURRENCY,
+    WORKER_RUNNING,
+    UP,
+];
 
 /// Values of the `outcome` label of [`JOBS_COMPLETED`].
 pub mod outcome {
@@ -55,4 +77,6 @@ pub fn describe() {
     describe_gauge!(TICKER_LEADER, "1 while this ticker holds the leader lease.");
     describe_gauge!(TICKER_CLOCK_SKEW, "Local clock minus Redis TIME.");
     describe_gauge!(UP, "1 when the dependency answers, by dependency.");
+    describe_gauge!(WORKER_CONCURRENCY, "Jobs this worker process may run at once.");
+    describe_gauge!(WORKER_RUNNING, "Jobs this worker process is running now.");
 }

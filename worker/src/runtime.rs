@@ -201,6 +201,8 @@ impl Worker {
     pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), WorkerError> {
         let tracker = TaskTracker::new();
         let semaphore = Arc::new(Semaphore::new(self.concurrency));
+        metrics::gauge!(chime_shared::telemetry::WORKER_CONCURRENCY).set(self.concurrency as f64);
+        metrics::gauge!(chime_shared::telemetry::WORKER_RUNNING).set(0.0);
         let monitor = tokio::spawn(redis_monitor(
             self.core.clone(),
             self.store.clone(),

@@ -192,7 +192,9 @@ pub(crate) struct RunningGuard<'a> {
 
 impl Drop for RunningGuard<'_> {
     fn drop(&mut self) {
-        self.core.running.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.owner);
+        let mut running = self.core.running.lock().unwrap_or_else(|p| p.into_inner());
+        running.remove(&self.owner);
+        metrics::gauge!(telemetry::WORKER_RUNNING).set(running.len() as f64);
     }
 }
 
@@ -219,7 +221,10 @@ impl Core {
 
     /// Registers a run for the heartbeat until the guard is dropped.
     pub fn running(&self, owner: &str, run: Running) -> RunningGuard<'_> {
-        self.running.lock().unwrap_or_else(|p| p.into_inner()).insert(owner.to_string(), run);
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        running.insert(owner.to_string(), run);
+        metrics::gauge!(telemetry::WORKER_RUNNING).set(running.len() as f64);
+        drop(running);
         RunningGuard { core: self, owner: owner.to_string() }
     }
 

@@ -94,6 +94,248 @@ fn prometheus_rules_are_valid_yaml_and_use_chime_metrics() {
     assert!(text.contains("chime_dlq_messages"));
 }
 
+/// Every `chime_*` metric named in `text` (histogram series reduced to their metric).
+fn chime_metrics(text: &str) -> std::collections::BTreeSet<String> {
+    let mut found = std::collections::BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("chime_") {
+        let tail = &rest[i..];
+        let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+        let name = &tail[..end];
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s).filter(|b| b.ends_with("_seconds")))
+            .unwrap_or(name);
+        // Skip chime_ inside other words (a job called `x_chime_y` in a label value).
+        if i == 0 || !rest.as_bytes()[i - 1].is_ascii_alphanumeric() {
+            found.insert(base.to_string());
+        }
+        rest = &tail[end..];
+    }
+    found
+}
+
+/// `promtool check rules` on `path` when promtool is installed (scripts/services installs
+/// it); returns whether it ran.
+fn promtool_check_rules(path: &std::path::Path) -> bool {
+    let Ok(out) = std::process::Command::new("promtool").arg("check").arg("rules").arg(path).output() else {
+        eprintln!("promtool not installed: rules checked as YAML only");
+        return false;
+    };
+    assert!(
+        out.status.success(),
+        "promtool check rules {}: {}{}",
+        path.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    true
+}
+
+/// The Grafana dashboard and the alert rules use only metrics chime exports, their PromQL
+/// parses (promtool), the dashboard shows throughput, latency, DLQ depth and workers, and
+/// compose loads both.
+#[test]
+fn the_grafana_dashboard_and_the_rules_use_only_metrics_chime_exports() {
+    use yaml_rust2::YamlLoader;
+    let exported: std::collections::BTreeSet<String> =
+        chime_shared::telemetry::ALL.iter().map(|m| m.to_string()).collect();
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("deploy/grafana/chime-dashboard.json")).unwrap(),
+    )
+    .unwrap();
+    let mut exprs = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for t in panel["targets"].as_array().unwrap() {
+            exprs.push((
+                panel["title"].as_str().unwrap().to_string(),
+                t["expr"].as_str().unwrap().to_string(),
+            ));
+        }
+    }
+    let rules_text = std::fs::read_to_string(root().join("deploy/prometheus/chime-rules.yml")).unwrap();
+    for (what, text) in
+        exprs.iter().map(|(t, e)| (t.as_str(), e.as_str())).chain([("rules", rules_text.as_str())])
+    {
+        let used = chime_metrics(text);
+        assert!(!used.is_empty(), "{what} uses no chime metric: {text}");
+        for m in used {
+            assert!(exported.contains(&m), "{what} uses {m}, which chime does not export");
+        }
+    }
+    let all: String = exprs.iter().map(|(_, e)| e.as_str()).collect::<Vec<_>>().join("\n");
+    for needed in [
+        "chime_jobs_completed_total",
+        "chime_job_lag_seconds_bucket",
+        "chime_dlq_messages",
+        "chime_worker_concurrency",
+    ] {
+        assert!(all.contains(needed), "the dashboard shows {needed}");
+    }
+    // The dashboard's queries parse: promtool checks them as recording rules.
+    let dir = std::env::temp_dir().join(format!("chime-dashboard-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for (i, (_, e)) in exprs.iter().enumerate() {
+        rules.push_str(&format!(
+            "      - record: dashboard:q{i}\n        expr: {}\n",
+            serde_json::to_string(e).unwrap()
+        ));
+    }
+    std::fs::write(dir.join("dashboard.yml"), rules).unwrap();
+    if promtool_check_rules(&dir.join("dashboard.yml")) {
+        promtool_check_rules(&root().join("deploy/prometheus/chime-rules.yml"));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    // Compose runs Prometheus with these rules and Grafana with this dashboard, and
+    // Prometheus scrapes the ports the daemons listen on.
+    let compose = std::fs::read_to_string(root().join("docker-compose.yml")).unwrap();
+    let services = &YamlLoader::load_from_str(&compose).unwrap()[0]["services"];
+    let volumes = |s: &str| -> String {
+        services[s]["volumes"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v.as_str())
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert!(
+        volumes("prometheus").contains("./deploy/prometheus/chime-rules.yml:/etc/prometheus/chime-rules.yml")
+    );
+    assert!(
+        volumes("grafana").contains("./deploy/grafana/chime-dashboard.json:/var/lib/grafana/dashboards/")
+    );
+    assert!(volumes("grafana").contains("./deploy/grafana/provisioning:/etc/grafana/provisioning"));
+    let prom = std::fs::read_to_string(root().join("deploy/prometheus/prometheus.yml")).unwrap();
+    assert!(prom.contains("chime-rules.yml"));
+    for (service, port) in [("worker", 9464), ("worker-2", 9464), ("ticker", 9465), ("ticker-2", 9465)] {
+        let command: Vec<&str> =
+            services[service]["command"].as_vec().unwrap().iter().filter_map(|c| c.as_str()).collect();
+        assert!(
+            command.join(" ").contains(&format!("--listen 0.0.0.0:{port}")),
+            "{service} listens on {port}"
+        );
+        assert!(prom.contains(&format!("\"{service}:{port}\"")), "Prometheus scrapes {service}:{port}");
+    }
+}
+
+/// One Kubernetes object by kind and name from deploy/kubernetes/*.yaml.
+fn k8s_objects() -> Vec<yaml_rust2::Yaml> {
+    let mut objects = Vec::new();
+    let mut files: Vec<_> =
+        std::fs::read_dir(root().join("deploy/kubernetes")).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let docs =
+            yaml_rust2::YamlLoader::load_from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        for d in docs {
+            assert!(
+                d["apiVersion"].as_str().is_some() && d["kind"].as_str().is_some(),
+                "{}: {d:?}",
+                f.display()
+            );
+            objects.push(d);
+        }
+    }
+    objects
+}
+
+/// The manifests agree with the config they mount and with chime: probe paths and ports are
+/// the ones the daemons serve, the grace period outlasts the drain, KEDA scales the worker
+/// Deployment on the work queue's real name, and the PrometheusRule holds the same rules as
+/// deploy/prometheus/chime-rules.yml.
+#[test]
+fn kubernetes_manifests_agree_with_the_config_and_the_rules() {
+    use yaml_rust2::Yaml;
+    let objects = k8s_objects();
+    let find = |kind: &str, name: &str| -> &Yaml {
+        objects
+            .iter()
+            .find(|o| o["kind"].as_str() == Some(kind) && o["metadata"]["name"].as_str() == Some(name))
+            .unwrap_or_else(|| panic!("{kind} {name} missing"))
+    };
+    let toml = find("ConfigMap", "chime-config")["data"]["chime.toml"].as_str().unwrap().to_string();
+    let config = chime_shared::Config::from_toml_str(&toml)
+        .unwrap_or_else(|e| panic!("the ConfigMap's chime.toml: {e}"));
+    let secret = find("Secret", "chime-secrets");
+    for (deployment, program, replicas) in
+        [("chime-worker", "chime-worker", None), ("chime-ticker", "chime", Some(2))]
+    {
+        let d = find("Deployment", deployment);
+        let pod = &d["spec"]["template"]["spec"];
+        let c = &pod["containers"][0];
+        let args: Vec<&str> = c["args"].as_vec().unwrap().iter().filter_map(Yaml::as_str).collect();
+        assert_eq!(args[0], program, "{deployment} runs {program}");
+        let listen = args
+            .windows(2)
+            .find(|w| w[0] == "--listen")
+            .map(|w| w[1])
+            .unwrap_or_else(|| panic!("{deployment}: --listen"));
+        let port: i64 = listen.rsplit(':').next().unwrap().parse().unwrap();
+        for (probe, path) in [("livenessProbe", "/livez"), ("readinessProbe", "/readyz")] {
+            assert_eq!(c[probe]["httpGet"]["path"].as_str(), Some(path), "{deployment} {probe}");
+            assert_eq!(c[probe]["httpGet"]["port"].as_i64(), Some(port), "{deployment} {probe} port");
+        }
+        assert_eq!(c["ports"][0]["containerPort"].as_i64(), Some(port));
+        assert_eq!(
+            d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"].as_str(),
+            Some(port.to_string().as_str())
+        );
+        assert!(c["resources"]["requests"]["memory"].as_str().is_some(), "{deployment} requests memory");
+        let env: Vec<&Yaml> = c["env"].as_vec().unwrap().iter().collect();
+        for (var, key) in [("CHIME_AMQP_URL", "amqp-url"), ("CHIME_REDIS_URL", "redis-url")] {
+            let e = env
+                .iter()
+                .find(|e| e["name"].as_str() == Some(var))
+                .unwrap_or_else(|| panic!("{deployment}: {var}"));
+            assert_eq!(e["valueFrom"]["secretKeyRef"]["key"].as_str(), Some(key));
+            assert!(secret["stringData"][key].as_str().is_some(), "the Secret holds {key}");
+        }
+        if let Some(n) = replicas {
+            assert_eq!(d["spec"]["replicas"].as_i64(), Some(n), "{deployment} replicas");
+        }
+        if deployment == "chime-worker" {
+            let grace = pod["terminationGracePeriodSeconds"].as_i64().unwrap();
+            let drain = (config.worker.shutdown_timeout + config.worker.cancel_grace).as_secs() as i64;
+            assert!(
+                grace > drain,
+                "terminationGracePeriodSeconds {grace} must exceed shutdown_timeout + cancel_grace ({drain} s)"
+            );
+            assert_eq!(config.worker.listen.as_deref(), Some(listen), "the worker's listen in the config");
+        }
+    }
+    // Secrets' URLs are valid for chime (and TLS ones).
+    let mut with_urls = toml.clone();
+    with_urls = with_urls.replace(
+        "[amqp]\n",
+        &format!("[amqp]\nurl = \"{}\"\n", secret["stringData"]["amqp-url"].as_str().unwrap()),
+    );
+    with_urls = with_urls.replace(
+        "[redis]\n",
+        &format!("[redis]\nurl = \"{}\"\n", secret["stringData"]["redis-url"].as_str().unwrap()),
+    );
+    chime_shared::Config::from_toml_str(&with_urls).unwrap_or_else(|e| panic!("the Secret's URLs: {e}"));
+    let scaled = find("ScaledObject", "chime-worker");
+    assert_eq!(scaled["spec"]["scaleTargetRef"]["name"].as_str(), Some("chime-worker"));
+    let trigger = &scaled["spec"]["triggers"][0];
+    assert_eq!(trigger["type"].as_str(), Some("rabbitmq"));
+    let queue = chime_shared::Names::new(&config.prefix).work_queue("default");
+    assert_eq!(
+        trigger["metadata"]["queueName"].as_str(),
+        Some(queue.as_str()),
+        "KEDA watches the work queue"
+    );
+    let auth = trigger["authenticationRef"]["name"].as_str().unwrap();
+    let auth = find("TriggerAuthentication", auth);
+    assert_eq!(auth["spec"]["secretTargetRef"][0]["key"].as_str(), Some("amqp-url"));
+    // The PrometheusRule is the rules file.
+    let rules_text = std::fs::read_to_string(root().join("deploy/prometheus/chime-rules.yml")).unwrap();
+    let rules = &yaml_rust2::YamlLoader::load_from_str(&rules_text).unwrap()[0]["groups"];
+    assert_eq!(&find("PrometheusRule", "chime")["spec"]["groups"], rules, "PrometheusRule = chime-rules.yml");
+}
+
 /// What a library user depends on: no HTTP server, CLI parser, Prometheus exporter, log
 /// subscriber or HTTP client — the binaries own those.
 #[test]
