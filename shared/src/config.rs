@@ -214,6 +214,32 @@ pub struct RedisConfig {
     pub timeout: Duration,
     /// `[redis.tls]`: CA and client certificate for a `rediss://` URL.
     pub tls: TlsConfig,
+    /// Sentinels (`host:port`) to ask for the master `master_name`; `url` then gives only
+    /// the scheme (`rediss://` for TLS), the password and the database.
+    pub sentinels: Vec<String>,
+    /// The master's name in the sentinels' configuration (with `sentinels`).
+    pub master_name: Option<String>,
+    /// Redis Cluster seed nodes (`host:port`); `url` then gives only the scheme and the
+    /// password (the database is always 0).
+    pub cluster: Vec<String>,
+}
+
+impl RedisConfig {
+    /// Where Redis is, for errors and logs (password redacted): the URL, the master and its
+    /// sentinels, or the cluster's seed nodes.
+    pub fn endpoint(&self) -> String {
+        if !self.sentinels.is_empty() {
+            format!(
+                "master {:?} via sentinels {}",
+                self.master_name.as_deref().unwrap_or(""),
+                self.sentinels.join(", ")
+            )
+        } else if !self.cluster.is_empty() {
+            format!("cluster {}", self.cluster.join(", "))
+        } else {
+            redact(&self.url)
+        }
+    }
 }
 
 impl Default for RedisConfig {
@@ -224,6 +250,9 @@ impl Default for RedisConfig {
             done_retention: Duration::from_secs(7 * 86_400),
             timeout: Duration::from_secs(3),
             tls: TlsConfig::default(),
+            sentinels: Vec::new(),
+            master_name: None,
+            cluster: Vec::new(),
         }
     }
 }
@@ -703,6 +732,56 @@ impl Config {
             .map_err(|e| ConfigError::invalid(e.key, e.message))
     }
 
+    /// `redis.sentinels` / `redis.master_name` / `redis.cluster` fit together.
+    fn check_redis_topology(&self, scheme: &str) -> Result<(), ConfigError> {
+        let r = &self.redis;
+        for (key, list) in [("redis.sentinels", &r.sentinels), ("redis.cluster", &r.cluster)] {
+            for (i, node) in list.iter().enumerate() {
+                if crate::redis_conn::host_port(node).is_none() {
+                    return Err(ConfigError::invalid(
+                        format!("{key}[{i}]"),
+                        format!("{node:?} is not host:port"),
+                    ));
+                }
+            }
+            if !list.is_empty() && !matches!(scheme, "redis" | "rediss") {
+                return Err(ConfigError::invalid(
+                    key,
+                    "needs a redis:// or rediss:// redis.url (for the scheme and password)",
+                ));
+            }
+        }
+        if !r.sentinels.is_empty() && !r.cluster.is_empty() {
+            return Err(ConfigError::invalid(
+                "redis.cluster",
+                "set either redis.sentinels or redis.cluster, not both",
+            ));
+        }
+        match (&r.master_name, r.sentinels.is_empty()) {
+            (None, false) => {
+                Err(ConfigError::invalid("redis.master_name", "is required with redis.sentinels"))
+            }
+            (Some(_), true) => {
+                Err(ConfigError::invalid("redis.master_name", "is only used with redis.sentinels"))
+            }
+            (Some(m), false) if m.is_empty() => {
+                Err(ConfigError::invalid("redis.master_name", "must not be empty"))
+            }
+            _ => Ok(()),
+        }?;
+        if !r.cluster.is_empty() {
+            use redis::IntoConnectionInfo;
+            let db = r.url.as_str().into_connection_info().map(|i| i.redis_settings().db()).unwrap_or(0);
+            if db != 0 {
+                return Err(ConfigError::invalid(
+                    "redis.url",
+                    format!("database {db}: a Redis Cluster has only database 0"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks every value once; the error names the first bad key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.prefix.len() > 64 {
@@ -766,7 +845,8 @@ impl Config {
             return Err(ConfigError::invalid(
                 "redis.url",
                 format!(
-                    "{:?}: scheme {scheme:?} is not supported (use redis://, rediss:// or redis+unix://)",
+                    "{:?}: scheme {scheme:?} is not supported (use redis://, rediss:// or redis+unix://; for \
+                     Sentinel set redis.sentinels and redis.master_name, for a cluster redis.cluster)",
                     redact(&self.redis.url)
                 ),
             ));
@@ -778,6 +858,7 @@ impl Config {
             ));
         }
         self.check_tls("redis", scheme == "rediss", &self.redis.tls, "rediss://")?;
+        self.check_redis_topology(scheme)?;
         if self.redis.lease < Duration::from_secs(1) {
             return Err(ConfigError::invalid("redis.lease", "must be at least 1s"));
         }
@@ -1005,6 +1086,36 @@ mod tests {
         match Config::from_toml_str(text) {
             Ok(_) => panic!("config unexpectedly valid:\n{text}"),
             Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn sentinel_and_cluster_settings_fit_together() {
+        let ok = Config::from_toml_str(
+            "[redis]\nurl = \"rediss://:pw@x/2\"\nsentinels = [\"s1:26379\", \"s2:26379\"]\nmaster_name = \"m\"\n",
+        )
+        .unwrap();
+        assert_eq!(ok.redis.endpoint(), "master \"m\" via sentinels s1:26379, s2:26379");
+        Config::from_toml_str("[redis]\ncluster = [\"c1:7000\", \"c2:7000\"]\n").unwrap();
+        for (text, want) in [
+            ("[redis]\nsentinels = [\"s1:26379\"]\n", "redis.master_name: is required with redis.sentinels"),
+            ("[redis]\nmaster_name = \"m\"\n", "redis.master_name: is only used with redis.sentinels"),
+            (
+                "[redis]\nsentinels = [\"s1\"]\nmaster_name = \"m\"\n",
+                "redis.sentinels[0]: \"s1\" is not host:port",
+            ),
+            (
+                "[redis]\nsentinels = [\"s1:1\"]\nmaster_name = \"m\"\ncluster = [\"c:1\"]\n",
+                "redis.cluster: set either redis.sentinels or redis.cluster",
+            ),
+            ("[redis]\nurl = \"redis://x/3\"\ncluster = [\"c:1\"]\n", "a Redis Cluster has only database 0"),
+            (
+                "[redis]\ncluster = [\"c:1\"]\nurl = \"redis+unix:///tmp/r.sock\"\n",
+                "redis.cluster: needs a redis://",
+            ),
+        ] {
+            let e = err(text);
+            assert!(e.contains(want), "{text}: {e}");
         }
     }
 

@@ -13,8 +13,8 @@
 //! `budget` entries per queue and says so when it stopped early, so a page over a million
 //! entries stays fast.
 
+use crate::redis_conn::RedisConn;
 use chrono::{DateTime, TimeZone, Utc};
-use redis::aio::MultiplexedConnection;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -329,7 +329,7 @@ impl KeyRecord {
 /// Reads the history, key records and related state for the CLI and the dashboard.
 #[derive(Clone)]
 pub struct HistoryReader {
-    conn: MultiplexedConnection,
+    conn: RedisConn,
     names: Names,
     /// Most entries a filtered search reads per queue.
     pub budget: usize,
@@ -341,11 +341,7 @@ const PAGE: usize = 1000;
 impl HistoryReader {
     /// Connects to Redis (within `redis.timeout`).
     pub async fn connect(config: &RedisConfig, names: Names) -> redis::RedisResult<Self> {
-        let client = crate::tls::redis_client(config)?;
-        let cfg = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(config.timeout))
-            .set_response_timeout(Some(config.timeout));
-        let conn = client.get_multiplexed_async_connection_with_config(&cfg).await?;
+        let conn = RedisConn::connect(config).await?;
         Ok(Self { conn, names, budget: 100_000 })
     }
 
@@ -489,7 +485,7 @@ impl HistoryReader {
     }
 
     /// The connection, for the other Redis reads of the CLI and the dashboard.
-    pub fn connection(&self) -> MultiplexedConnection {
+    pub fn connection(&self) -> RedisConn {
         self.conn.clone()
     }
 }

@@ -26,14 +26,15 @@
 //! persistence loses keys. Handlers that need exactly-once effects use the key or the fence
 //! in their own transaction.
 
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, Cmd, Pipeline, Script, Value};
+use redis::aio::ConnectionLike;
+use redis::{Cmd, Pipeline, Script, Value};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::config::{HistoryConfig, RedisConfig};
 use crate::history::RunEvent;
+use crate::redis_conn::RedisConn;
 use crate::topology::Names;
 
 /// `now` (µs) and `now_ms` from Redis `TIME`, and `int()` to write a number exactly (Redis
@@ -336,8 +337,8 @@ struct Op {
 /// Each call is still its own single-key script, so Redis Cluster works.
 #[derive(Clone)]
 pub struct IdemStore {
-    conn: ConnectionManager,
-    probes: Arc<Probe>,
+    conn: RedisConn,
+    probes: Arc<RedisConn>,
     timeout: Duration,
     names: Names,
     lease: Duration,
@@ -349,13 +350,6 @@ pub struct IdemStore {
     history: Option<HistoryConfig>,
     /// The history writer's queue (started like the batching task).
     writer: Arc<Mutex<Option<mpsc::UnboundedSender<ToWriter>>>>,
-}
-
-/// The readiness probe's own connection (kept while it answers), apart from the shared
-/// pipeline.
-struct Probe {
-    client: Client,
-    conn: tokio::sync::Mutex<Option<redis::aio::MultiplexedConnection>>,
 }
 
 /// What the history writer is told.
@@ -376,14 +370,9 @@ impl IdemStore {
     /// Creates the store without waiting for Redis: the first command connects, and a
     /// broken connection is re-established in the background.
     pub fn connect(config: &RedisConfig, names: Names) -> Result<Self, IdemError> {
-        let client = crate::tls::redis_client(config)?;
-        let cm = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(config.timeout))
-            .set_connection_timeout(Some(config.timeout))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_secs(1));
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), cm)?;
-        let probes = Arc::new(Probe { client, conn: tokio::sync::Mutex::new(None) });
+        let conn = RedisConn::new(config)?;
+        // The probe's own connection, so a probe tests Redis, not the shared pipeline.
+        let probes = Arc::new(RedisConn::new(config)?);
         Ok(Self {
             conn,
             probes,
@@ -450,7 +439,7 @@ impl IdemStore {
 
     /// The store's self-reconnecting connection, for the worker's other Redis traffic
     /// (heartbeats, pause flags).
-    pub fn connection(&self) -> ConnectionManager {
+    pub fn connection(&self) -> RedisConn {
         self.conn.clone()
     }
 
@@ -585,17 +574,8 @@ impl IdemStore {
     /// `PING` on the probe pool's own connection, within the configured timeout.
     pub async fn ping(&self) -> Result<(), IdemError> {
         let probe = async {
-            let mut slot = self.probes.conn.lock().await;
-            let mut conn = match slot.take() {
-                Some(c) => c,
-                None => {
-                    let cfg = redis::AsyncConnectionConfig::new().set_response_timeout(Some(self.timeout));
-                    self.probes.client.get_multiplexed_async_connection_with_config(&cfg).await?
-                }
-            };
+            let mut conn = (*self.probes).clone();
             let _: String = redis::cmd("PING").query_async(&mut conn).await?;
-            // Kept only after a good answer: a failed probe connects afresh next time.
-            *slot = Some(conn);
             Ok::<_, IdemError>(())
         };
         tokio::time::timeout(self.timeout, probe)
@@ -614,7 +594,7 @@ fn evalsha(script: &Script, key: String) -> Cmd {
 /// The batching task's queue in `slot`, starting the task on `conn` if needed.
 fn batcher_of(
     slot: &Mutex<Option<mpsc::UnboundedSender<Op>>>,
-    conn: &ConnectionManager,
+    conn: &RedisConn,
 ) -> mpsc::UnboundedSender<Op> {
     let mut batcher = slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     match batcher.as_ref() {
@@ -634,7 +614,7 @@ fn batcher_of(
 /// entries) and by age. A failed call loses its runs (history is best-effort). Ends, after
 /// writing what it holds, when every store handle is gone.
 async fn write_history(
-    batcher: (Arc<Mutex<Option<mpsc::UnboundedSender<Op>>>>, ConnectionManager),
+    batcher: (Arc<Mutex<Option<mpsc::UnboundedSender<Op>>>>, RedisConn),
     mut rx: mpsc::UnboundedReceiver<ToWriter>,
     h: HistoryConfig,
 ) {
@@ -673,7 +653,7 @@ async fn write_history(
 
 /// Appends `runs` to their streams (one `XADDS` call per stream) and waits for the replies.
 async fn write_runs(
-    batcher: &(Arc<Mutex<Option<mpsc::UnboundedSender<Op>>>>, ConnectionManager),
+    batcher: &(Arc<Mutex<Option<mpsc::UnboundedSender<Op>>>>, RedisConn),
     runs: Vec<(String, [String; 4])>,
     h: &HistoryConfig,
 ) {
@@ -713,7 +693,7 @@ async fn write_runs(
 
 /// The batching task: one pipeline in flight at a time; calls that arrive meanwhile form the
 /// next one. Ends when every store handle is gone.
-async fn batch_loop(mut conn: ConnectionManager, mut rx: mpsc::UnboundedReceiver<Op>) {
+async fn batch_loop(mut conn: RedisConn, mut rx: mpsc::UnboundedReceiver<Op>) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
         let ops = std::mem::take(&mut batch);
@@ -732,7 +712,7 @@ fn fail_all(replies: Vec<Reply>, error: impl Fn() -> IdemError) {
 
 /// Sends `ops` as one pipeline and answers each. Calls rejected with `NOSCRIPT` (Redis
 /// restarted, or `SCRIPT FLUSH`) did not run: the scripts are loaded and those calls resent.
-async fn send_batch(conn: &mut ConnectionManager, ops: Vec<Op>) {
+async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
     let mut pipe = Pipeline::with_capacity(ops.len());
     let mut replies = Vec::with_capacity(ops.len());
     for op in ops {

@@ -37,6 +37,7 @@ pub mod history;
 pub mod idempotency;
 pub mod job;
 pub mod names;
+pub mod redis_conn;
 pub mod schedule;
 pub mod telemetry;
 pub mod tls;

@@ -560,7 +560,7 @@ async fn redis_monitor(core: Arc<Core>, store: IdemStore, health: Health, shutdo
         let ping = store.ping().await;
         let ok = ping.is_ok();
         if was_ok != Some(ok) {
-            let url = chime_shared::config::redact(&core.config.redis.url);
+            let url = core.config.redis.endpoint();
             match ping {
                 Ok(()) => info!(%url, "redis reachable"),
                 Err(e) => {

@@ -7,9 +7,9 @@
 
 use chime_shared::config::RedisConfig;
 use chime_shared::control::{self, Target};
+use chime_shared::redis_conn::RedisConn;
 use chime_shared::topology::Names;
 use redis::Script;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use std::collections::HashMap;
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -89,7 +89,7 @@ pub struct LeaderInfo {
 
 #[derive(Clone)]
 pub struct TickerStore {
-    conn: ConnectionManager,
+    conn: RedisConn,
     leader_key: String,
     wm_key: String,
     /// `<job>:missed` and `<job>:paused` → slots counted so far (for `status` and the
@@ -99,14 +99,8 @@ pub struct TickerStore {
 
 impl TickerStore {
     pub fn connect(config: &RedisConfig, prefix: &str) -> Result<Self, redis::RedisError> {
-        let client = chime_shared::tls::redis_client(config)?;
-        let cm = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(config.timeout))
-            .set_connection_timeout(Some(config.timeout))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_secs(1));
         Ok(Self {
-            conn: ConnectionManager::new_lazy_with_config(client, cm)?,
+            conn: RedisConn::new(config)?,
             leader_key: format!("{prefix}:ticker:leader"),
             wm_key: format!("{prefix}:ticker:wm"),
             counts_key: format!("{prefix}:ticker:counts"),

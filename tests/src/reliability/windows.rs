@@ -308,3 +308,87 @@ pub async fn sigkill_loop() -> Outcome {
     )
     .await
 }
+
+/// Redis behind Sentinel (master, one replica, three sentinels): `SENTINEL FAILOVER` while two
+/// workers drain 300 jobs. Workers find the new master through the sentinels (a `READONLY`
+/// reply from the demoted master, or a dropped connection, makes them ask again).
+pub async fn sentinel_failover_drain() -> Outcome {
+    let t0 = Instant::now();
+    let mut s = Stack::start("rel-sentinel", false, "concurrency = 4", 0.05, "").await;
+    let sentinels = crate::PrivateSentinels::start(s.redis.port).await;
+    let lines = sentinels.config_lines();
+    s.edit_config(|t| t.replacen("[redis]\n", &format!("[redis]\n{lines}"), 1));
+    let _w1 = s.worker("1");
+    let _w2 = s.worker("2");
+    let expected = s.enqueue(300).await;
+    wait_runs(&s, 30, Duration::from_secs(60)).await;
+    let fault = now_f64();
+    sentinels.failover().await;
+    let promoted = now_f64() - fault;
+    let c = Check::new(
+        "Redis Sentinel failover during a drain",
+        "master + replica + 3 sentinels; SENTINEL FAILOVER while 2 workers drain",
+        t0,
+    )
+    .note(format!("the sentinels named the new master {promoted:.1} s after SENTINEL FAILOVER"));
+    // Asynchronous replication: `done` records the replica had not received when it was
+    // promoted can let a copy run again; at most what was in flight on the two workers.
+    s.check(c.done(expected).bound(8).fault(fault), Duration::from_secs(120)).await
+}
+
+/// Every-second schedule, 2 tickers on Sentinel; `SENTINEL FAILOVER` while one leads.
+pub async fn sentinel_failover_ticker() -> Outcome {
+    let t0 = Instant::now();
+    let extra = "schedule = \"* * * * * *\"\n[ticker]\nlease = \"2s\"\n";
+    let mut s = Stack::start("rel-sentinel-tick", false, "concurrency = 8", 0.0, extra).await;
+    let sentinels = crate::PrivateSentinels::start(s.redis.port).await;
+    let lines = sentinels.config_lines();
+    s.edit_config(|t| t.replacen("[redis]\n", &format!("[redis]\n{lines}"), 1));
+    let _w = s.worker("w");
+    let _a = s.ticker("a");
+    let _b = s.ticker("b");
+    wait_runs(&s, 3, Duration::from_secs(30)).await;
+    let fault = now_f64();
+    sentinels.failover().await;
+    let until = now_f64() + 6.0;
+    wait_secs(until, 1.0).await;
+    let expected = super::slot_keys(&s, until);
+    let c = Check::new(
+        "Redis Sentinel failover under the ticker",
+        "every-second schedule, 2 tickers (lease 2 s); SENTINEL FAILOVER while one leads",
+        t0,
+    );
+    s.check(c.done(expected).valid(super::valid_slot_keys()).bound(2).fault(fault), Duration::from_secs(60))
+        .await
+}
+
+/// Redis Cluster of 3 masters with a replica each; one master SIGKILLed while two workers
+/// drain 300 jobs, and its replica promoted by the cluster.
+pub async fn redis_cluster_master_killed() -> Outcome {
+    let t0 = Instant::now();
+    let mut cluster = crate::PrivateRedisCluster::start(3).await;
+    let mut s = Stack::start("rel-rcluster", false, "concurrency = 4", 0.05, "").await;
+    let line = cluster.config_line();
+    s.edit_config(|t| t.replacen("[redis]\n", &format!("[redis]\n{line}"), 1));
+    let _w1 = s.worker("1");
+    let _w2 = s.worker("2");
+    let expected = s.enqueue(300).await;
+    wait_runs(&s, 30, Duration::from_secs(60)).await;
+    let victim = cluster.masters().await[0];
+    cluster.nodes[victim].kill();
+    let fault = now_f64();
+    let c = Check::new(
+        "Redis Cluster: a master killed",
+        "3 masters + 3 replicas; kill -9 one master while 2 workers drain (node timeout 2 s)",
+        t0,
+    );
+    let mut out = s.check(c.done(expected).bound(8).fault(fault), Duration::from_secs(60)).await;
+    if !out.passed() {
+        // What the worker saw, for the failure message.
+        let log = std::fs::read_to_string(s.env.dir.join("worker-1.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().filter(|l| !l.contains("DEBUG")).collect();
+        out.note = lines[lines.len().saturating_sub(30)..].join("\n");
+    }
+    drop(cluster);
+    out
+}

@@ -5,6 +5,7 @@ mod broker_restart;
 mod cli;
 mod common;
 mod dead_letters;
+mod deployments;
 mod dlq_ops;
 mod examples;
 mod hostile;

@@ -65,6 +65,21 @@ async fn reliability_dlq_replay() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_sentinel_failover_drain() {
+    check(reliability::sentinel_failover_drain().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_sentinel_failover_ticker() {
+    check(reliability::sentinel_failover_ticker().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_redis_cluster_master_killed() {
+    check(reliability::redis_cluster_master_killed().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reliability_cluster_leader_killed() {
     check(reliability::cluster_leader_killed().await);
 }

@@ -34,6 +34,86 @@ fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
     p
 }
 
+/// The jobs every deployment test runs: `ok`, `flaky` (fails its first attempt), `bad`
+/// (dead-lettered at once) and `beat` (every second), writing to `ledger`.
+pub fn flow_jobs(ledger: &Path) -> String {
+    let l = ledger.display();
+    format!(
+        "[[jobs]]\nname = \"ok\"\nhandler = \"exec\"\ncommand = ['sh', '-c', 'echo ok $CHIME_KEY >> {l}']\n\
+         [[jobs]]\nname = \"flaky\"\nhandler = \"exec\"\nmax_attempts = 3\n\
+         backoff = {{ initial = \"1s\", factor = 1.0, max = \"1s\" }}\n\
+         command = ['sh', '-c', 'echo flaky $CHIME_ATTEMPT >> {l}; test $CHIME_ATTEMPT -ge 2']\n\
+         [[jobs]]\nname = \"bad\"\nhandler = \"exec\"\ncommand = ['sh', '-c', 'exit 100']\n\
+         [[jobs]]\nname = \"beat\"\nhandler = \"exec\"\nschedule = \"* * * * * *\"\n\
+         command = ['sh', '-c', 'echo beat $CHIME_SLOT >> {l}']\n"
+    )
+}
+
+/// A worker and a ticker (started with `envs`) on the config at `path` (which holds
+/// [`flow_jobs`] writing to `ledger`), driven through the CLI: enqueue, a retry that succeeds,
+/// a dead letter listed by `chime dlq list`, scheduled slots, the leader in `chime status`, a
+/// key's record in `chime inspect` and its run in `chime history`. Returns the processes.
+pub async fn run_flow(
+    env: &TestEnv,
+    path: &Path,
+    ledger_path: &Path,
+    envs: &[(&str, &str)],
+) -> (Child, Child) {
+    let (code, out, err) = chime(path, &["check-config"], None);
+    assert_eq!(code, 0, "check-config: {out}{err}");
+    let worker = Child::worker_env(&env.dir, path, "w", envs);
+    let mut tick = tokio::process::Command::new(bin("chime"));
+    tick.envs(envs.iter().copied());
+    let ticker = Child::run(tick, &env.dir, path, &["tick"], "ticker-t");
+    for job in ["ok", "flaky", "bad"] {
+        let (code, out, err) = chime(path, &["enqueue", job, "--key", job], None);
+        assert_eq!(code, 0, "enqueue {job}: {out}{err}");
+    }
+    let l2 = ledger_path.to_path_buf();
+    let w = &worker;
+    wait_until("ok ran, flaky succeeded on its retry, two beats ran", Duration::from_secs(60), || {
+        let l = l2.clone();
+        async move {
+            let lines = ledger(&l);
+            let done = lines.iter().any(|x| x.starts_with("ok "))
+                && lines.iter().any(|x| x == "flaky 2")
+                && lines.iter().filter(|x| x.starts_with("beat ")).count() >= 2;
+            if !done && w.log_text().contains("panicked") {
+                panic!("the worker panicked:\n{}", w.log_text());
+            }
+            done
+        }
+    })
+    .await;
+    let p = path.to_path_buf();
+    wait_until("bad is dead-lettered", Duration::from_secs(60), || {
+        let p = p.clone();
+        async move {
+            let (code, out, err) = chime(&p, &["dlq", "list", "--json"], None);
+            assert_eq!(code, 0, "dlq list: {err}");
+            out.contains("\"bad\"")
+        }
+    })
+    .await;
+    let (code, out, err) = chime(path, &["status", "--json"], None);
+    assert_eq!(code, 0, "status: {err}");
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(status["leader"]["id"].is_string(), "the ticker leads: {out}");
+    let (code, out, err) = chime(path, &["inspect", "--job", "ok", "--key", "ok", "--json"], None);
+    assert_eq!(code, 0, "inspect: {err}");
+    assert!(out.contains("\"done\""), "the key's record says done: {out}");
+    let p = path.to_path_buf();
+    wait_until("chime history shows the run of ok", Duration::from_secs(30), || {
+        let p = p.clone();
+        async move {
+            let (code, out, _) = chime(&p, &["history", "--job", "ok"], None);
+            code == 0 && out.contains("succeeded")
+        }
+    })
+    .await;
+    (worker, ticker)
+}
+
 #[tokio::test]
 async fn worker_ticker_and_cli_run_over_tls_and_every_bad_handshake_is_named() {
     let mut env = TestEnv::new("tls");
@@ -47,18 +127,12 @@ async fn worker_ticker_and_cli_run_over_tls_and_every_bad_handshake_is_named() {
     let misnamed = HttpsServer::start(&pki.wrong_name, 200).await;
     let alerts = HttpsServer::start(&pki.server, 200).await;
     let ledger_path = env.dir.join("ledger");
-    let l = ledger_path.display();
     let jobs = format!(
-        "[[jobs]]\nname = \"ok\"\nhandler = \"exec\"\ncommand = ['sh', '-c', 'echo ok $CHIME_KEY >> {l}']\n\
-         [[jobs]]\nname = \"flaky\"\nhandler = \"exec\"\nmax_attempts = 3\n\
-         backoff = {{ initial = \"1s\", factor = 1.0, max = \"1s\" }}\n\
-         command = ['sh', '-c', 'echo flaky $CHIME_ATTEMPT >> {l}; test $CHIME_ATTEMPT -ge 2']\n\
-         [[jobs]]\nname = \"bad\"\nhandler = \"exec\"\ncommand = ['sh', '-c', 'exit 100']\n\
-         [[jobs]]\nname = \"beat\"\nhandler = \"exec\"\nschedule = \"* * * * * *\"\n\
-         command = ['sh', '-c', 'echo beat $CHIME_SLOT >> {l}']\n\
-         [[jobs]]\nname = \"hook\"\nhandler = \"http\"\nurl = \"https://localhost:{}/hook\"\n\
+        "{}[[jobs]]\nname = \"hook\"\nhandler = \"http\"\nurl = \"https://localhost:{}/hook\"\n\
          [[jobs]]\nname = \"hook_misnamed\"\nhandler = \"http\"\nmax_attempts = 1\nurl = \"https://localhost:{}/hook\"\n",
-        hook.port, misnamed.port
+        flow_jobs(&ledger_path),
+        hook.port,
+        misnamed.port
     );
     let good = format!(
         "prefix = \"{}\"\n{}[ticker]\nlease = \"2s\"\n\
@@ -68,49 +142,24 @@ async fn worker_ticker_and_cli_run_over_tls_and_every_bad_handshake_is_named() {
         alerts.port
     );
     let path = write(&env.dir, "chime.toml", &good);
-    let (code, out, err) = chime(&path, &["check-config"], None);
-    assert_eq!(code, 0, "check-config accepts the TLS config: {out}{err}");
-
     // The worker (http jobs) and the ticker (the DLQ alert webhook) trust the test CA for
     // https:// through SSL_CERT_FILE (the platform's roots).
     let ca = pki.ca.display().to_string();
-    let worker = Child::worker_env(&env.dir, &path, "w", &[("SSL_CERT_FILE", ca.as_str())]);
-    let mut tick = tokio::process::Command::new(bin("chime"));
-    tick.env("SSL_CERT_FILE", &ca);
-    let ticker = Child::run(tick, &env.dir, &path, &["tick"], "ticker-t");
-    for job in ["ok", "flaky", "bad", "hook", "hook_misnamed"] {
+    let (worker, ticker) = run_flow(&env, &path, &ledger_path, &[("SSL_CERT_FILE", ca.as_str())]).await;
+    for job in ["hook", "hook_misnamed"] {
         let (code, out, err) = chime(&path, &["enqueue", job, "--key", job], None);
         assert_eq!(code, 0, "enqueue {job} over TLS: {out}{err}");
     }
-    let l2 = ledger_path.clone();
-    wait_until("ok ran, flaky succeeded on its retry, two beats ran", Duration::from_secs(60), || {
-        let l = l2.clone();
-        async move {
-            let lines = ledger(&l);
-            lines.iter().any(|x| x.starts_with("ok "))
-                && lines.iter().any(|x| x == "flaky 2")
-                && lines.iter().filter(|x| x.starts_with("beat ")).count() >= 2
-        }
-    })
-    .await;
     let h = &hook;
     wait_until("the https:// handler posted", Duration::from_secs(30), || async move { h.count() >= 1 })
         .await;
-    let dlq = |path: std::path::PathBuf| async move {
-        let (code, out, err) = chime(&path, &["dlq", "list", "--json"], None);
-        assert_eq!(code, 0, "dlq list over TLS: {err}");
-        out
-    };
     let p = path.clone();
-    wait_until("bad and hook_misnamed are dead-lettered", Duration::from_secs(60), || {
+    wait_until("hook_misnamed is dead-lettered", Duration::from_secs(60), || {
         let p = p.clone();
-        async move {
-            let out = dlq(p).await;
-            out.contains("\"bad\"") && out.contains("\"hook_misnamed\"")
-        }
+        async move { chime(&p, &["dlq", "list", "--json"], None).1.contains("\"hook_misnamed\"") }
     })
     .await;
-    let out = dlq(path.clone()).await;
+    let out = chime(&path, &["dlq", "list", "--json"], None).1;
     assert!(
         out.contains("does not name the host"),
         "the https:// failure says the certificate names another host: {out}"
@@ -121,10 +170,6 @@ async fn worker_ticker_and_cli_run_over_tls_and_every_bad_handshake_is_named() {
         a.count() >= 1
     })
     .await;
-    let (code, out, err) = chime(&path, &["status", "--json"], None);
-    assert_eq!(code, 0, "status over TLS: {err}");
-    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert!(status["leader"]["id"].is_string(), "the ticker leads over rediss://: {out}");
     drop(ticker);
     drop(worker);
 

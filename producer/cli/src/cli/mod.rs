@@ -102,7 +102,7 @@ pub async fn main_exit_code(cli: Cli) -> i32 {
 async fn run(cli: Cli) -> Result<(), Failure> {
     let path = Config::resolve_path(cli.config.as_deref());
     let config = Config::load(Some(&path)).map_err(usage)?;
-    let redis_url = chime_shared::config::redact(&config.redis.url);
+    let redis_url = config.redis.endpoint();
     // A Redis error says nothing of the server it came from: name it.
     let name_redis = |mut f: Failure| {
         if f.error.chain().any(|c| c.downcast_ref::<redis::RedisError>().is_some()) {

@@ -45,7 +45,7 @@ pub enum ResumeTarget {
     },
 }
 
-async fn redis(config: &Config) -> Result<redis::aio::MultiplexedConnection, Failure> {
+async fn redis(config: &Config) -> Result<chime_shared::redis_conn::RedisConn, Failure> {
     Ok(super::history::reader(config).await?.connection())
 }
 
