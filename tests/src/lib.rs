@@ -751,6 +751,12 @@ impl PrivateSentinels {
         let mut c = connect_redis(&format!("redis://127.0.0.1:{}", self.ports[0])).await;
         let _: () =
             redis::cmd("SENTINEL").arg("FAILOVER").arg(Self::MASTER).query_async(&mut c).await.unwrap();
+        self.wait_promoted().await;
+    }
+
+    /// Waits until the sentinels name the replica as master and it accepts writes (after a
+    /// `failover`, or after the master died).
+    pub async fn wait_promoted(&self) {
         let port = self.replica.port;
         wait_until("the replica is the master", Duration::from_secs(30), || async move {
             self.master_port().await == port && {

@@ -441,6 +441,7 @@ pub async fn all() -> Vec<Outcome> {
     run!(long_jobs_redis_restarted_empty(), "long jobs, Redis restarted empty");
     run!(redis_failover_to_lagging_replica(), "Redis failover to a lagging replica");
     run!(sentinel_failover_drain(), "Redis Sentinel failover during a drain");
+    run!(sentinel_master_killed(), "Redis Sentinel master killed");
     run!(sentinel_failover_ticker(), "Redis Sentinel failover under the ticker");
     run!(redis_cluster_master_killed(), "Redis Cluster master killed");
     run!(connection_closed_while_failing(), "connection closed during retries and dead letters");

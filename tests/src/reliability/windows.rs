@@ -309,6 +309,21 @@ pub async fn sigkill_loop() -> Outcome {
     .await
 }
 
+/// The longest stretch without a completed job from `fault` to the last completion: what a
+/// failover costs in throughput (the first completion after it may be a job already running).
+fn longest_stall(s: &Stack, fault: f64) -> f64 {
+    let mut times: Vec<f64> =
+        s.read_ledger().times.into_iter().map(|(t, _)| t).filter(|t| *t >= fault).collect();
+    times.sort_by(f64::total_cmp);
+    let mut last = fault;
+    let mut worst: f64 = 0.0;
+    for t in times {
+        worst = worst.max(t - last);
+        last = t;
+    }
+    worst
+}
+
 /// Redis behind Sentinel (master, one replica, three sentinels): `SENTINEL FAILOVER` while two
 /// workers drain 300 jobs. Workers find the new master through the sentinels (a `READONLY`
 /// reply from the demoted master, or a dropped connection, makes them ask again).
@@ -329,11 +344,46 @@ pub async fn sentinel_failover_drain() -> Outcome {
         "Redis Sentinel failover during a drain",
         "master + replica + 3 sentinels; SENTINEL FAILOVER while 2 workers drain",
         t0,
-    )
-    .note(format!("the sentinels named the new master {promoted:.1} s after SENTINEL FAILOVER"));
+    );
     // Asynchronous replication: `done` records the replica had not received when it was
     // promoted can let a copy run again; at most what was in flight on the two workers.
-    s.check(c.done(expected).bound(8).fault(fault), Duration::from_secs(120)).await
+    let mut out = s.check(c.done(expected).bound(8).fault(fault), Duration::from_secs(120)).await;
+    out.note = format!(
+        "the sentinels named the new master {promoted:.1} s after SENTINEL FAILOVER; longest stretch without a \
+         completed job after it: {:.1} s",
+        longest_stall(&s, fault)
+    );
+    out
+}
+
+/// Redis behind Sentinel: the master SIGKILLed while two workers drain 300 jobs; the
+/// sentinels notice (down-after 1 s), elect, and promote the replica.
+pub async fn sentinel_master_killed() -> Outcome {
+    let t0 = Instant::now();
+    let mut s = Stack::start("rel-sentinel-kill", false, "concurrency = 4", 0.05, "").await;
+    let sentinels = crate::PrivateSentinels::start(s.redis.port).await;
+    let lines = sentinels.config_lines();
+    s.edit_config(|t| t.replacen("[redis]\n", &format!("[redis]\n{lines}"), 1));
+    let _w1 = s.worker("1");
+    let _w2 = s.worker("2");
+    let expected = s.enqueue(300).await;
+    wait_runs(&s, 30, Duration::from_secs(60)).await;
+    s.redis.kill();
+    let fault = now_f64();
+    sentinels.wait_promoted().await;
+    let promoted = now_f64() - fault;
+    let c = Check::new(
+        "Redis Sentinel: the master killed",
+        "master + replica + 3 sentinels (down-after 1 s); kill -9 the master while 2 workers drain",
+        t0,
+    );
+    let mut out = s.check(c.done(expected).bound(8).fault(fault), Duration::from_secs(120)).await;
+    out.note = format!(
+        "the sentinels named the new master {promoted:.1} s after the kill; longest stretch without a completed \
+         job after it: {:.1} s",
+        longest_stall(&s, fault)
+    );
+    out
 }
 
 /// Every-second schedule, 2 tickers on Sentinel; `SENTINEL FAILOVER` while one leads.
@@ -358,8 +408,15 @@ pub async fn sentinel_failover_ticker() -> Outcome {
         "every-second schedule, 2 tickers (lease 2 s); SENTINEL FAILOVER while one leads",
         t0,
     );
-    s.check(c.done(expected).valid(super::valid_slot_keys()).bound(2).fault(fault), Duration::from_secs(60))
-        .await
+    let mut out = s
+        .check(
+            c.done(expected).valid(super::valid_slot_keys()).bound(2).fault(fault),
+            Duration::from_secs(60),
+        )
+        .await;
+    out.note =
+        format!("longest stretch without a slot run after the failover: {:.1} s", longest_stall(&s, fault));
+    out
 }
 
 /// Redis Cluster of 3 masters with a replica each; one master SIGKILLed while two workers
@@ -383,6 +440,8 @@ pub async fn redis_cluster_master_killed() -> Outcome {
         t0,
     );
     let mut out = s.check(c.done(expected).bound(8).fault(fault), Duration::from_secs(60)).await;
+    out.note =
+        format!("longest stretch without a completed job after the kill: {:.1} s", longest_stall(&s, fault));
     if !out.passed() {
         // What the worker saw, for the failure message.
         let log = std::fs::read_to_string(s.env.dir.join("worker-1.log")).unwrap_or_default();

@@ -70,6 +70,11 @@ async fn reliability_sentinel_failover_drain() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reliability_sentinel_master_killed() {
+    check(reliability::sentinel_master_killed().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reliability_sentinel_failover_ticker() {
     check(reliability::sentinel_failover_ticker().await);
 }
