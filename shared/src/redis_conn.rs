@@ -119,7 +119,7 @@ impl RedisConn {
                 .set_response_timeout(Some(config.timeout));
             let conn = SentinelConn {
                 client: tokio::sync::Mutex::new(b.build()?),
-                current: Mutex::new(None),
+                current: Shared::new(),
                 cfg,
                 master,
             };
@@ -153,11 +153,7 @@ impl RedisConn {
                     b = b.certs(c);
                 }
             }
-            let lazy = LazyCluster {
-                client: b.build()?,
-                conn: Mutex::new(None),
-                generation: std::sync::atomic::AtomicU64::new(0),
-            };
+            let lazy = LazyCluster { client: b.build()?, conn: Shared::new() };
             return Ok(Self { inner: Inner::Cluster(Arc::new(lazy)), db: 0 });
         }
         let client = crate::tls::redis_client(config)?;
@@ -194,6 +190,41 @@ impl RedisConn {
     }
 }
 
+/// The connection clones share, numbered so that a failure drops only the connection it
+/// happened on (never a newer one made meanwhile).
+struct Shared<C> {
+    current: Mutex<Option<(u64, C)>>,
+    made: std::sync::atomic::AtomicU64,
+}
+
+impl<C: Clone> Shared<C> {
+    fn new() -> Self {
+        Self { current: Mutex::new(None), made: std::sync::atomic::AtomicU64::new(0) }
+    }
+
+    fn get(&self) -> Option<(u64, C)> {
+        self.current.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Keeps `conn` unless another caller stored one first (then returns that one).
+    fn keep(&self, conn: C) -> (u64, C) {
+        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(other) = current.as_ref() {
+            return other.clone();
+        }
+        let generation = self.made.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        *current = Some((generation, conn.clone()));
+        (generation, conn)
+    }
+
+    fn drop_generation(&self, generation: u64) {
+        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if current.as_ref().is_some_and(|(g, _)| *g == generation) {
+            *current = None;
+        }
+    }
+}
+
 /// Whether `e` means the connection is gone (drop it, reconnect on the next call).
 fn broken(e: &RedisError) -> bool {
     e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() || readonly(e)
@@ -210,24 +241,19 @@ fn any_readonly(values: &[Value]) -> bool {
 /// The master as the sentinels name it, connected on demand.
 struct SentinelConn {
     client: tokio::sync::Mutex<SentinelClient>,
-    /// The current connection and its generation (so that a failure drops only the
-    /// connection it happened on).
-    current: Mutex<Option<(u64, MultiplexedConnection)>>,
+    current: Shared<MultiplexedConnection>,
     cfg: redis::AsyncConnectionConfig,
     master: String,
 }
 
 impl SentinelConn {
-    fn cached(&self) -> Option<(u64, MultiplexedConnection)> {
-        self.current.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
     async fn conn(&self) -> RedisResult<(u64, MultiplexedConnection)> {
-        if let Some(c) = self.cached() {
+        if let Some(c) = self.current.get() {
             return Ok(c);
         }
+        // One caller at a time asks the sentinels; the others then find its connection.
         let mut client = self.client.lock().await;
-        if let Some(c) = self.cached() {
+        if let Some(c) = self.current.get() {
             return Ok(c);
         }
         let master = client.async_get_client().await.map_err(|e| {
@@ -238,17 +264,11 @@ impl SentinelConn {
             ))
         })?;
         let conn = master.get_multiplexed_async_connection_with_config(&self.cfg).await?;
-        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
-        let generation = current.as_ref().map(|(g, _)| g + 1).unwrap_or(1);
-        *current = Some((generation, conn.clone()));
-        Ok((generation, conn))
+        Ok(self.current.keep(conn))
     }
 
     fn drop_connection(&self, generation: u64) {
-        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
-        if current.as_ref().is_some_and(|(g, _)| *g == generation) {
-            *current = None;
-        }
+        self.current.drop_generation(generation);
     }
 
     async fn command(&self, cmd: &Cmd) -> RedisResult<Value> {
@@ -298,8 +318,7 @@ impl SentinelConn {
 /// the nodes that answer (a promoted replica's slots included).
 struct LazyCluster {
     client: redis::cluster::ClusterClient,
-    conn: Mutex<Option<(u64, ClusterConnection)>>,
-    generation: std::sync::atomic::AtomicU64,
+    conn: Shared<ClusterConnection>,
 }
 
 /// Drops the cluster connection a call used unless the call finished well: a call cancelled
@@ -319,29 +338,16 @@ impl Drop for CallGuard<'_> {
 }
 
 impl LazyCluster {
-    fn cached(&self) -> Option<(u64, ClusterConnection)> {
-        self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
     async fn conn(&self) -> RedisResult<(u64, ClusterConnection)> {
-        if let Some(c) = self.cached() {
+        if let Some(c) = self.conn.get() {
             return Ok(c);
         }
         let c = self.client.get_async_connection().await?;
-        let mut slot = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(other) = slot.as_ref() {
-            return Ok(other.clone());
-        }
-        let generation = self.generation.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-        *slot = Some((generation, c.clone()));
-        Ok((generation, c))
+        Ok(self.conn.keep(c))
     }
 
     fn drop_connection(&self, generation: u64) {
-        let mut slot = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.as_ref().is_some_and(|(g, _)| *g == generation) {
-            *slot = None;
-        }
+        self.conn.drop_generation(generation);
     }
 
     /// Runs `f` on the connection; drops the connection when the call fails for want of it,

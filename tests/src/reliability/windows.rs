@@ -328,39 +328,19 @@ fn longest_stall(s: &Stack, fault: f64) -> f64 {
 /// workers drain 300 jobs. Workers find the new master through the sentinels (a `READONLY`
 /// reply from the demoted master, or a dropped connection, makes them ask again).
 pub async fn sentinel_failover_drain() -> Outcome {
-    let t0 = Instant::now();
-    let mut s = Stack::start("rel-sentinel", false, "concurrency = 4", 0.05, "").await;
-    let sentinels = crate::PrivateSentinels::start(s.redis.port).await;
-    let lines = sentinels.config_lines();
-    s.edit_config(|t| t.replacen("[redis]\n", &format!("[redis]\n{lines}"), 1));
-    let _w1 = s.worker("1");
-    let _w2 = s.worker("2");
-    let expected = s.enqueue(300).await;
-    wait_runs(&s, 30, Duration::from_secs(60)).await;
-    let fault = now_f64();
-    sentinels.failover().await;
-    let promoted = now_f64() - fault;
-    let c = Check::new(
-        "Redis Sentinel failover during a drain",
-        "master + replica + 3 sentinels; SENTINEL FAILOVER while 2 workers drain",
-        t0,
-    );
-    // Asynchronous replication: `done` records the replica had not received when it was
-    // promoted can let a copy run again; at most what was in flight on the two workers.
-    let mut out = s.check(c.done(expected).bound(8).fault(fault), Duration::from_secs(120)).await;
-    out.note = format!(
-        "the sentinels named the new master {promoted:.1} s after SENTINEL FAILOVER; longest stretch without a \
-         completed job after it: {:.1} s",
-        longest_stall(&s, fault)
-    );
-    out
+    sentinel_drain(false).await
 }
 
 /// Redis behind Sentinel: the master SIGKILLed while two workers drain 300 jobs; the
 /// sentinels notice (down-after 1 s), elect, and promote the replica.
 pub async fn sentinel_master_killed() -> Outcome {
+    sentinel_drain(true).await
+}
+
+async fn sentinel_drain(kill: bool) -> Outcome {
     let t0 = Instant::now();
-    let mut s = Stack::start("rel-sentinel-kill", false, "concurrency = 4", 0.05, "").await;
+    let name = if kill { "rel-sentinel-kill" } else { "rel-sentinel" };
+    let mut s = Stack::start(name, false, "concurrency = 4", 0.05, "").await;
     let sentinels = crate::PrivateSentinels::start(s.redis.port).await;
     let lines = sentinels.config_lines();
     s.edit_config(|t| t.replacen("[redis]\n", &format!("[redis]\n{lines}"), 1));
@@ -368,19 +348,32 @@ pub async fn sentinel_master_killed() -> Outcome {
     let _w2 = s.worker("2");
     let expected = s.enqueue(300).await;
     wait_runs(&s, 30, Duration::from_secs(60)).await;
-    s.redis.kill();
     let fault = now_f64();
-    sentinels.wait_promoted().await;
+    let (c, after) = if kill {
+        s.redis.kill();
+        sentinels.wait_promoted().await;
+        let c = Check::new(
+            "Redis Sentinel: the master killed",
+            "master + replica + 3 sentinels (down-after 1 s); kill -9 the master while 2 workers drain",
+            t0,
+        );
+        (c, "the kill")
+    } else {
+        sentinels.failover().await;
+        let c = Check::new(
+            "Redis Sentinel failover during a drain",
+            "master + replica + 3 sentinels; SENTINEL FAILOVER while 2 workers drain",
+            t0,
+        );
+        (c, "SENTINEL FAILOVER")
+    };
     let promoted = now_f64() - fault;
-    let c = Check::new(
-        "Redis Sentinel: the master killed",
-        "master + replica + 3 sentinels (down-after 1 s); kill -9 the master while 2 workers drain",
-        t0,
-    );
+    // Asynchronous replication: `done` records the replica had not received when it was
+    // promoted can let a copy run again; at most what was in flight on the two workers.
     let mut out = s.check(c.done(expected).bound(8).fault(fault), Duration::from_secs(120)).await;
     out.note = format!(
-        "the sentinels named the new master {promoted:.1} s after the kill; longest stretch without a completed \
-         job after it: {:.1} s",
+        "the sentinels named the new master {promoted:.1} s after {after}; longest stretch without a completed job \
+         after it: {:.1} s",
         longest_stall(&s, fault)
     );
     out
