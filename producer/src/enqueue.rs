@@ -226,24 +226,65 @@ impl EnqueueError {
     }
 }
 
-/// Publishes ad-hoc jobs with confirms. Holds one connection and one confirm channel.
+/// Publishes ad-hoc jobs with confirms. Holds one connection and one confirm channel, and
+/// replaces them when they break: a publish cut off by a lost connection is sent again on a
+/// new one (across `amqp.url`), with the same envelope and key, so a copy the broker did
+/// receive is absorbed as a duplicate by the workers, never run as a second job.
 pub struct EnqueueClient {
-    conn: Connection,
-    channel: Channel,
+    session: tokio::sync::RwLock<Arc<Session>>,
     config: Arc<Config>,
     names: Names,
     /// Queues of typed jobs already declared by this client.
     declared: Mutex<HashSet<String>>,
 }
 
+/// A connection and its confirm channel.
+struct Session {
+    conn: Connection,
+    channel: Channel,
+}
+
 /// Outstanding confirms in a pipelined batch.
 const BATCH_WINDOW: usize = 4096;
+/// New connections one call may make before it gives up.
+const MAX_RECONNECTS: u32 = 5;
+
+/// Whether `e`, seen on `session`, is cured by a new connection: the publish or its confirm
+/// failed because the channel or connection went away, or no confirm came and the connection
+/// is dead. (No confirm on a live connection is a blocked broker: a new one would not help.)
+fn needs_new_connection(e: &AmqpError, session: &Session) -> bool {
+    match e {
+        AmqpError::Publish { .. } => true,
+        AmqpError::ConfirmTimeout(_) => !session.conn.status().connected(),
+        _ => false,
+    }
+}
+
+/// Wait before the `n`th new connection (1-based): 0.25 s, 0.5 s, 1 s, 2 s, 2 s.
+fn reconnect_delay(n: u32) -> Duration {
+    Duration::from_millis(250u64 << n.saturating_sub(1).min(3))
+}
 
 impl EnqueueClient {
     /// Connects, declares the topology of every configured queue, and enables confirms.
     pub async fn connect(config: Arc<Config>) -> Result<Self, EnqueueError> {
+        let session = Self::open(&config, &[]).await?;
+        let names = Names::new(&config.prefix);
+        Ok(Self {
+            session: tokio::sync::RwLock::new(Arc::new(session)),
+            config,
+            names,
+            declared: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// A new connection with the topology declared (configured queues and `extra`) and a
+    /// channel in confirm mode.
+    async fn open(config: &Config, extra: &[String]) -> Result<Session, EnqueueError> {
         let conn = amqp::connect(&config.amqp, "chime-enqueue").await?;
-        topology::declare(&conn, &config, &config.all_queues()).await?;
+        let mut queues = config.all_queues();
+        queues.extend(extra.iter().filter(|q| !queues.contains(q)).cloned().collect::<Vec<_>>());
+        topology::declare(&conn, config, &queues).await?;
         let channel = conn
             .create_channel()
             .await
@@ -252,8 +293,27 @@ impl EnqueueClient {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(|e| AmqpError::Connect { urls: "confirm.select".into(), last: e.to_string() })?;
-        let names = Names::new(&config.prefix);
-        Ok(Self { conn, channel, config, names, declared: Mutex::new(HashSet::new()) })
+        Ok(Session { conn, channel })
+    }
+
+    async fn session(&self) -> Arc<Session> {
+        self.session.read().await.clone()
+    }
+
+    /// Replaces `broken` with a new session, unless another call already did (then that one
+    /// is used).
+    async fn reconnect(&self, broken: &Arc<Session>, attempt: u32) -> Result<Arc<Session>, EnqueueError> {
+        let mut current = self.session.write().await;
+        if !Arc::ptr_eq(&current, broken) {
+            return Ok(current.clone());
+        }
+        tokio::time::sleep(reconnect_delay(attempt)).await;
+        let extra: Vec<String> =
+            self.declared.lock().map(|d| d.iter().cloned().collect()).unwrap_or_default();
+        let fresh = Arc::new(Self::open(&self.config, &extra).await?);
+        tracing::info!(attempt, "enqueue client reconnected");
+        *current = fresh.clone();
+        Ok(fresh)
     }
 
     /// Builds and validates the envelope for `req` without publishing.
@@ -279,7 +339,8 @@ impl EnqueueClient {
         if let Some(q) = &p.declare_queue {
             let known = self.declared.lock().map(|d| d.contains(q)).unwrap_or(false);
             if !known {
-                topology::declare(&self.conn, &self.config, std::slice::from_ref(q)).await?;
+                let session = self.session().await;
+                topology::declare(&session.conn, &self.config, std::slice::from_ref(q)).await?;
                 if let Ok(mut d) = self.declared.lock() {
                     d.insert(q.clone());
                 }
@@ -291,25 +352,40 @@ impl EnqueueClient {
     /// A queue the config does not declare must exist as a chime work queue on the broker
     /// (declared by another config's workers); otherwise nothing could ever deliver to it.
     pub async fn verify_queue(&self, queue: &str) -> Result<(), EnqueueError> {
-        topology::depth(&self.conn, &self.names.work_queue(queue))
+        topology::depth(&self.session().await.conn, &self.names.work_queue(queue))
             .await
             .map(drop)
             .map_err(|e| EnqueueError::NoSuchQueue { queue: queue.to_string(), detail: e.to_string() })
     }
 
-    /// Publishes an envelope for delivery after `delay` and waits for its confirm.
+    /// Publishes an envelope for delivery after `delay` and waits for its confirm; a lost
+    /// connection is replaced and the envelope sent again (up to 5 new connections).
     pub async fn publish(&self, env: &Envelope, delay: Duration) -> Result<(), EnqueueError> {
         let (exchange, routing_key) =
             delay::target(&self.names, self.config.amqp.queue_type, &env.queue, delay);
-        amqp::publish_confirmed(
-            &self.channel,
-            &exchange,
-            &routing_key,
-            &env.encode(),
-            env.properties(),
-            self.config.amqp.publish_timeout,
-        )
-        .await?;
+        let body = env.encode();
+        let mut session = self.session().await;
+        let mut reconnects = 0;
+        loop {
+            let sent = amqp::publish_confirmed(
+                &session.channel,
+                &exchange,
+                &routing_key,
+                &body,
+                env.properties(),
+                self.config.amqp.publish_timeout,
+            )
+            .await;
+            match sent {
+                Ok(()) => break,
+                Err(e) if reconnects < MAX_RECONNECTS && needs_new_connection(&e, &session) => {
+                    reconnects += 1;
+                    tracing::warn!(error = %e, key = %env.key, "publish failed; sending it again on a new connection");
+                    session = self.reconnect(&session, reconnects).await?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         metrics::counter!(telemetry::JOBS_PUBLISHED, "job" => env.job.clone(), "source" => env.source.as_str())
             .increment(1);
         Ok(())
@@ -348,47 +424,68 @@ impl EnqueueClient {
         Ok(self.publish_batch(&envs).await)
     }
 
-    /// Pipelined publish of prepared envelopes.
+    /// Pipelined publish of prepared envelopes, with up to 4096 confirms outstanding. When the
+    /// connection breaks, a new one is made and publishing resumes from the first envelope not
+    /// yet confirmed (copies the broker did receive are absorbed by their keys).
     pub async fn publish_batch(&self, envs: &[Prepared]) -> BatchReport {
-        let timeout = self.config.amqp.publish_timeout;
-        let mut pending: VecDeque<(lapin::PublisherConfirm, String, String)> =
-            VecDeque::with_capacity(BATCH_WINDOW);
+        let mut session = self.session().await;
         let mut confirmed = 0usize;
-        let mut error = None;
-        for Prepared { envelope: env, delay, .. } in envs {
-            if pending.len() >= BATCH_WINDOW
-                && let Some((p, exchange, rk)) = pending.pop_front()
-            {
-                match amqp::check_confirm(p, &exchange, &rk, timeout).await {
-                    Ok(()) => confirmed += 1,
-                    Err(e) => {
-                        error = Some(e.into());
-                        break;
-                    }
-                }
+        let mut reconnects = 0;
+        let error = loop {
+            let (upto, failed) = self.publish_from(&session, envs, confirmed).await;
+            confirmed = upto;
+            let Some(e) = failed else { break None };
+            if reconnects >= MAX_RECONNECTS || !needs_new_connection(&e, &session) {
+                break Some(e.into());
             }
-            let (exchange, rk) = delay::target(&self.names, self.config.amqp.queue_type, &env.queue, *delay);
-            match amqp::publish(&self.channel, &exchange, &rk, &env.encode(), env.properties()).await {
-                Ok(p) => pending.push_back((p, exchange, rk)),
-                Err(e) => {
-                    error = Some(e.into());
-                    break;
-                }
+            reconnects += 1;
+            tracing::warn!(error = %e, resume_at = confirmed, "batch publish failed; resuming on a new connection");
+            match self.reconnect(&session, reconnects).await {
+                Ok(s) => session = s,
+                Err(e) => break Some(e),
             }
-        }
-        for (p, exchange, rk) in pending {
-            match amqp::check_confirm(p, &exchange, &rk, timeout).await {
-                Ok(()) => confirmed += 1,
-                Err(e) => {
-                    error.get_or_insert(e.into());
-                }
-            }
-        }
+        };
         if let Some(first) = envs.first() {
             metrics::counter!(telemetry::JOBS_PUBLISHED, "job" => first.envelope.job.clone(), "source" => "adhoc")
                 .increment(confirmed as u64);
         }
         BatchReport { total: envs.len(), confirmed, error }
+    }
+
+    /// Publishes `envs[start..]` on `session`; returns how many from the start of `envs` are
+    /// confirmed (confirms are awaited in order) and the first failure.
+    async fn publish_from(
+        &self,
+        session: &Session,
+        envs: &[Prepared],
+        start: usize,
+    ) -> (usize, Option<AmqpError>) {
+        let timeout = self.config.amqp.publish_timeout;
+        let mut pending: VecDeque<(lapin::PublisherConfirm, String, String)> =
+            VecDeque::with_capacity(BATCH_WINDOW);
+        let mut confirmed = start;
+        for Prepared { envelope: env, delay, .. } in &envs[start..] {
+            if pending.len() >= BATCH_WINDOW
+                && let Some((p, exchange, rk)) = pending.pop_front()
+            {
+                if let Err(e) = amqp::check_confirm(p, &exchange, &rk, timeout).await {
+                    return (confirmed, Some(e));
+                }
+                confirmed += 1;
+            }
+            let (exchange, rk) = delay::target(&self.names, self.config.amqp.queue_type, &env.queue, *delay);
+            match amqp::publish(&session.channel, &exchange, &rk, &env.encode(), env.properties()).await {
+                Ok(p) => pending.push_back((p, exchange, rk)),
+                Err(e) => return (confirmed, Some(e)),
+            }
+        }
+        for (p, exchange, rk) in pending {
+            if let Err(e) = amqp::check_confirm(p, &exchange, &rk, timeout).await {
+                return (confirmed, Some(e));
+            }
+            confirmed += 1;
+        }
+        (confirmed, None)
     }
 }
 

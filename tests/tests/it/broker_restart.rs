@@ -52,3 +52,43 @@ async fn worker_reconnects_after_a_broker_restart_and_loses_nothing() {
     assert!(dups <= 4, "duplicate executions {dups} above the in-flight bound");
     worker.stop().await;
 }
+
+/// One `EnqueueClient` across a broker restart: the enqueue after it reconnects (to the next
+/// URL of the list, the first being dead) and publishes once, under its own key; a batch sent
+/// after a second restart arrives whole. Nothing is published twice under a new key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enqueue_client_reconnects_after_a_broker_restart() {
+    let rabbit = PrivateRabbit::start().await;
+    let mut env = TestEnv::new("enqreconnect");
+    env.amqp_url = rabbit.url();
+    // A dead node first in the list: the client must move on to the live one.
+    let dead = format!("amqp://guest:guest@127.0.0.1:{}/%2f", free_port());
+    let text = env.config_text("quorum", "", "", COUNT_JOB).replacen(
+        &format!("url = \"{}\"", rabbit.url()),
+        &format!("url = [\"{dead}\", \"{}\"]", rabbit.url()),
+        1,
+    );
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let a = client.enqueue(EnqueueRequest::new("count").key("a").payload(json!({"n": 1}))).await.unwrap();
+    rabbit.restart().await;
+    let b = client.enqueue(EnqueueRequest::new("count").key("b").payload(json!({"n": 2}))).await.unwrap();
+    assert_ne!(a.key, b.key);
+    rabbit.restart().await;
+    let reqs: Vec<_> = (0..500).map(|n| EnqueueRequest::new("count").key(format!("batch-{n}"))).collect();
+    let report = client.enqueue_batch(&reqs).await.unwrap();
+    assert_eq!((report.confirmed, report.error.is_none()), (500, true), "{:?}", report.error);
+    // What is in the work queue: a, b and the batch, each key once (the quorum queue kept `a`
+    // across both restarts).
+    let conn = connect_amqp_to(&rabbit.url()).await;
+    let ch = conn.create_channel().await.unwrap();
+    let queue = env.names().work_queue("default");
+    let mut keys = std::collections::HashMap::<String, usize>::new();
+    while let Some(m) = ch.basic_get(queue.as_str().into(), Default::default()).await.unwrap() {
+        let e = chime_shared::Envelope::decode(&m.data).unwrap();
+        *keys.entry(e.key.to_string()).or_default() += 1;
+    }
+    assert_eq!(keys.len(), 502, "a, b and 500 batch jobs");
+    assert!(keys.values().all(|n| *n == 1), "each published once");
+    assert!(keys.contains_key(&a.key.to_string()) && keys.contains_key(&b.key.to_string()));
+}
