@@ -441,6 +441,9 @@ pub struct JobConfig {
     pub deadline: Option<Duration>,
     /// Publish up to this much after the slot, deterministically per slot.
     pub jitter: Option<Duration>,
+    /// Runs of this job at once in one worker process (default: 8 for `exec`, otherwise
+    /// `worker.concurrency`): heavy handlers bounded, light ones run wide.
+    pub concurrency: Option<usize>,
 }
 
 /// What runs a job. In TOML it is the `handler` key plus the keys of that handler alone
@@ -523,6 +526,8 @@ struct RawJobConfig {
     deadline: Option<Duration>,
     #[serde(default, deserialize_with = "duration::de_opt")]
     jitter: Option<Duration>,
+    #[serde(default)]
+    concurrency: Option<usize>,
 }
 
 /// `[[jobs]]` with each entry's index in its errors, as `validate` names them.
@@ -548,6 +553,9 @@ impl RawJobConfig {
         let key = |field: &str| format!("{at} ({}).{field}", raw.name);
         let only =
             |field: &str, handler: &str| format!("{}: only valid with handler \"{handler}\"", key(field));
+        if raw.concurrency.is_some_and(|n| !(1..=10_000).contains(&n)) {
+            return Err(format!("{}: must be between 1 and 10000", key("concurrency")));
+        }
         if raw.handler != "exec" {
             for (field, set) in [
                 ("command", raw.command.is_some()),
@@ -609,6 +617,7 @@ impl RawJobConfig {
             catch_up_window: raw.catch_up_window,
             deadline: raw.deadline,
             jitter: raw.jitter,
+            concurrency: raw.concurrency,
         })
     }
 }

@@ -53,12 +53,20 @@ pub struct JobOptions {
     pub max_attempts: Option<u32>,
     /// Retry delays (default: 5 s doubling to 1 h).
     pub backoff: Option<BackoffConfig>,
+    /// Runs at once in one worker process (default `worker.concurrency`).
+    pub concurrency: Option<usize>,
 }
 
 impl JobOptions {
     /// Runs on `queue`.
     pub fn queue(mut self, queue: impl Into<String>) -> Self {
         self.queue = Some(queue.into());
+        self
+    }
+    /// Runs at most `n` of this job at once in one worker process (heavy handlers bounded,
+    /// light ones as wide as `worker.concurrency`).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = Some(n.max(1));
         self
     }
     /// Stops the handler after `timeout` (its cancellation token fires first).
@@ -95,6 +103,7 @@ impl JobOptions {
             timeout: c.timeout.or(self.timeout),
             max_attempts: c.max_attempts.or(self.max_attempts),
             backoff: c.backoff.clone().or_else(|| self.backoff.clone()),
+            concurrency: c.concurrency.or(self.concurrency),
         }
     }
 }

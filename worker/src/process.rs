@@ -39,6 +39,57 @@ pub(crate) struct Incoming {
     pub queue: String,
     pub data: Vec<u8>,
     pub properties: BasicProperties,
+    /// The worker-wide slot (`worker.concurrency`) the delivery holds until it is settled;
+    /// given back while it waits for its job's own limit (`jobs[].concurrency`).
+    pub slot: WorkerSlot,
+}
+
+/// A permit of the worker-wide semaphore, if the delivery holds one.
+#[derive(Default)]
+pub(crate) struct WorkerSlot(std::sync::Mutex<Option<tokio::sync::OwnedSemaphorePermit>>);
+
+impl WorkerSlot {
+    pub fn new(permit: tokio::sync::OwnedSemaphorePermit) -> Self {
+        Self(std::sync::Mutex::new(Some(permit)))
+    }
+
+    fn take(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    fn put(&self, permit: tokio::sync::OwnedSemaphorePermit) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(permit);
+    }
+}
+
+/// Takes a permit of the job's own limit. When none is free, the worker-wide slot is given
+/// back while waiting (so other jobs keep running) and taken again after; `None` when intake
+/// stopped meanwhile (the delivery is requeued).
+async fn job_permit(
+    core: &Core,
+    limit: &Arc<tokio::sync::Semaphore>,
+    slot: &WorkerSlot,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    if let Ok(p) = limit.clone().try_acquire_owned() {
+        return Some(p);
+    }
+    let worker_wide = slot.take().map(|p| {
+        let sem = p.semaphore().clone();
+        drop(p);
+        sem
+    });
+    let permit = tokio::select! {
+        p = limit.clone().acquire_owned() => p.ok()?,
+        _ = core.intake_stopped.cancelled() => return None,
+    };
+    if let Some(sem) = worker_wide {
+        let again = tokio::select! {
+            p = sem.acquire_owned() => p.ok()?,
+            _ = core.intake_stopped.cancelled() => return None,
+        };
+        slot.put(again);
+    }
+    Some(permit)
 }
 
 /// The claim a plan is carried out under.
@@ -132,6 +183,14 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
             return Verdict::settled(Plan::Ack(Settled::Expired), env, None, Some(spec));
         }
     }
+    // Held until the run is settled (dropped with the verdict's scope below).
+    let _job_permit = match &spec.limit {
+        Some(limit) => match job_permit(core, limit, &incoming.slot).await {
+            Some(p) => Some(p),
+            None => return Verdict::settled(Plan::Requeue, env, None, Some(spec)),
+        },
+        None => None,
+    };
     let key = env.key.to_string();
     let owner = core.owner_token();
     let claim = store.claim(&key, &owner).await;

@@ -390,10 +390,14 @@ impl Worker {
                             };
                             let Ok(permit) = permit else { break Pause::Shutdown };
                             let (core, store, outbox) = (self.core.clone(), self.store.clone(), outbox.clone());
-                            let incoming = Incoming { queue, data: delivery.data, properties: delivery.properties };
+                            let incoming = Incoming {
+                                queue,
+                                data: delivery.data,
+                                properties: delivery.properties,
+                                slot: process::WorkerSlot::new(permit),
+                            };
                             tracker.spawn(async move {
                                 process::handle(&core, &store, &outbox, incoming, ticket).await;
-                                drop(permit);
                             });
                         }
                         Some((queue, _, Err(e))) => break Pause::Lost(format!("consumer of {queue}: {e}")),

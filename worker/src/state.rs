@@ -24,6 +24,9 @@ pub(crate) struct JobSpec {
     pub backoff: BackoffConfig,
     /// A scheduled slot started later than slot + deadline is skipped as expired.
     pub deadline: Option<Duration>,
+    /// Runs at once of this job in this process (`jobs[].concurrency`), when it is below the
+    /// worker's own.
+    pub limit: Option<Arc<tokio::sync::Semaphore>>,
     /// Metric handles of this job, registered on first use (after the recorder is installed).
     metrics: OnceLock<JobMetrics>,
 }
@@ -34,8 +37,10 @@ impl JobSpec {
         timeout: Duration,
         backoff: BackoffConfig,
         deadline: Option<Duration>,
+        limit: Option<usize>,
     ) -> Self {
-        Self { handler, timeout, backoff, deadline, metrics: OnceLock::new() }
+        let limit = limit.map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1))));
+        Self { handler, timeout, backoff, deadline, limit, metrics: OnceLock::new() }
     }
 
     /// The handles of the per-job series updated on every delivery (looked up once, not per job).
@@ -97,6 +102,10 @@ impl Stats {
     }
 }
 
+/// Runs of one `exec` job at once per worker process unless its `concurrency` says otherwise
+/// (each run is a process).
+pub(crate) const DEFAULT_EXEC_CONCURRENCY: usize = 8;
+
 /// Job name → what runs it.
 pub(crate) type Jobs = HashMap<String, Arc<JobSpec>>;
 
@@ -128,9 +137,14 @@ pub(crate) fn resolve_jobs(
                          unacked delivery on it; raise consumer_timeout on the broker and amqp.consumer_timeout");
                 }
                 let backoff = options.backoff.clone().unwrap_or_default();
+                // `exec` forks a process per run: bounded by default, whatever worker.concurrency.
+                let limit = options.concurrency.or_else(|| {
+                    matches!(job.handler, chime_shared::config::HandlerConfig::Exec(_))
+                        .then_some(DEFAULT_EXEC_CONCURRENCY)
+                });
                 jobs.insert(
                     job.name.clone(),
-                    Arc::new(JobSpec::new(handler, timeout, backoff, job.deadline)),
+                    Arc::new(JobSpec::new(handler, timeout, backoff, job.deadline, limit)),
                 );
             }
             None if queues.iter().any(|q| q == job.queue()) => {
@@ -153,7 +167,8 @@ pub(crate) fn resolve_jobs(
             let options = registry.options(name).cloned().unwrap_or_default();
             let timeout = options.timeout.unwrap_or(config.worker.default_timeout);
             let backoff = options.backoff.clone().unwrap_or_default();
-            jobs.insert(name.to_string(), Arc::new(JobSpec::new(handler.clone(), timeout, backoff, None)));
+            let spec = JobSpec::new(handler.clone(), timeout, backoff, None, options.concurrency);
+            jobs.insert(name.to_string(), Arc::new(spec));
         }
     }
     Ok(jobs)

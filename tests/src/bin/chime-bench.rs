@@ -408,6 +408,12 @@ async fn chime_drain(
     chime_drain_with(env, queue_type, client, n, procs, dup, "").await
 }
 
+/// The worker section every drain uses unless it measures the worker's settings.
+fn bench_worker_section() -> String {
+    let threads = std::env::var("BENCH_WORKER_THREADS").unwrap_or_else(|_| "0".into());
+    format!("concurrency = 32\nprefetch = 64\nthreads = {threads}")
+}
+
 /// [`chime_drain`] with `extra` config sections (`[history]`, …) added.
 async fn chime_drain_with(
     env: &TestEnv,
@@ -418,15 +424,29 @@ async fn chime_drain_with(
     dup: bool,
     extra: &str,
 ) -> Drain {
+    chime_drain_worker(env, queue_type, client, n, procs, dup, extra, &bench_worker_section()).await
+}
+
+/// [`chime_drain_with`] with this `[worker]` section.
+#[allow(clippy::too_many_arguments)]
+async fn chime_drain_worker(
+    env: &TestEnv,
+    queue_type: &str,
+    client: Option<&EnqueueClient>,
+    n: usize,
+    procs: usize,
+    dup: bool,
+    extra: &str,
+    worker: &str,
+) -> Drain {
     if let Some(client) = client {
         let batch = envelopes(n, dup);
         assert_eq!(client.publish_batch(&batch).await.confirmed, n);
     }
-    let threads = std::env::var("BENCH_WORKER_THREADS").unwrap_or_else(|_| "0".into());
     let text = env.config_text(
         queue_type,
         "",
-        &format!("concurrency = 32\nprefetch = 64\nthreads = {threads}"),
+        worker,
         &format!("{extra}[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n"),
     );
     let path = env.write_config(&text);
@@ -703,6 +723,82 @@ async fn main() {
         println!("publish  raw, + chime's properties    {raw_p:>7.0} msg/s   {:.2}x raw", raw_p / raw);
         println!("publish  EnqueueClient batch        {chime:>9.0} msg/s   {:.2}x raw", chime / raw);
         println!("publish  chime enqueue --batch (CLI) {cli:>8.0} msg/s   {:.2}x raw", cli / raw);
+    }
+
+    // Opt-in (--only defaults): one worker with the default [worker] settings against the
+    // same worker tuned (concurrency 32, 100, 200; prefetch = concurrency), no-op jobs.
+    if o.only.as_ref().is_some_and(|v| v.iter().any(|x| x == "defaults")) {
+        let env = TestEnv::new("bench-defaults");
+        let config = Arc::new(bench_config(&env, &qt, ""));
+        let client = EnqueueClient::connect(config).await.unwrap();
+        let n = 100_000;
+        let settings = [
+            ("defaults", ""),
+            ("concurrency 32", "concurrency = 32"),
+            ("concurrency 100", "concurrency = 100"),
+            ("concurrency 200", "concurrency = 200"),
+        ];
+        let mut rates: Vec<Vec<f64>> = vec![Vec::new(); settings.len()];
+        for r in 0..o.runs {
+            // Rotate the order per round (a quorum queue compacts its log after a drain).
+            for k in 0..settings.len() {
+                let i = (k + r) % settings.len();
+                progress(&format!("defaults: {}, run {}/{} ({n} jobs)", settings[i].0, r + 1, o.runs));
+                let d = chime_drain_worker(&env, &qt, Some(&client), n, 1, false, "", settings[i].1).await;
+                rates[i].push(d.rate);
+            }
+        }
+        progress("");
+        let medians: Vec<f64> = rates.into_iter().map(median).collect();
+        let best = medians[1..].iter().cloned().fold(0.0, f64::max);
+        for ((name, _), m) in settings.iter().zip(&medians) {
+            println!("defaults {name:<16} {m:>9.0} jobs/s   {:.2}x best tuned", m / best);
+        }
+    }
+
+    // Opt-in (--only batch-memory): peak RSS of `chime enqueue --batch` for 100,000 and
+    // 1,000,000 lines, from a file and from standard input (spooled to a temporary file).
+    if o.only.as_ref().is_some_and(|v| v.iter().any(|x| x == "batch-memory")) {
+        let env = TestEnv::new("bench-batchmem");
+        let config = Arc::new(bench_config(&env, &qt, ""));
+        let _declared = EnqueueClient::connect(config).await.unwrap();
+        let q = env.names().work_queue("default");
+        let text = env.config_text(&qt, "", "", "[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n");
+        let path = env.write_config(&text);
+        for n in [100_000usize, 1_000_000] {
+            let file = env.dir.join("batch.jsonl");
+            let lines: String =
+                (0..n).map(|i| format!("{{\"payload\":{{\"i\":{i}}},\"key\":\"k{i}\"}}\n")).collect();
+            std::fs::write(&file, lines).unwrap();
+            for stdin in [false, true] {
+                progress(&format!("batch-memory: {n} lines, {}", if stdin { "stdin" } else { "file" }));
+                let script = format!(
+                    "/usr/bin/time -f %M {} --config {} enqueue noop --batch {} --json {}",
+                    bin_path("chime").display(),
+                    path.display(),
+                    if stdin { "-" } else { file.to_str().unwrap() },
+                    if stdin { format!("< {}", file.display()) } else { String::new() },
+                );
+                let out = tokio::process::Command::new("sh").args(["-c", &script]).output().await.unwrap();
+                assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+                let rss: u64 = String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("0")
+                    .trim()
+                    .parse()
+                    .unwrap_or(0);
+                let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                progress("");
+                println!(
+                    "batch    chime enqueue --batch {n:>9} lines from {:<5}  peak RSS {:>7} KiB  {:.0} jobs/s",
+                    if stdin { "stdin" } else { "file" },
+                    rss,
+                    v["confirmed"].as_f64().unwrap() / v["seconds"].as_f64().unwrap()
+                );
+                purge(&conn, &q).await;
+            }
+        }
     }
 
     // Opt-in (--only properties): which of the envelope's AMQP properties costs the broker.

@@ -202,3 +202,75 @@ async fn a_long_job_does_not_hold_back_the_acks_of_finished_ones() {
     assert_eq!(ledger.get(0), 0, "the long job is still running");
     worker.token.cancel();
 }
+
+/// `jobs[].concurrency` bounds one job in a worker process while others run wide: 12 runs of
+/// a slow job limited to 2 never overlap by more than 2, and 60 light jobs on another queue
+/// all finish while the slow ones are still running, though the worker runs only 4 jobs at
+/// once and the slow queue's prefetch is 4: a run waiting for its job's limit gives its
+/// worker-wide slot back.
+#[tokio::test]
+async fn a_job_concurrency_limit_bounds_heavy_runs_and_light_jobs_pass_them() {
+    use chime_worker::{JobContext, Registry, raw_handler_fn};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let mut env = TestEnv::new("jobconc");
+    env.queues.push("slow".into());
+    let config = env.config(
+        "quorum",
+        "",
+        "",
+        "[[jobs]]\nname = \"heavy\"\nhandler = \"heavy\"\nqueue = \"slow\"\nconcurrency = 2\n\
+         [[jobs]]\nname = \"light\"\nhandler = \"light\"\n",
+    );
+    let (now, peak, heavy_done, light_done) = (
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let light_all_done_while_heavy_left = Arc::new(AtomicUsize::new(usize::MAX));
+    let mut reg = Registry::new();
+    let (n, p, h) = (now.clone(), peak.clone(), heavy_done.clone());
+    reg.register(
+        "heavy",
+        raw_handler_fn(move |_ctx: JobContext, _| {
+            let (n, p, h) = (n.clone(), p.clone(), h.clone());
+            async move {
+                let running = n.fetch_add(1, Ordering::SeqCst) + 1;
+                p.fetch_max(running, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                n.fetch_sub(1, Ordering::SeqCst);
+                h.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+        }),
+    );
+    let (l, h2, mark) = (light_done.clone(), heavy_done.clone(), light_all_done_while_heavy_left.clone());
+    reg.register(
+        "light",
+        raw_handler_fn(move |_ctx: JobContext, _| {
+            let (l, h2, mark) = (l.clone(), h2.clone(), mark.clone());
+            async move {
+                if l.fetch_add(1, Ordering::SeqCst) + 1 == 60 {
+                    mark.store(12 - h2.load(Ordering::SeqCst), Ordering::SeqCst);
+                }
+                Ok(())
+            }
+        }),
+    );
+    let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+    // Heavy first: they fill the front of the queue.
+    let mut reqs: Vec<_> = (0..12).map(|i| EnqueueRequest::new("heavy").key(format!("h{i}"))).collect();
+    reqs.extend((0..60).map(|i| EnqueueRequest::new("light").key(format!("l{i}"))));
+    assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, 72);
+    let worker = Running::start(config, reg, 4).await;
+    let hd = &heavy_done;
+    wait_until("every heavy run finished", Duration::from_secs(30), || async {
+        hd.load(Ordering::SeqCst) == 12
+    })
+    .await;
+    assert_eq!(light_done.load(Ordering::SeqCst), 60);
+    assert_eq!(peak.load(Ordering::SeqCst), 2, "at most 2 heavy runs at once, and 2 were reached");
+    let left = light_all_done_while_heavy_left.load(Ordering::SeqCst);
+    assert!(left >= 6, "the light jobs finished while {left} heavy runs were still to finish");
+    worker.stop().await;
+}

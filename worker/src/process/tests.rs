@@ -379,7 +379,12 @@ fn envelope(job: &str, payload: &str, attempt: u32, max: u32) -> Envelope {
 }
 
 fn incoming(env: &Envelope) -> Incoming {
-    Incoming { queue: "default".into(), data: env.encode(), properties: env.properties() }
+    Incoming {
+        queue: "default".into(),
+        data: env.encode(),
+        properties: env.properties(),
+        slot: Default::default(),
+    }
 }
 
 impl Harness {
@@ -643,12 +648,14 @@ async fn malformed_and_too_large_bodies_are_dead_lettered_with_their_reason() {
         queue: "default".into(),
         data: b"not json".to_vec(),
         properties: BasicProperties::default(),
+        slot: Default::default(),
     };
     assert_eq!(h.deliver(garbage).await, ["ack"]);
     let huge = Incoming {
         queue: "default".into(),
         data: vec![b' '; 2 << 20],
         properties: BasicProperties::default(),
+        slot: Default::default(),
     };
     assert_eq!(h.deliver(huge).await, ["ack"]);
     let reasons: Vec<_> = h
@@ -661,8 +668,12 @@ async fn malformed_and_too_large_bodies_are_dead_lettered_with_their_reason() {
         .collect();
     assert_eq!(reasons, ["malformed", "too_large"]);
     h.outbox.fail.store(true, Ordering::SeqCst);
-    let garbage =
-        Incoming { queue: "default".into(), data: b"{".to_vec(), properties: BasicProperties::default() };
+    let garbage = Incoming {
+        queue: "default".into(),
+        data: b"{".to_vec(),
+        properties: BasicProperties::default(),
+        slot: Default::default(),
+    };
     assert_eq!(h.deliver(garbage).await, ["requeue"], "a dead letter that was not confirmed is not acked");
 }
 

@@ -4,7 +4,7 @@ use anyhow::Context as _;
 use chime_producer::{EnqueueClient, EnqueueError, EnqueueRequest, parse_batch_line, prepare};
 use chime_shared::config::Config;
 use clap::Args;
-use std::io::{BufRead, Read};
+use std::io::{BufRead, Read, Write};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -163,7 +163,7 @@ pub async fn run(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> 
             done.job, done.queue, done.key, done.id
         );
     }
-    warn_settled(&settled);
+    warn_settled(settled.first(), settled.len());
     Ok(())
 }
 
@@ -183,10 +183,10 @@ async fn settled_keys(config: &Config, keys: &[String]) -> Vec<Settled> {
 
 /// Warns (on stderr; the exit code stays 0) about copies that will be absorbed, which
 /// otherwise look like fresh jobs that never run.
-fn warn_settled(settled: &[Settled]) {
-    match settled {
-        [] => {}
-        [(key, state, at)] => {
+fn warn_settled(first: Option<&Settled>, count: usize) {
+    match (first, count) {
+        (_, 0) | (None, _) => {}
+        (Some((key, state, at)), 1) => {
             let when = at.map(|t| format!(" at {}", t.format("%Y-%m-%d %H:%M:%S UTC"))).unwrap_or_default();
             let fate = if state == "dead" {
                 "it was dead-lettered; `chime dlq replay` runs it again"
@@ -197,10 +197,122 @@ fn warn_settled(settled: &[Settled]) {
                 "warning: key {key} is already {state}{when}: this copy will be absorbed as a duplicate ({fate})"
             );
         }
-        many => eprintln!(
-            "warning: {} of these keys already ran to an end (done or dead): their copies will be absorbed as duplicates",
-            many.len()
+        (Some(_), many) => eprintln!(
+            "warning: {many} of these keys already ran to an end (done or dead): their copies will be absorbed as duplicates"
         ),
+    }
+}
+
+/// Jobs published per `publish_batch` call: what the second pass holds in memory at once.
+const PUBLISH_CHUNK: usize = 10_000;
+/// Keys asked about per Redis round trip while validating.
+const SETTLED_CHUNK: usize = 1_000;
+
+/// A batch's lines, read twice: once to validate every one (nothing is published when one is
+/// bad), once to publish. Standard input cannot be read twice, so the first pass copies it to
+/// a temporary file, removed when this is dropped. Memory does not grow with the batch.
+struct BatchFile {
+    path: std::path::PathBuf,
+    spooled: bool,
+}
+
+impl BatchFile {
+    fn reader(&self) -> Result<Box<dyn BufRead>, Failure> {
+        let f = std::fs::File::open(&self.path)
+            .with_context(|| format!("opening {}", self.path.display()))
+            .map_err(usage)?;
+        Ok(Box::new(std::io::BufReader::with_capacity(1 << 16, f)))
+    }
+}
+
+impl Drop for BatchFile {
+    fn drop(&mut self) {
+        if self.spooled {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Counts the keys of a batch that already ran to an end, asking Redis a chunk at a time.
+#[derive(Default)]
+struct SettledTally {
+    count: usize,
+    first: Option<Settled>,
+    pending: Vec<String>,
+}
+
+impl SettledTally {
+    async fn add(&mut self, config: &Config, key: String) {
+        self.pending.push(key);
+        if self.pending.len() >= SETTLED_CHUNK {
+            self.flush(config).await;
+        }
+    }
+
+    async fn flush(&mut self, config: &Config) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let found = settled_keys(config, &std::mem::take(&mut self.pending)).await;
+        self.count += found.len();
+        if self.first.is_none() {
+            self.first = found.into_iter().next();
+        }
+    }
+}
+
+/// The requests of a batch file, one per non-blank line, numbered from 1 as in the file, with
+/// the command line's queue, attempts and timing filled in; each line is also copied to
+/// `spool` when there is one.
+struct Requests<'a> {
+    reader: Box<dyn BufRead + 'a>,
+    spool: Option<std::io::BufWriter<std::fs::File>>,
+    source: &'a str,
+    limit: usize,
+    args: &'a EnqueueArgs,
+    timing: (Option<std::time::Duration>, Option<chrono::DateTime<chrono::Utc>>),
+    line: usize,
+}
+
+impl Requests<'_> {
+    fn next(&mut self) -> Result<Option<(usize, EnqueueRequest)>, Failure> {
+        loop {
+            let (source, limit) = (self.source, self.limit);
+            let Some(line) = bounded_line(&mut *self.reader, limit)
+                .with_context(|| format!("reading {source}"))
+                .map_err(usage)?
+            else {
+                if let Some(w) = self.spool.as_mut() {
+                    w.flush().context("spooling standard input to a temporary file").map_err(usage)?;
+                }
+                return Ok(None);
+            };
+            self.line += 1;
+            let i = self.line;
+            let line = line.map_err(|len| {
+                usage(anyhow::anyhow!(
+                    "{source} line {i}: {len} bytes, above amqp.max_message_bytes ({limit})"
+                ))
+            })?;
+            if let Some(w) = self.spool.as_mut() {
+                writeln!(w, "{line}")
+                    .context("spooling standard input to a temporary file")
+                    .map_err(usage)?;
+            }
+            if line.trim().is_empty() {
+                continue;
+            }
+            let mut req = parse_batch_line(&self.args.job, &line)
+                .map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?;
+            if req.queue.is_none() {
+                req.queue = self.args.queue.clone();
+            }
+            if req.max_attempts.is_none() {
+                req.max_attempts = self.args.max_attempts;
+            }
+            (req.delay, req.at) = self.timing;
+            return Ok(Some((i, req)));
+        }
     }
 }
 
@@ -211,67 +323,93 @@ async fn enqueue_batch(
     delay: Option<std::time::Duration>,
     at: Option<chrono::DateTime<chrono::Utc>>,
 ) -> Result<(), Failure> {
-    let mut reader: Box<dyn BufRead> = if source == "-" {
-        Box::new(std::io::BufReader::new(std::io::stdin()))
-    } else {
-        let f = std::fs::File::open(source).with_context(|| format!("opening {source}")).map_err(usage)?;
-        Box::new(std::io::BufReader::new(f))
-    };
     let limit = config.amqp.max_message_bytes;
-    let mut reqs = Vec::new();
-    let mut i = 0usize;
-    while let Some(line) =
-        bounded_line(&mut *reader, limit).with_context(|| format!("reading {source}")).map_err(usage)?
-    {
-        i += 1;
-        let line = line.map_err(|len| {
-            usage(anyhow::anyhow!("{source} line {i}: {len} bytes, above amqp.max_message_bytes ({limit})"))
-        })?;
-        if line.trim().is_empty() {
-            continue;
+    let file = if source == "-" {
+        let name = format!(
+            "chime-batch-{}-{}.jsonl",
+            std::process::id(),
+            chrono::Utc::now().timestamp_nanos_opt().unwrap_or(0)
+        );
+        BatchFile { path: std::env::temp_dir().join(name), spooled: true }
+    } else {
+        BatchFile { path: source.into(), spooled: false }
+    };
+    // Pass 1: validate every line, ask Redis which given keys already ran to an end, and copy
+    // standard input aside to read it again.
+    let (reader, spool): (Box<dyn BufRead>, _) = if file.spooled {
+        let out = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&file.path)
+            .with_context(|| format!("creating {}", file.path.display()))
+            .map_err(usage)?;
+        let stdin = std::io::BufReader::with_capacity(1 << 16, std::io::stdin());
+        (Box::new(stdin), Some(std::io::BufWriter::with_capacity(1 << 16, out)))
+    } else {
+        (file.reader()?, None)
+    };
+    let mut requests = Requests { reader, spool, source, limit, args, timing: (delay, at), line: 0 };
+    let mut total = 0usize;
+    let mut queues: std::collections::BTreeMap<String, usize> = Default::default();
+    let mut settled = SettledTally::default();
+    while let Some((i, req)) = requests.next()? {
+        let p = prepare(&config, &req).map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?;
+        if let Some(q) = p.unverified_queue {
+            queues.entry(q).or_insert(i);
         }
-        let mut req = parse_batch_line(&args.job, &line)
-            .map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?;
-        if req.queue.is_none() {
-            req.queue = args.queue.clone();
+        if req.key.is_some() {
+            settled.add(&config, p.envelope.key.to_string()).await;
         }
-        if req.max_attempts.is_none() {
-            req.max_attempts = args.max_attempts;
-        }
-        req.delay = delay;
-        req.at = at;
-        reqs.push(req);
+        total += 1;
     }
-    for (i, r) in reqs.iter().enumerate() {
-        prepare(&config, r).map_err(|e| usage(anyhow::anyhow!("{source} entry {}: {e}", i + 1)))?;
-    }
-    let keyed: Vec<String> = reqs
-        .iter()
-        .filter(|r| r.key.is_some())
-        .filter_map(|r| prepare(&config, r).ok().map(|p| p.envelope.key.to_string()))
-        .collect();
-    let settled = if keyed.is_empty() { Vec::new() } else { settled_keys(&config, &keyed).await };
+    drop(requests);
+    settled.flush(&config).await;
     let client = EnqueueClient::connect(config.clone()).await.map_err(from_enqueue)?;
+    // Queues no config declares must exist on the broker: each checked once, before anything
+    // is published.
+    for (q, line) in &queues {
+        client
+            .verify_queue(q)
+            .await
+            .map_err(|e| usage(anyhow::anyhow!("{source} line {line}: queue: {e}")))?;
+    }
+    // Pass 2: publish, PUBLISH_CHUNK jobs at a time.
     let started = Instant::now();
-    let report = client.enqueue_batch(&reqs).await.map_err(from_enqueue)?;
-    warn_settled(&settled);
+    let mut requests =
+        Requests { reader: file.reader()?, spool: None, source, limit, args, timing: (delay, at), line: 0 };
+    let (mut confirmed, mut error) = (0usize, None);
+    let mut chunk = Vec::with_capacity(PUBLISH_CHUNK.min(total));
+    loop {
+        chunk.clear();
+        while chunk.len() < PUBLISH_CHUNK {
+            let Some((i, req)) = requests.next()? else { break };
+            // Validated in pass 1: this fails only if the file changed meanwhile.
+            chunk.push(prepare(&config, &req).map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?);
+        }
+        if chunk.is_empty() {
+            break;
+        }
+        let report = client.publish_batch(&chunk).await;
+        confirmed += report.confirmed;
+        if report.error.is_some() {
+            error = report.error;
+            break;
+        }
+    }
+    warn_settled(settled.first.as_ref(), settled.count);
     let secs = started.elapsed().as_secs_f64();
     if args.json {
         println!(
             "{}",
-            serde_json::json!({"confirmed": report.confirmed, "total": report.total, "seconds": secs,
-                "error": report.error.as_ref().map(|e| e.to_string())})
+            serde_json::json!({"confirmed": confirmed, "total": total, "seconds": secs,
+                "error": error.as_ref().map(|e| e.to_string())})
         );
     } else {
-        let rate = if secs > 0.0 { report.confirmed as f64 / secs } else { 0.0 };
-        println!("confirmed {} of {} jobs in {secs:.2}s ({rate:.0}/s)", report.confirmed, report.total);
+        let rate = if secs > 0.0 { confirmed as f64 / secs } else { 0.0 };
+        println!("confirmed {confirmed} of {total} jobs in {secs:.2}s ({rate:.0}/s)");
     }
-    match report.error {
+    match error {
         None => Ok(()),
-        Some(e) => Err(runtime(anyhow::anyhow!(
-            "{} of {} not confirmed: {e}",
-            report.total - report.confirmed,
-            report.total
-        ))),
+        Some(e) => Err(runtime(anyhow::anyhow!("{} of {total} not confirmed: {e}", total - confirmed))),
     }
 }
