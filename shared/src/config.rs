@@ -263,9 +263,11 @@ impl Default for RedisConfig {
 pub struct WorkerConfig {
     /// Queues to consume; empty means every queue named by a job (plus `default`).
     pub queues: Vec<String>,
-    /// Jobs run at once per process.
+    /// Jobs run at once per process (default 256: handlers are futures; `exec` and `http`
+    /// jobs have lower limits of their own, `jobs[].concurrency`).
     pub concurrency: usize,
-    /// Unacked deliveries per queue consumer; defaults to `concurrency`.
+    /// Unacked deliveries per queue consumer; defaults to `concurrency`, or to the sum of
+    /// the limits of the queue's jobs when each has one.
     pub prefetch: Option<u16>,
     /// Drain deadline on SIGTERM/SIGINT.
     #[serde(deserialize_with = "duration::de")]
@@ -295,7 +297,7 @@ impl Default for WorkerConfig {
     fn default() -> Self {
         Self {
             queues: Vec::new(),
-            concurrency: 8,
+            concurrency: 256,
             prefetch: None,
             shutdown_timeout: Duration::from_secs(30),
             default_timeout: Duration::from_secs(300),
@@ -1013,11 +1015,6 @@ impl Config {
         set.extend(self.worker.queues.iter().cloned());
         set.insert(DEFAULT_QUEUE.to_string());
         set.into_iter().collect()
-    }
-
-    /// Effective prefetch per consumer.
-    pub fn prefetch(&self) -> u16 {
-        self.worker.prefetch.unwrap_or_else(|| u16::try_from(self.worker.concurrency).unwrap_or(u16::MAX))
     }
 }
 

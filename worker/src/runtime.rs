@@ -63,7 +63,8 @@ pub struct Worker {
     store: IdemStore,
     queues: Vec<String>,
     concurrency: usize,
-    prefetch: u16,
+    /// Prefetch of each queue's consumer (as `queues`).
+    prefetch: Vec<u16>,
     health: Health,
     redis_rx: watch::Receiver<bool>,
 }
@@ -152,7 +153,7 @@ impl WorkerBuilder {
             .with_history(&config.history);
         let worker_id = self.worker_id.unwrap_or_else(chime_shared::names::process_name);
         let prefetch =
-            config.worker.prefetch.unwrap_or_else(|| u16::try_from(concurrency).unwrap_or(u16::MAX));
+            queues.iter().map(|q| default_prefetch(&config, &self.registry, &jobs, q, concurrency)).collect();
         let health = self.health.unwrap_or_default();
         for c in ["amqp", "redis", "consuming"] {
             health.set(c, false);
@@ -218,7 +219,7 @@ impl Worker {
             shutdown.clone(),
         ));
         info!(worker = %self.core.worker_id, queues = ?self.queues, concurrency = self.concurrency,
-            prefetch = self.prefetch, "worker starting");
+            prefetch = ?self.prefetch, "worker starting");
 
         let mut delays = reconnect_delays();
         let mut result = Ok(());
@@ -312,12 +313,12 @@ impl Worker {
         // One channel per queue for the whole session: a pause cancels the consumer but
         // keeps the channel, so in-flight deliveries on it can still be settled.
         let mut channels = Vec::new();
-        for q in &self.queues {
+        for (q, prefetch) in self.queues.iter().zip(&self.prefetch) {
             let ch = match conn.create_channel().await {
                 Ok(c) => c,
                 Err(e) => return lost(e),
             };
-            if let Err(e) = ch.basic_qos(self.prefetch, BasicQosOptions::default()).await {
+            if let Err(e) = ch.basic_qos(*prefetch, BasicQosOptions::default()).await {
                 return lost(e);
             }
             channels.push((q.clone(), ch, AckBatcher::spawn()));
@@ -555,6 +556,36 @@ fn heartbeat(core: &Core, queues: &[String], concurrency: usize, health: &Health
         ],
         running,
     }
+}
+
+/// A queue consumer's prefetch: `worker.prefetch` when set; otherwise `concurrency`, or less
+/// when every job this worker knows on the queue has its own limit (their sum): a worker
+/// must not hold back hundreds of `exec` jobs it will run 8 at a time, which other workers
+/// could run meanwhile.
+fn default_prefetch(
+    config: &chime_shared::Config,
+    registry: &Registry,
+    jobs: &crate::state::Jobs,
+    queue: &str,
+    concurrency: usize,
+) -> u16 {
+    if let Some(p) = config.worker.prefetch {
+        return p;
+    }
+    let queue_of = |name: &str| {
+        config
+            .job(name)
+            .map(|j| j.queue().to_string())
+            .or_else(|| registry.options(name).map(|o| o.queue_name().to_string()))
+            .unwrap_or_else(|| chime_shared::config::DEFAULT_QUEUE.to_string())
+    };
+    let mut on_queue = jobs.iter().filter(|(name, _)| queue_of(name) == queue).peekable();
+    let n = if on_queue.peek().is_none() {
+        concurrency
+    } else {
+        on_queue.map(|(_, spec)| spec.max_running.unwrap_or(concurrency)).sum::<usize>().min(concurrency)
+    };
+    u16::try_from(n.max(1)).unwrap_or(u16::MAX)
 }
 
 /// Pings Redis every second (every 250 ms while it is down) and publishes the result.

@@ -27,6 +27,8 @@ pub(crate) struct JobSpec {
     /// Runs at once of this job in this process (`jobs[].concurrency`), when it is below the
     /// worker's own.
     pub limit: Option<Arc<tokio::sync::Semaphore>>,
+    /// The number behind `limit`.
+    pub max_running: Option<usize>,
     /// Metric handles of this job, registered on first use (after the recorder is installed).
     metrics: OnceLock<JobMetrics>,
 }
@@ -39,8 +41,9 @@ impl JobSpec {
         deadline: Option<Duration>,
         limit: Option<usize>,
     ) -> Self {
-        let limit = limit.map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1))));
-        Self { handler, timeout, backoff, deadline, limit, metrics: OnceLock::new() }
+        let max_running = limit.map(|n| n.max(1));
+        let limit = max_running.map(|n| Arc::new(tokio::sync::Semaphore::new(n)));
+        Self { handler, timeout, backoff, deadline, limit, max_running, metrics: OnceLock::new() }
     }
 
     /// The handles of the per-job series updated on every delivery (looked up once, not per job).
@@ -105,6 +108,9 @@ impl Stats {
 /// Runs of one `exec` job at once per worker process unless its `concurrency` says otherwise
 /// (each run is a process).
 pub(crate) const DEFAULT_EXEC_CONCURRENCY: usize = 8;
+/// Requests of one `http` job in flight at once per worker process unless its `concurrency`
+/// says otherwise.
+pub(crate) const DEFAULT_HTTP_CONCURRENCY: usize = 32;
 
 /// Job name → what runs it.
 pub(crate) type Jobs = HashMap<String, Arc<JobSpec>>;
@@ -137,10 +143,12 @@ pub(crate) fn resolve_jobs(
                          unacked delivery on it; raise consumer_timeout on the broker and amqp.consumer_timeout");
                 }
                 let backoff = options.backoff.clone().unwrap_or_default();
-                // `exec` forks a process per run: bounded by default, whatever worker.concurrency.
-                let limit = options.concurrency.or_else(|| {
-                    matches!(job.handler, chime_shared::config::HandlerConfig::Exec(_))
-                        .then_some(DEFAULT_EXEC_CONCURRENCY)
+                // `exec` forks a process per run and `http` loads another service: both bounded
+                // by default, whatever worker.concurrency (which Rust handlers and `noop` use).
+                let limit = options.concurrency.or(match job.handler {
+                    chime_shared::config::HandlerConfig::Exec(_) => Some(DEFAULT_EXEC_CONCURRENCY),
+                    chime_shared::config::HandlerConfig::Http { .. } => Some(DEFAULT_HTTP_CONCURRENCY),
+                    _ => None,
                 });
                 jobs.insert(
                     job.name.clone(),

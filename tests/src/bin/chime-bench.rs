@@ -737,6 +737,8 @@ async fn main() {
             ("concurrency 32", "concurrency = 32"),
             ("concurrency 100", "concurrency = 100"),
             ("concurrency 200", "concurrency = 200"),
+            ("concurrency 400", "concurrency = 400"),
+            ("32, prefetch 200", "concurrency = 32\nprefetch = 200"),
         ];
         let mut rates: Vec<Vec<f64>> = vec![Vec::new(); settings.len()];
         for r in 0..o.runs {
