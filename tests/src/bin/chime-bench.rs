@@ -405,7 +405,7 @@ async fn chime_drain(
     procs: usize,
     dup: bool,
 ) -> Drain {
-    chime_drain_with(env, queue_type, client, n, procs, dup, "").await
+    chime_drain_worker(env, queue_type, client, n, procs, dup, "", &bench_worker_section()).await
 }
 
 /// The worker section every drain uses unless it measures the worker's settings.
@@ -414,20 +414,7 @@ fn bench_worker_section() -> String {
     format!("concurrency = 32\nprefetch = 64\nthreads = {threads}")
 }
 
-/// [`chime_drain`] with `extra` config sections (`[history]`, …) added.
-async fn chime_drain_with(
-    env: &TestEnv,
-    queue_type: &str,
-    client: Option<&EnqueueClient>,
-    n: usize,
-    procs: usize,
-    dup: bool,
-    extra: &str,
-) -> Drain {
-    chime_drain_worker(env, queue_type, client, n, procs, dup, extra, &bench_worker_section()).await
-}
-
-/// [`chime_drain_with`] with this `[worker]` section.
+/// [`chime_drain`] with `extra` config sections (`[history]`, …) and this `[worker]` section.
 #[allow(clippy::too_many_arguments)]
 async fn chime_drain_worker(
     env: &TestEnv,
@@ -947,8 +934,10 @@ async fn main() {
                     o.runs
                 ));
                 let extra = if with { "" } else { "[history]\nenabled = false\n" };
-                pair[usize::from(with)] =
-                    Some(chime_drain_with(&env, &qt, Some(&client), n, 1, false, extra).await);
+                pair[usize::from(with)] = Some(
+                    chime_drain_worker(&env, &qt, Some(&client), n, 1, false, extra, &bench_worker_section())
+                        .await,
+                );
             }
             let (a, b) = (pair[0].take().unwrap(), pair[1].take().unwrap());
             ratios.push(b.rate / a.rate);
