@@ -201,6 +201,8 @@ pub(crate) struct Core {
     pub hard_stop: CancellationToken,
     /// Jobs running now, by owner token (for the heartbeat).
     pub running: Mutex<HashMap<String, Running>>,
+    /// `chime_worker_running`, looked up once (after the recorder is installed).
+    running_gauge: OnceLock<metrics::Gauge>,
     /// Queues whose pause flag is set: not consumed.
     pub paused: watch::Sender<BTreeSet<String>>,
     /// When this worker started.
@@ -217,7 +219,7 @@ impl Drop for RunningGuard<'_> {
     fn drop(&mut self) {
         let mut running = self.core.running.lock().unwrap_or_else(|p| p.into_inner());
         running.remove(&self.owner);
-        metrics::gauge!(telemetry::WORKER_RUNNING).set(running.len() as f64);
+        self.core.running_gauge().set(running.len() as f64);
     }
 }
 
@@ -237,16 +239,21 @@ impl Core {
             intake_stopped: CancellationToken::new(),
             hard_stop: CancellationToken::new(),
             running: Mutex::new(HashMap::new()),
+            running_gauge: OnceLock::new(),
             paused: watch::channel(BTreeSet::new()).0,
             started_at: chrono::Utc::now(),
         }
+    }
+
+    fn running_gauge(&self) -> &metrics::Gauge {
+        self.running_gauge.get_or_init(|| metrics::gauge!(telemetry::WORKER_RUNNING))
     }
 
     /// Registers a run for the heartbeat until the guard is dropped.
     pub fn running(&self, owner: &str, run: Running) -> RunningGuard<'_> {
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
         running.insert(owner.to_string(), run);
-        metrics::gauge!(telemetry::WORKER_RUNNING).set(running.len() as f64);
+        self.running_gauge().set(running.len() as f64);
         drop(running);
         RunningGuard { core: self, owner: owner.to_string() }
     }

@@ -349,24 +349,23 @@ async fn sentinel_drain(kill: bool) -> Outcome {
     let expected = s.enqueue(300).await;
     wait_runs(&s, 30, Duration::from_secs(60)).await;
     let fault = now_f64();
-    let (c, after) = if kill {
+    let (scenario, injection, after) = if kill {
         s.redis.kill();
         sentinels.wait_promoted().await;
-        let c = Check::new(
+        (
             "Redis Sentinel: the master killed",
             "master + replica + 3 sentinels (down-after 1 s); kill -9 the master while 2 workers drain",
-            t0,
-        );
-        (c, "the kill")
+            "the kill",
+        )
     } else {
         sentinels.failover().await;
-        let c = Check::new(
+        (
             "Redis Sentinel failover during a drain",
             "master + replica + 3 sentinels; SENTINEL FAILOVER while 2 workers drain",
-            t0,
-        );
-        (c, "SENTINEL FAILOVER")
+            "SENTINEL FAILOVER",
+        )
     };
+    let c = Check::new(scenario, injection, t0);
     let promoted = now_f64() - fault;
     // Asynchronous replication: `done` records the replica had not received when it was
     // promoted can let a copy run again; at most what was in flight on the two workers.

@@ -3,6 +3,7 @@
 use anyhow::Context as _;
 use chime_producer::{EnqueueClient, EnqueueError, EnqueueRequest, parse_batch_line, prepare};
 use chime_shared::config::Config;
+use chime_shared::history::HistoryReader;
 use clap::Args;
 use std::io::{BufRead, Read, Write};
 use std::sync::Arc;
@@ -173,7 +174,14 @@ type Settled = (String, String, Option<chrono::DateTime<chrono::Utc>>);
 /// The keys among `keys` that already ran to an end: their new copies will be absorbed as
 /// duplicates. Empty when Redis cannot be asked.
 async fn settled_keys(config: &Config, keys: &[String]) -> Vec<Settled> {
-    let Ok(reader) = super::history::reader(config).await else { return Vec::new() };
+    match super::history::reader(config).await {
+        Ok(reader) => settled_among(&reader, keys).await,
+        Err(_) => Vec::new(),
+    }
+}
+
+/// [`settled_keys`] on a connection already made.
+async fn settled_among(reader: &HistoryReader, keys: &[String]) -> Vec<Settled> {
     let Ok(states) = reader.states(keys).await else { return Vec::new() };
     keys.iter()
         .zip(states)
@@ -233,12 +241,14 @@ impl Drop for BatchFile {
     }
 }
 
-/// Counts the keys of a batch that already ran to an end, asking Redis a chunk at a time.
+/// Counts the keys of a batch that already ran to an end, asking Redis a chunk at a time on
+/// one connection (made at the first chunk; none if Redis cannot be reached).
 #[derive(Default)]
 struct SettledTally {
     count: usize,
     first: Option<Settled>,
     pending: Vec<String>,
+    reader: Option<Option<HistoryReader>>,
 }
 
 impl SettledTally {
@@ -253,7 +263,14 @@ impl SettledTally {
         if self.pending.is_empty() {
             return;
         }
-        let found = settled_keys(config, &std::mem::take(&mut self.pending)).await;
+        if self.reader.is_none() {
+            self.reader = Some(super::history::reader(config).await.ok());
+        }
+        let keys = std::mem::take(&mut self.pending);
+        let found = match self.reader.as_ref().and_then(Option::as_ref) {
+            Some(reader) => settled_among(reader, &keys).await,
+            None => Vec::new(),
+        };
         self.count += found.len();
         if self.first.is_none() {
             self.first = found.into_iter().next();
