@@ -12,7 +12,6 @@ use chime_shared::job::{Job, JobOptions};
 use chime_shared::telemetry;
 use chime_shared::topology::{self, Names, TopologyError};
 use chrono::{DateTime, Utc};
-use lapin::options::ConfirmSelectOptions;
 use lapin::{Channel, Connection};
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -226,8 +225,9 @@ impl EnqueueError {
     }
 }
 
-/// Publishes ad-hoc jobs with confirms. Holds one connection and one confirm channel, and
-/// replaces them when they break: a publish cut off by a lost connection is sent again on a
+/// Publishes ad-hoc jobs with confirms. Holds one connection and a pool of confirm channels
+/// (each publish or batch has a channel to itself while its confirms are outstanding, so a
+/// returned message is always matched to its own publish), and replaces them when they break: a publish cut off by a lost connection is sent again on a
 /// new one (across `amqp.url`), with the same envelope and key, so a copy the broker did
 /// receive is absorbed as a duplicate by the workers, never run as a second job.
 pub struct EnqueueClient {
@@ -238,23 +238,29 @@ pub struct EnqueueClient {
     declared: Mutex<HashSet<String>>,
 }
 
-/// A connection and its confirm channel.
+/// A connection and its confirm channels.
 struct Session {
-    conn: Connection,
-    channel: Channel,
+    conn: Arc<Connection>,
+    channels: amqp::ChannelPool,
 }
+
+/// Confirm channels a client opens at most: concurrent publishes and batches beyond it wait.
+const CHANNELS: usize = 64;
 
 /// Outstanding confirms in a pipelined batch.
 const BATCH_WINDOW: usize = 4096;
+
 /// New connections one call may make before it gives up.
 const MAX_RECONNECTS: u32 = 5;
 
 /// Whether `e`, seen on `session`, is cured by a new connection: the publish or its confirm
-/// failed because the channel or connection went away, or no confirm came and the connection
-/// is dead. (No confirm on a live connection is a blocked broker: a new one would not help.)
+/// failed because the channel or connection went away, no channel could be opened on a dead
+/// connection, or no confirm came and the connection is dead. (No confirm on a live connection
+/// is a blocked broker: a new one would not help.)
 fn needs_new_connection(e: &AmqpError, session: &Session) -> bool {
     match e {
         AmqpError::Publish { .. } => true,
+        AmqpError::Channel(_) => !session.conn.status().connected(),
         AmqpError::ConfirmTimeout(_) => !session.conn.status().connected(),
         _ => false,
     }
@@ -285,15 +291,11 @@ impl EnqueueClient {
         let mut queues = config.all_queues();
         queues.extend(extra.iter().filter(|q| !queues.contains(q)).cloned().collect::<Vec<_>>());
         topology::declare(&conn, config, &queues).await?;
-        let channel = conn
-            .create_channel()
-            .await
-            .map_err(|e| AmqpError::Connect { urls: "channel".into(), last: e.to_string() })?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|e| AmqpError::Connect { urls: "confirm.select".into(), last: e.to_string() })?;
-        Ok(Session { conn, channel })
+        let conn = Arc::new(conn);
+        let channels = amqp::ChannelPool::new(conn.clone(), CHANNELS);
+        // One channel now, so that a broker refusing channels fails the connect, not a publish.
+        channels.lend().await?.settled();
+        Ok(Session { conn, channels })
     }
 
     async fn session(&self) -> Arc<Session> {
@@ -367,15 +369,16 @@ impl EnqueueClient {
         let mut session = self.session().await;
         let mut reconnects = 0;
         loop {
-            let sent = amqp::publish_confirmed(
-                &session.channel,
-                &exchange,
-                &routing_key,
-                &body,
-                env.properties(),
-                self.config.amqp.publish_timeout,
-            )
-            .await;
+            let sent = session
+                .channels
+                .publish_confirmed(
+                    &exchange,
+                    &routing_key,
+                    &body,
+                    env.properties(),
+                    self.config.amqp.publish_timeout,
+                )
+                .await;
             match sent {
                 Ok(()) => break,
                 Err(e) if reconnects < MAX_RECONNECTS && needs_new_connection(&e, &session) => {
@@ -452,35 +455,83 @@ impl EnqueueClient {
         BatchReport { total: envs.len(), confirmed, error }
     }
 
-    /// Publishes `envs[start..]` on `session`; returns how many from the start of `envs` are
-    /// confirmed (confirms are awaited in order) and the first failure.
+    /// Publishes `envs[start..]` on a channel of the session lent to this batch,
+    /// [`amqp::PUBLISH_GROUP`] at a time; returns how many from the start of `envs` are confirmed
+    /// (confirms are awaited in order) and the first failure.
     async fn publish_from(
         &self,
         session: &Session,
         envs: &[Prepared],
         start: usize,
     ) -> (usize, Option<AmqpError>) {
+        let lent = match session.channels.lend().await {
+            Ok(l) => l,
+            Err(e) => return (start, Some(e)),
+        };
+        let mut returns = amqp::Returns::default();
+        let (confirmed, failed) = self.publish_on(lent.channel(), &mut returns, envs, start).await;
+        if failed.is_none() {
+            lent.settled();
+        }
+        // A message the broker returned counts as the first failure, wherever it was.
+        if !returns.is_empty() {
+            let qt = self.config.amqp.queue_type;
+            for (i, p) in envs.iter().enumerate().take(confirmed).skip(start) {
+                let (exchange, rk) = delay::target(&self.names, qt, &p.envelope.queue, p.delay);
+                if let Some(e) = returns.take(&exchange, &rk, &p.envelope.encode()) {
+                    return (i, Some(e));
+                }
+            }
+        }
+        (confirmed, failed)
+    }
+
+    /// [`Self::publish_from`] on `channel`, with the returned messages its confirms carried
+    /// left in `returns`.
+    async fn publish_on(
+        &self,
+        channel: &Channel,
+        returns: &mut amqp::Returns,
+        envs: &[Prepared],
+        start: usize,
+    ) -> (usize, Option<AmqpError>) {
         let timeout = self.config.amqp.publish_timeout;
+        let qt = self.config.amqp.queue_type;
         let mut pending: VecDeque<(lapin::PublisherConfirm, String, String)> =
             VecDeque::with_capacity(BATCH_WINDOW);
         let mut confirmed = start;
-        for Prepared { envelope: env, delay, .. } in &envs[start..] {
-            if pending.len() >= BATCH_WINDOW
+        for group in envs[start..].chunks(amqp::PUBLISH_GROUP) {
+            while pending.len() + group.len() > BATCH_WINDOW
                 && let Some((p, exchange, rk)) = pending.pop_front()
             {
-                if let Err(e) = amqp::check_confirm(p, &exchange, &rk, timeout).await {
+                if let Err(e) = returns.confirm(p, &exchange, &rk, timeout).await {
                     return (confirmed, Some(e));
                 }
                 confirmed += 1;
             }
-            let (exchange, rk) = delay::target(&self.names, self.config.amqp.queue_type, &env.queue, *delay);
-            match amqp::publish(&session.channel, &exchange, &rk, &env.encode(), env.properties()).await {
-                Ok(p) => pending.push_back((p, exchange, rk)),
-                Err(e) => return (confirmed, Some(e)),
+            let encoded: Vec<(String, String, Vec<u8>)> = group
+                .iter()
+                .map(|p| {
+                    let (exchange, rk) = delay::target(&self.names, qt, &p.envelope.queue, p.delay);
+                    (exchange, rk, p.envelope.encode())
+                })
+                .collect();
+            let outgoing = encoded.iter().zip(group).map(|((exchange, rk, body), p)| amqp::Outgoing {
+                exchange,
+                routing_key: rk,
+                body,
+                props: p.envelope.properties(),
+            });
+            let sent = amqp::publish_group(channel, outgoing).await;
+            for (sent, (exchange, rk, _)) in sent.into_iter().zip(encoded) {
+                match sent {
+                    Ok(p) => pending.push_back((p, exchange, rk)),
+                    Err(e) => return (confirmed, Some(e)),
+                }
             }
         }
         for (p, exchange, rk) in pending {
-            if let Err(e) = amqp::check_confirm(p, &exchange, &rk, timeout).await {
+            if let Err(e) = returns.confirm(p, &exchange, &rk, timeout).await {
                 return (confirmed, Some(e));
             }
             confirmed += 1;

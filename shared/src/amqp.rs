@@ -57,6 +57,21 @@ pub enum AmqpError {
          (memory or disk alarm) or be unreachable; the message may still arrive, so retry with the same key"
     )]
     ConfirmTimeout(Duration),
+    /// A publish channel could not be opened (or put in confirm mode).
+    #[error("cannot open a publish channel: {0}")]
+    Channel(String),
+    /// The broker returned a message on this channel that was not this publish: the channel
+    /// had several publishers, and which message was returned cannot be told apart.
+    #[error(
+        "the broker returned another publish's message on the channel of the publish to {exchange}/{routing_key}: \
+         whether this one was routed is unknown"
+    )]
+    ForeignReturn {
+        /// Exchange published to.
+        exchange: String,
+        /// Routing key used.
+        routing_key: String,
+    },
     /// The channel was not in confirm mode, so nothing proves delivery.
     #[error("publish to {exchange}/{routing_key} was not confirmed: the channel is not in confirm mode")]
     NotConfirmed {
@@ -143,6 +158,9 @@ pub async fn connect(config: &AmqpConfig, connection_name: &str) -> Result<Conne
 
 /// Publishes one message with `mandatory` set on a channel in confirm mode and waits for
 /// its confirm. A returned message or a nack is an error: the message is not in a queue.
+///
+/// The channel must have no other publish outstanding (a [`ChannelPool`] lends it so, or one
+/// task uses it one message at a time): see [`Returns`].
 pub async fn publish_confirmed(
     channel: &Channel,
     exchange: &str,
@@ -152,7 +170,224 @@ pub async fn publish_confirmed(
     timeout: Duration,
 ) -> Result<(), AmqpError> {
     let pending = publish(channel, exchange, routing_key, body, props).await?;
-    check_confirm(pending, exchange, routing_key, timeout).await
+    check_confirm(pending, exchange, routing_key, body, timeout).await
+}
+
+/// Awaits the confirm of the only publish outstanding on its channel.
+pub async fn check_confirm(
+    pending: PublisherConfirm,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<(), AmqpError> {
+    let mut returns = Returns::default();
+    returns.confirm(pending, exchange, routing_key, timeout).await?;
+    if let Some(e) = returns.take(exchange, routing_key, body) {
+        return Err(e);
+    }
+    if returns.is_empty() {
+        Ok(())
+    } else {
+        Err(AmqpError::ForeignReturn { exchange: exchange.to_string(), routing_key: routing_key.to_string() })
+    }
+}
+
+/// Returned (unroutable) messages seen among one caller's confirms, matched to their
+/// publishes by content.
+///
+/// The broker sends `basic.return` before the ack of the returned message, and often acks
+/// several messages with one `multiple` ack; AMQP does not say which of them came back. lapin
+/// hands each returned message to whichever publish of that ack it resolves first (hash-map
+/// order), so on a channel with several outstanding publishes the return may reach the wrong
+/// one: the unroutable message would count as confirmed. Here every confirm's returned
+/// message goes into a pool, and each publish asks, once all of its channel's confirms are in,
+/// whether its own exchange, routing key and body came back. A channel's outstanding publishes
+/// must all belong to one caller ([`ChannelPool`]), so that "all confirms are in" is known.
+#[derive(Debug, Default)]
+pub struct Returns(Vec<lapin::message::BasicReturnMessage>);
+
+impl Returns {
+    /// Awaits one confirm. `Ok` when the broker acked it; a returned message it carries (maybe
+    /// another publish's) goes into the pool.
+    pub async fn confirm(
+        &mut self,
+        pending: PublisherConfirm,
+        exchange: &str,
+        routing_key: &str,
+        timeout: Duration,
+    ) -> Result<(), AmqpError> {
+        let confirmation = tokio::time::timeout(timeout, pending)
+            .await
+            .map_err(|_| AmqpError::ConfirmTimeout(timeout))?
+            .map_err(|source| AmqpError::Publish {
+                exchange: exchange.to_string(),
+                routing_key: routing_key.to_string(),
+                source: Box::new(source),
+            })?;
+        match confirmation {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(returned)) => {
+                self.0.push(returned);
+                Ok(())
+            }
+            // A channel without confirm mode proves nothing: never count it as delivered.
+            Confirmation::NotRequested => Err(AmqpError::NotConfirmed {
+                exchange: exchange.to_string(),
+                routing_key: routing_key.to_string(),
+            }),
+            Confirmation::Nack(returned) => {
+                self.0.extend(returned);
+                Err(AmqpError::Nacked {
+                    exchange: exchange.to_string(),
+                    routing_key: routing_key.to_string(),
+                })
+            }
+        }
+    }
+
+    /// The publish of `body` to `exchange`/`routing_key` came back: its return is removed from
+    /// the pool and reported as [`AmqpError::Returned`].
+    pub fn take(&mut self, exchange: &str, routing_key: &str, body: &[u8]) -> Option<AmqpError> {
+        let i = self.0.iter().position(|r| {
+            r.delivery.exchange.as_str() == exchange
+                && r.delivery.routing_key.as_str() == routing_key
+                && r.delivery.data == body
+        })?;
+        let r = self.0.swap_remove(i);
+        Some(AmqpError::Returned {
+            exchange: exchange.to_string(),
+            routing_key: routing_key.to_string(),
+            reply: format!("{} {}", r.reply_code, r.reply_text.as_str()),
+        })
+    }
+
+    /// No returned message is waiting for its publish.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// Confirm-mode channels on one connection, each lent to one caller at a time (one publish,
+/// or one batch), so that a channel's outstanding publishes all belong to one caller (see
+/// [`Returns`]). Channels are opened on demand, up to a limit, and kept while they are clean.
+pub struct ChannelPool {
+    conn: std::sync::Arc<Connection>,
+    idle: std::sync::Mutex<Vec<Channel>>,
+    permits: tokio::sync::Semaphore,
+}
+
+impl std::fmt::Debug for ChannelPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChannelPool").field("available", &self.permits.available_permits()).finish()
+    }
+}
+
+/// A channel lent by a [`ChannelPool`]: it goes back to the pool when dropped after
+/// [`Lent::settled`], and is closed otherwise (a cancelled caller may have left a publish
+/// outstanding on it).
+pub struct Lent<'a> {
+    pool: &'a ChannelPool,
+    channel: Option<Channel>,
+    settled: bool,
+    _permit: tokio::sync::SemaphorePermit<'a>,
+}
+
+impl Lent<'_> {
+    /// The lent channel (in confirm mode).
+    pub fn channel(&self) -> &Channel {
+        // Present until drop.
+        self.channel.as_ref().unwrap_or_else(|| unreachable!("a lent channel is present until dropped"))
+    }
+
+    /// Every publish made on the channel has its confirm (or its error): it may be lent again.
+    pub fn settled(mut self) {
+        self.settled = true;
+    }
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        let Some(channel) = self.channel.take() else { return };
+        if self.settled && channel.status().connected() {
+            if let Ok(mut idle) = self.pool.idle.lock() {
+                idle.push(channel);
+            }
+        } else if channel.status().connected()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            rt.spawn(async move {
+                let _ = channel.close(200, "abandoned publish".into()).await;
+            });
+        }
+    }
+}
+
+impl ChannelPool {
+    /// A pool of at most `limit` channels on `conn`.
+    pub fn new(conn: std::sync::Arc<Connection>, limit: usize) -> Self {
+        Self {
+            conn,
+            idle: std::sync::Mutex::new(Vec::new()),
+            permits: tokio::sync::Semaphore::new(limit.max(1)),
+        }
+    }
+
+    /// The connection the channels are on.
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// Lends a channel, waiting while all `limit` are lent.
+    pub async fn lend(&self) -> Result<Lent<'_>, AmqpError> {
+        let permit = self
+            .permits
+            .acquire()
+            .await
+            .map_err(|_| AmqpError::Channel("the channel pool is closed".into()))?;
+        let idle = self.idle.lock().ok().and_then(|mut idle| {
+            idle.retain(|c| c.status().connected());
+            idle.pop()
+        });
+        let channel = match idle {
+            Some(c) => c,
+            None => {
+                let c = self.conn.create_channel().await.map_err(|e| AmqpError::Channel(e.to_string()))?;
+                c.confirm_select(lapin::options::ConfirmSelectOptions::default())
+                    .await
+                    .map_err(|e| AmqpError::Channel(e.to_string()))?;
+                c
+            }
+        };
+        Ok(Lent { pool: self, channel: Some(channel), settled: false, _permit: permit })
+    }
+
+    /// Publishes one message on a lent channel and waits for its confirm (see
+    /// [`publish_confirmed`]).
+    pub async fn publish_confirmed(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: BasicProperties,
+        timeout: Duration,
+    ) -> Result<(), AmqpError> {
+        let lent = self.lend().await?;
+        let r = publish_confirmed(lent.channel(), exchange, routing_key, body, props, timeout).await;
+        // Without a confirm, the publish is still outstanding on the channel: do not lend it again.
+        if !matches!(r, Err(AmqpError::ConfirmTimeout(_))) {
+            lent.settled();
+        }
+        r
+    }
+
+    /// Closes every idle channel (the lent ones close with their lenders or the connection).
+    pub async fn close(&self) {
+        let idle: Vec<Channel> = self.idle.lock().map(|mut i| std::mem::take(&mut *i)).unwrap_or_default();
+        for c in idle {
+            let _ = c.close(200, "closing".into()).await;
+        }
+    }
 }
 
 /// Sends a mandatory publish and returns its pending confirm (for pipelining).
@@ -163,54 +398,89 @@ pub async fn publish(
     body: &[u8],
     props: BasicProperties,
 ) -> Result<PublisherConfirm, AmqpError> {
-    channel
-        .basic_publish(
-            exchange.into(),
-            routing_key.into(),
-            BasicPublishOptions { mandatory: true, ..Default::default() },
-            body,
-            props,
-        )
-        .await
-        .map_err(|source| AmqpError::Publish {
-            exchange: exchange.to_string(),
-            routing_key: routing_key.to_string(),
-            source: Box::new(source),
-        })
+    let mut sent =
+        publish_group(channel, std::iter::once(Outgoing { exchange, routing_key, body, props })).await;
+    sent.pop().unwrap_or_else(|| {
+        Err(AmqpError::NotConfirmed { exchange: exchange.to_string(), routing_key: routing_key.to_string() })
+    })
 }
 
-/// Awaits a pending confirm; `Ack(Some(returned))` counts as a failure (lapin reports a
-/// returned mandatory message as an ack carrying the message).
-pub async fn check_confirm(
-    pending: PublisherConfirm,
-    exchange: &str,
-    routing_key: &str,
-    timeout: Duration,
-) -> Result<(), AmqpError> {
-    let confirmation = tokio::time::timeout(timeout, pending)
-        .await
-        .map_err(|_| AmqpError::ConfirmTimeout(timeout))?
-        .map_err(|source| AmqpError::Publish {
+/// One message for [`publish_group`].
+#[derive(Debug)]
+pub struct Outgoing<'a> {
+    /// Exchange to publish to.
+    pub exchange: &'a str,
+    /// Routing key.
+    pub routing_key: &'a str,
+    /// The body.
+    pub body: &'a [u8],
+    /// Its properties.
+    pub props: BasicProperties,
+}
+
+/// Publishes worth handing to [`publish_group`] at once: 256 in a group with 4,096 confirms
+/// outstanding was the fastest shape of a raw lapin publisher on the development machine
+/// (`chime-bench --only baseline`).
+pub const PUBLISH_GROUP: usize = 256;
+
+/// Serialises the first step of every publish in this process (see [`publish_group`]).
+static PUBLISH_ORDER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Hands a group of mandatory publishes to lapin at once and returns their pending confirms,
+/// in order.
+///
+/// Two things happen here that a plain `basic_publish(..).await` per message does not do:
+/// - **The frames of the whole group are queued before any write is awaited**, so lapin's I/O
+///   thread writes them in a few socket writes instead of one write and one wake-up per
+///   message (measured: 5.2 system calls per message one by one, 0.4 in groups of 256).
+/// - **Each publish takes its delivery tag and queues its frames in one step**, under a
+///   process-wide lock. lapin numbers a publish before it queues the frames, so two tasks
+///   publishing on one channel from two threads could queue their frames in the opposite
+///   order of their numbers; the broker numbers by arrival, and a confirm (or a returned,
+///   unroutable message) would then resolve the other task's publish: an unroutable message
+///   reported as confirmed. The lock covers only the synchronous first poll of each publish.
+pub async fn publish_group<'a>(
+    channel: &Channel,
+    group: impl IntoIterator<Item = Outgoing<'a>>,
+) -> Vec<Result<PublisherConfirm, AmqpError>> {
+    let mut sends: Vec<(std::pin::Pin<Box<_>>, &str, &str)> = group
+        .into_iter()
+        .map(|m| {
+            let send = channel.basic_publish(
+                m.exchange.into(),
+                m.routing_key.into(),
+                BasicPublishOptions { mandatory: true, ..Default::default() },
+                m.body,
+                m.props,
+            );
+            (Box::pin(send), m.exchange, m.routing_key)
+        })
+        .collect();
+    let mut done: Vec<Option<lapin::Result<PublisherConfirm>>> = sends.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        // A poisoned lock only means another publish panicked mid-poll; the order still holds.
+        let _order = PUBLISH_ORDER.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for ((send, _, _), slot) in sends.iter_mut().zip(done.iter_mut()) {
+            if let std::task::Poll::Ready(r) = send.as_mut().poll(cx) {
+                *slot = Some(r);
+            }
+        }
+        std::task::Poll::Ready(())
+    })
+    .await;
+    let mut out = Vec::with_capacity(sends.len());
+    for ((send, exchange, routing_key), slot) in sends.into_iter().zip(done) {
+        let r = match slot {
+            Some(r) => r,
+            None => send.await,
+        };
+        out.push(r.map_err(|source| AmqpError::Publish {
             exchange: exchange.to_string(),
             routing_key: routing_key.to_string(),
             source: Box::new(source),
-        })?;
-    match confirmation {
-        Confirmation::Ack(None) => Ok(()),
-        // A channel without confirm mode proves nothing: never count it as delivered.
-        Confirmation::NotRequested => Err(AmqpError::NotConfirmed {
-            exchange: exchange.to_string(),
-            routing_key: routing_key.to_string(),
-        }),
-        Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => Err(AmqpError::Returned {
-            exchange: exchange.to_string(),
-            routing_key: routing_key.to_string(),
-            reply: format!("{} {}", returned.reply_code, returned.reply_text.as_str()),
-        }),
-        Confirmation::Nack(None) => {
-            Err(AmqpError::Nacked { exchange: exchange.to_string(), routing_key: routing_key.to_string() })
-        }
+        }));
     }
+    out
 }
 
 #[cfg(test)]

@@ -459,6 +459,8 @@ pub struct PrivateRabbit {
     dir: PathBuf,
     /// Open-files limit the node is started with (`ulimit -n`), if any.
     nofile: Option<u32>,
+    /// Extra Erlang VM flags (`RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS`), if any.
+    erl_args: Option<String>,
     /// The `rabbitmq-server` wrapper process (the node itself runs as user `rabbitmq`).
     wrapper: std::sync::Mutex<Option<std::process::Child>>,
 }
@@ -470,15 +472,21 @@ impl PrivateRabbit {
 
     /// Starts a node with `conf` as its `rabbitmq.conf` (e.g. `consumer_timeout = 60000`).
     pub async fn start_with(conf: &str) -> Self {
-        Self::start_full(conf, None).await
+        Self::start_full(conf, None, None).await
     }
 
     /// Starts a node whose open-files limit is `nofile` (the common default is 1,024).
     pub async fn start_nofile(nofile: u32) -> Self {
-        Self::start_full("", Some(nofile)).await
+        Self::start_full("", Some(nofile), None).await
     }
 
-    async fn start_full(conf: &str, nofile: Option<u32>) -> Self {
+    /// Starts a node with extra Erlang VM flags (e.g. `+sbwt none`: schedulers that do not
+    /// busy-wait, so that the node's CPU time is the work it did).
+    pub async fn start_erl(erl_args: &str) -> Self {
+        Self::start_full("", None, Some(erl_args.to_string())).await
+    }
+
+    async fn start_full(conf: &str, nofile: Option<u32>, erl_args: Option<String>) -> Self {
         let port = free_port();
         let dist_port = free_port();
         let dir = std::env::temp_dir().join(format!("chime-rabbit-{port}"));
@@ -488,7 +496,7 @@ impl PrivateRabbit {
         }
         // rabbitmq-server drops privileges to the `rabbitmq` user when started as root.
         let _ = std::process::Command::new("chown").args(["-R", "rabbitmq:rabbitmq"]).arg(&dir).status();
-        let r = Self { port, dist_port, dir, nofile, wrapper: std::sync::Mutex::new(None) };
+        let r = Self { port, dist_port, dir, nofile, erl_args, wrapper: std::sync::Mutex::new(None) };
         r.spawn().await;
         r
     }
@@ -545,6 +553,9 @@ impl PrivateRabbit {
             }
             None => std::process::Command::new("rabbitmq-server"),
         };
+        if let Some(a) = &self.erl_args {
+            cmd.env("RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS", a);
+        }
         let child = cmd
             .env("RABBITMQ_NODENAME", format!("chime-test-{}@localhost", self.port))
             .env("RABBITMQ_NODE_PORT", self.port.to_string())
@@ -615,9 +626,20 @@ pub struct PrivateCluster {
 
 impl PrivateCluster {
     pub async fn start(n: usize) -> Self {
-        let mut nodes = vec![PrivateRabbit::start().await];
+        Self::start_erl(n, None).await
+    }
+
+    /// A cluster whose nodes run with extra Erlang VM flags.
+    pub async fn start_erl(n: usize, erl_args: Option<&str>) -> Self {
+        let start = || async {
+            match erl_args {
+                Some(a) => PrivateRabbit::start_erl(a).await,
+                None => PrivateRabbit::start().await,
+            }
+        };
+        let mut nodes = vec![start().await];
         for _ in 1..n {
-            let node = PrivateRabbit::start().await;
+            let node = start().await;
             node.ctl(&["stop_app"]);
             node.ctl(&["join_cluster", &nodes[0].node()]);
             node.ctl(&["start_app"]);

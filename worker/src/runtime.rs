@@ -18,7 +18,7 @@ use chime_shared::idempotency::IdemStore;
 use chime_shared::topology::{self, TopologyError};
 use futures_util::StreamExt;
 use futures_util::stream::SelectAll;
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use std::collections::BTreeSet;
@@ -230,7 +230,7 @@ impl Worker {
                 _ = shutdown.cancelled() => break,
             };
             let conn = match conn {
-                Ok(c) => c,
+                Ok(c) => Arc::new(c),
                 Err(e) => {
                     let delay = delays.next().unwrap_or(MAX_RECONNECT_DELAY);
                     warn!(error = %e, retry_in = ?delay, "cannot connect to RabbitMQ");
@@ -293,19 +293,18 @@ impl Worker {
 
     async fn session(
         &mut self,
-        conn: &Connection,
+        conn: &Arc<Connection>,
         tracker: &TaskTracker,
         semaphore: &Arc<Semaphore>,
         shutdown: &CancellationToken,
     ) -> Result<SessionEnd, TopologyError> {
         topology::declare(conn, &self.core.config, &self.queues).await?;
         let lost = |e: lapin::Error| Ok(SessionEnd::ConnectionLost(e.to_string()));
-        let publish = match conn.create_channel().await {
-            Ok(c) => c,
-            Err(e) => return lost(e),
-        };
-        if let Err(e) = publish.confirm_select(ConfirmSelectOptions::default()).await {
-            return lost(e);
+        let publish = Arc::new(amqp::ChannelPool::new(conn.clone(), crate::store::PUBLISH_CHANNELS));
+        // One publish channel now, so that a broker refusing channels ends the session here.
+        match publish.lend().await {
+            Ok(lent) => lent.settled(),
+            Err(e) => return Ok(SessionEnd::ConnectionLost(e.to_string())),
         }
         self.health.set("amqp", true);
         info!("connected to RabbitMQ");
@@ -324,7 +323,7 @@ impl Worker {
             channels.push((q.clone(), ch, AckBatcher::spawn()));
         }
         let outbox = BrokerOutbox {
-            channel: Arc::new(publish),
+            channels: publish,
             names: self.core.names.clone(),
             queue_type: self.core.config.amqp.queue_type,
             timeout: self.core.config.amqp.publish_timeout,
@@ -431,7 +430,7 @@ impl Worker {
                     acks.flush().await;
                     let _ = ch.close(200, "shutdown".into()).await;
                 }
-                let _ = outbox.channel.close(200, "shutdown".into()).await;
+                outbox.channels.close().await;
                 return Ok(SessionEnd::Shutdown);
             }
             if matches!(pause, Pause::Redis) {

@@ -10,8 +10,8 @@ use chime_shared::envelope::Envelope;
 use chime_shared::history::RunEvent;
 use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, IdemStore, Recorded, Renewal};
 use chime_shared::topology::Names;
+use lapin::BasicProperties;
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -103,24 +103,40 @@ pub(crate) trait Outbox: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), AmqpError>> + Send;
 }
 
-/// The worker's publish channel (confirm mode), shared by every delivery of a session.
+/// The worker's publish channels (confirm mode), lent to one delivery's publish at a time.
 #[derive(Clone)]
 pub(crate) struct BrokerOutbox {
-    pub channel: Arc<Channel>,
+    pub channels: Arc<amqp::ChannelPool>,
     pub names: Names,
     pub queue_type: QueueType,
     pub timeout: Duration,
-    /// Cancelled when the broker closed the channel (a publish to an exchange that is gone,
-    /// say): the session then reconnects and declares the topology again.
+    /// Cancelled when the broker closed a publish channel (a publish to an exchange that is
+    /// gone, say): the session then reconnects and declares the topology again.
     pub broken: CancellationToken,
 }
 
+/// Publish channels a worker session opens at most (more publishes at once wait for one).
+pub(crate) const PUBLISH_CHANNELS: usize = 32;
+
 impl BrokerOutbox {
-    fn check<T>(&self, result: Result<T, AmqpError>) -> Result<T, AmqpError> {
-        if result.is_err() && !self.channel.status().connected() {
+    async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) -> Result<(), AmqpError> {
+        let lent = self.channels.lend().await?;
+        let sent =
+            amqp::publish_confirmed(lent.channel(), exchange, routing_key, body, props, self.timeout).await;
+        if sent.is_err() && !lent.channel().status().connected() {
             self.broken.cancel();
         }
-        result
+        // Without a confirm the publish is still outstanding on it: the channel is not lent again.
+        if !matches!(sent, Err(AmqpError::ConfirmTimeout(_))) {
+            lent.settled();
+        }
+        sent
     }
 }
 
@@ -135,20 +151,10 @@ impl Outbox for BrokerOutbox {
         let (exchange, routing_key) = delay::target(&self.names, self.queue_type, queue, delay);
         let props = envelope.properties();
         let props = if headers.inner().is_empty() { props } else { props.with_headers(headers) };
-        let sent = amqp::publish_confirmed(
-            &self.channel,
-            &exchange,
-            &routing_key,
-            &envelope.encode(),
-            props,
-            self.timeout,
-        )
-        .await;
-        self.check(sent)
+        self.publish(&exchange, &routing_key, &envelope.encode(), props).await
     }
 
     async fn dead_letter(&self, queue: &str, body: &[u8], props: BasicProperties) -> Result<(), AmqpError> {
-        let exchange = self.names.dead_exchange();
-        self.check(amqp::publish_confirmed(&self.channel, &exchange, queue, body, props, self.timeout).await)
+        self.publish(&self.names.dead_exchange(), queue, body, props).await
     }
 }

@@ -14,6 +14,7 @@ mod loss_windows;
 mod pipeline;
 mod processes;
 mod project;
+mod publish;
 mod redis_outage;
 mod reliability;
 mod retries;

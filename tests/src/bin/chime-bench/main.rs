@@ -1,0 +1,118 @@
+//! chime-bench: throughput and latency of chime against a raw lapin + redis baseline measured
+//! in the same run, on the same broker and Redis. Prints medians and ratios; asserts nothing.
+//!
+//! ```text
+//! cargo run --release -p chime-tests --bin chime-bench -- [--queue-type quorum|classic]
+//!     [--runs 3] [--seconds 10] [--only SCENARIO,…] [--workers 1,2,4]
+//!     [--latency-rates 1000,2000]
+//! ```
+//!
+//! Scenarios: publish (raw vs EnqueueClient), consume (raw per-message ack + chime's 2 scripts,
+//! or 2 plain SETs, vs 1/2/4 chime-worker processes), latency (enqueue → handler start at
+//! steady rates), duplicates, ticker (100,000 schedules); opt-in: properties (the broker's
+//! cost of each AMQP property of the envelope), history (the run history's cost on the drain
+//! rate, and its memory per event), web (the dashboard's page times over 1,000,000 history
+//! events and 10,000 dead letters).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod consume;
+mod fixtures;
+mod latency;
+mod measure;
+mod publish;
+mod scale;
+mod ticker;
+mod web;
+
+use chime_tests::connect_amqp;
+use lapin::Connection;
+
+/// Throughput and latency of chime against raw lapin + redis (see the file header).
+#[derive(clap::Parser)]
+pub struct Opts {
+    /// Queue type of the work queues.
+    #[arg(long, default_value = "quorum", value_parser = ["quorum", "classic"])]
+    pub queue_type: String,
+    /// Runs per figure (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Length of each measured run.
+    #[arg(long, default_value_t = 10)]
+    pub seconds: u64,
+    /// Scenarios to run (default: all but the opt-in ones).
+    #[arg(long, value_delimiter = ',')]
+    pub only: Option<Vec<String>>,
+    /// Worker process counts of the consume scenario.
+    #[arg(long = "workers", value_delimiter = ',', default_value = "1,2,4")]
+    pub procs: Vec<usize>,
+    /// Extra offered rates the latency scenario measures (beside 25/50/80 % of the capacity).
+    #[arg(long = "latency-rates", value_delimiter = ',')]
+    pub rates: Vec<u64>,
+}
+
+/// What every scenario reads: the options and one connection to the shared broker.
+pub struct Ctx {
+    pub o: Opts,
+    pub conn: Connection,
+    /// One worker's saturated drain rate, when `consume` ran first.
+    pub saturated: Option<f64>,
+}
+
+impl Ctx {
+    /// A scenario of the default set, unless `--only` leaves it out.
+    pub fn want(&self, s: &str) -> bool {
+        self.o.only.as_ref().is_none_or(|v| v.iter().any(|x| x == s))
+    }
+    /// An opt-in scenario: only when `--only` names it.
+    pub fn opted(&self, s: &str) -> bool {
+        self.o.only.as_ref().is_some_and(|v| v.iter().any(|x| x == s))
+    }
+}
+
+#[tokio::main]
+pub async fn main() {
+    // The latency scenario's worker runs as a child process of this binary.
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("latency-worker") {
+        latency::worker_main(&args[2]).await;
+        return;
+    }
+    let o = <Opts as clap::Parser>::parse();
+    println!("chime-bench: queue type {}, {} run(s) of ~{}s each, medians", o.queue_type, o.runs, o.seconds);
+    let conn = connect_amqp().await;
+    let mut c = Ctx { o, conn, saturated: None };
+    if c.want("publish") {
+        publish::scenario(&c).await;
+    }
+    if c.opted("baseline") {
+        publish::baseline(&c).await;
+    }
+    if c.want("defaults") {
+        consume::defaults(&c).await;
+    }
+    if c.opted("batch-memory") {
+        publish::batch_memory(&c).await;
+    }
+    if c.opted("properties") {
+        publish::properties(&c).await;
+    }
+    if c.want("consume") {
+        c.saturated = consume::scenario(&c).await;
+    }
+    if c.opted("history") {
+        consume::history(&c).await;
+    }
+    if c.opted("scale") {
+        scale::scenario(&c).await;
+    }
+    if c.opted("web") {
+        web::web_pages(&c.o.queue_type).await;
+    }
+    if c.want("latency") {
+        latency::scenario(&c).await;
+    }
+    if c.want("ticker") {
+        ticker::scenario(&c).await;
+    }
+    let _ = c.conn.close(200, "".into()).await;
+}

@@ -1,0 +1,384 @@
+//! Publishing: raw lapin publishers against `EnqueueClient` and `chime enqueue --batch`.
+
+use crate::Ctx;
+use crate::fixtures::*;
+use crate::measure::*;
+use chime_producer::{EnqueueClient, Prepared};
+use chime_tests::*;
+use lapin::options::ConfirmSelectOptions;
+use lapin::{BasicProperties, Connection};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How a raw publisher sends: up to `window` confirms outstanding, and `group` publishes handed
+/// to lapin before their writes are awaited (1: each publish waits until its frames reached the
+/// socket, so every message costs the I/O thread a wake-up and a write of its own).
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub window: usize,
+    pub group: usize,
+}
+
+/// How much a raw publisher sends: for a time (into an ever longer queue), or a count.
+#[derive(Clone, Copy, Debug)]
+pub enum Amount {
+    Secs(u64),
+    Count(usize),
+}
+
+/// Where and what a raw publisher sends.
+pub struct Target<'a> {
+    pub exchange: &'a str,
+    pub routing_key: &'a str,
+    pub mandatory: bool,
+    pub props: BasicProperties,
+    pub body: &'a [u8],
+}
+
+/// The bare properties: persistent JSON.
+/// The fastest shape measured here (`--only baseline`): 4,096 confirms outstanding, 256
+/// publishes handed to lapin at once.
+pub const FASTEST: Shape = Shape { window: 4096, group: 256 };
+/// chime-bench's earlier baseline: every publish awaited before the next.
+pub const ONE_BY_ONE: Shape = Shape { window: 4096, group: 1 };
+
+pub fn bare_props() -> BasicProperties {
+    BasicProperties::default().with_delivery_mode(2).with_content_type("application/json".into())
+}
+
+/// Raw lapin: confirmed persistent publishes shaped by `shape`; returns confirmed msg/s and
+/// this process's CPU and system calls per message.
+pub async fn raw_publish(conn: &Connection, t: &Target<'_>, shape: Shape, amount: Amount) -> (f64, Cost) {
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let opts = lapin::options::BasicPublishOptions { mandatory: t.mandatory, ..Default::default() };
+    let mut pending = VecDeque::new();
+    let (mut sent, mut confirmed) = (0usize, 0u64);
+    let cost = ProcCost::start(std::process::id());
+    let start = Instant::now();
+    let more = |sent: usize| match amount {
+        Amount::Secs(s) => start.elapsed() < Duration::from_secs(s),
+        Amount::Count(n) => sent < n,
+    };
+    while more(sent) {
+        let n = match amount {
+            Amount::Count(total) => shape.group.min(total - sent),
+            Amount::Secs(_) => shape.group,
+        };
+        let publishes = (0..n).map(|_| {
+            ch.basic_publish(t.exchange.into(), t.routing_key.into(), opts, t.body, t.props.clone())
+        });
+        for p in futures_util::future::join_all(publishes).await {
+            pending.push_back(p.unwrap());
+        }
+        sent += n;
+        while pending.len() > shape.window {
+            let p: lapin::PublisherConfirm = pending.pop_front().unwrap();
+            assert!(matches!(p.await.unwrap(), lapin::Confirmation::Ack(None)), "raw publish not acked");
+            confirmed += 1;
+        }
+    }
+    for p in pending {
+        assert!(matches!(p.await.unwrap(), lapin::Confirmation::Ack(None)), "raw publish not acked");
+        confirmed += 1;
+    }
+    let rate = confirmed as f64 / start.elapsed().as_secs_f64();
+    let _ = ch.close(200, "".into()).await;
+    (rate, cost.per_message(confirmed))
+}
+
+/// chime: one `EnqueueClient::publish_batch` of `batch` prepared jobs; returns confirmed jobs/s
+/// and this process's cost per job.
+pub async fn chime_publish(client: &EnqueueClient, batch: &[Prepared]) -> (f64, Cost) {
+    let cost = ProcCost::start(std::process::id());
+    let start = Instant::now();
+    let n = client.publish_batch(batch).await.confirmed;
+    assert_eq!(n, batch.len(), "EnqueueClient confirmed {n} of {}", batch.len());
+    (n as f64 / start.elapsed().as_secs_f64(), cost.per_message(n as u64))
+}
+
+/// `chime enqueue --batch FILE` of the JSON lines in `file` through the release CLI `bin`;
+/// returns jobs/s as the CLI reports it (publish time, excluding process start and the
+/// validating pass) and the whole process's CPU and system calls per job.
+pub async fn cli_batch(
+    env: &TestEnv,
+    bin: &std::path::Path,
+    config: &std::path::Path,
+    file: &std::path::Path,
+) -> (f64, Cost) {
+    let time_out = env.dir.join("cli.time");
+    let perf_out = env.dir.join("cli.perf");
+    let mut cmd = tokio::process::Command::new("/usr/bin/time");
+    cmd.args(["-f", "%U %S", "-o"]).arg(&time_out);
+    let perf = std::process::Command::new("perf").arg("--version").output().is_ok();
+    if perf {
+        cmd.args(["perf", "stat", "-e", "raw_syscalls:sys_enter", "-x,", "-o"]).arg(&perf_out).arg("--");
+    }
+    let out = cmd
+        .arg(bin)
+        .arg("--config")
+        .arg(config)
+        .args(["enqueue", "noop", "--batch"])
+        .arg(file)
+        .arg("--json")
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let n = v["confirmed"].as_f64().unwrap();
+    let times = std::fs::read_to_string(&time_out).unwrap_or_default();
+    let t: Vec<f64> =
+        times.lines().last().unwrap_or("").split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    let syscalls = std::fs::read_to_string(&perf_out)
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.contains("raw_syscalls"))?.split(',').next()?.trim().parse::<f64>().ok()
+        })
+        .map_or(f64::NAN, |c| c / n);
+    let cost = Cost {
+        user_us: t.first().copied().unwrap_or(f64::NAN) * 1e6 / n,
+        sys_us: t.get(1).copied().unwrap_or(f64::NAN) * 1e6 / n,
+        syscalls,
+    };
+    (n / v["seconds"].as_f64().unwrap(), cost)
+}
+
+/// Each variant of the publish scenario: rates, per-round ratios to the baseline, costs.
+#[derive(Default, Clone)]
+struct Runs {
+    rates: Vec<f64>,
+    ratios: Vec<f64>,
+    costs: Vec<Cost>,
+    broker: Vec<f64>,
+}
+
+/// `publish`: `10,000 × --seconds` jobs into an empty queue per run, published by raw lapin
+/// (one at a time, and in the fastest shape lapin allows), by `EnqueueClient::publish_batch` and
+/// by `chime enqueue --batch`; rounds rotate the order, ratios are medians of per-round ratios
+/// to the fastest raw publisher.
+pub async fn scenario(c: &Ctx) {
+    let o = &c.o;
+    let conn = &c.conn;
+    let qt = c.o.queue_type.clone();
+    let n = 10_000 * c.o.seconds as usize;
+    let env = TestEnv::new("bench-pub");
+    let config = Arc::new(bench_config(&env, &qt, ""));
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
+    let q = env.names().work_queue("default");
+    let batch = envelopes(n, false);
+    let body = batch[0].envelope.encode();
+    let work = env.names().work_exchange();
+    let text = env.config_text(&qt, "", "", "[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n");
+    let path = env.write_config(&text);
+    let file = env.dir.join("batch.jsonl");
+    // Lines whose envelopes are the size of the others' bodies.
+    let lines: String = (0..n).map(|i| format!("{{\"payload\":{{\"i\":{i}}}}}\n")).collect();
+    std::fs::write(&file, lines).unwrap();
+    let before = std::env::var_os("BENCH_CHIME_BEFORE").map(std::path::PathBuf::from);
+    let bare = Target { exchange: "", routing_key: &q, mandatory: false, props: bare_props(), body: &body };
+    let same = Target {
+        exchange: &work,
+        routing_key: "default",
+        mandatory: true,
+        props: batch[0].envelope.properties(),
+        body: &body,
+    };
+    let mut variants: Vec<&str> = vec![
+        "raw lapin, fastest shape (4096 confirms, 256 per write)",
+        "raw lapin, one write per message (4096 confirms)",
+        "raw, chime's message (mandatory, exchange, properties)",
+        "EnqueueClient::publish_batch",
+        "chime enqueue --batch (CLI)",
+    ];
+    if before.is_some() {
+        variants.push("chime enqueue --batch, BENCH_CHIME_BEFORE");
+    }
+    let mut runs = vec![Runs::default(); variants.len()];
+    for r in 0..o.runs {
+        let mut round = vec![0.0; variants.len()];
+        for k in 0..variants.len() {
+            let i = (k + r) % variants.len();
+            progress(&format!("publish: {}, run {}/{} ({n} jobs)", variants[i], r + 1, o.runs));
+            let broker = CpuWindow::start(Vec::new());
+            let (rate, cost) = match i {
+                0 => raw_publish(conn, &bare, FASTEST, Amount::Count(n)).await,
+                1 => raw_publish(conn, &bare, ONE_BY_ONE, Amount::Count(n)).await,
+                2 => raw_publish(conn, &same, FASTEST, Amount::Count(n)).await,
+                3 => chime_publish(&client, &batch).await,
+                4 => cli_batch(&env, &bin_path("chime"), &path, &file).await,
+                _ => cli_batch(&env, before.as_ref().unwrap(), &path, &file).await,
+            };
+            runs[i].broker.push(broker.per_message(n as u64)[0]);
+            round[i] = rate;
+            runs[i].rates.push(rate);
+            runs[i].costs.push(cost);
+            purge(conn, &q).await;
+        }
+        for (i, rate) in round.iter().enumerate() {
+            runs[i].ratios.push(rate / round[0]);
+        }
+    }
+    progress("");
+    for (name, r) in variants.iter().zip(&runs) {
+        println!(
+            "publish  {name:<56} {:>7.0} msg/s  {:.2}x   {}; broker {:.0} µs/msg",
+            median(r.rates.clone()),
+            median(r.ratios.clone()),
+            Cost::median(&r.costs).text(),
+            median(r.broker.clone())
+        );
+    }
+}
+
+/// Opt-in `batch-memory`: peak RSS of `chime enqueue --batch` for 100,000 and 1,000,000
+/// lines, from a file and from standard input (spooled to a temporary file).
+pub async fn batch_memory(c: &Ctx) {
+    let conn = &c.conn;
+    let qt = c.o.queue_type.clone();
+    let env = TestEnv::new("bench-batchmem");
+    let config = Arc::new(bench_config(&env, &qt, ""));
+    let _declared = EnqueueClient::connect(config).await.unwrap();
+    let q = env.names().work_queue("default");
+    let text = env.config_text(&qt, "", "", "[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n");
+    let path = env.write_config(&text);
+    for n in [100_000usize, 1_000_000] {
+        let file = env.dir.join("batch.jsonl");
+        let lines: String =
+            (0..n).map(|i| format!("{{\"payload\":{{\"i\":{i}}},\"key\":\"k{i}\"}}\n")).collect();
+        std::fs::write(&file, lines).unwrap();
+        for stdin in [false, true] {
+            progress(&format!("batch-memory: {n} lines, {}", if stdin { "stdin" } else { "file" }));
+            let script = format!(
+                "/usr/bin/time -f %M {} --config {} enqueue noop --batch {} --json {}",
+                bin_path("chime").display(),
+                path.display(),
+                if stdin { "-" } else { file.to_str().unwrap() },
+                if stdin { format!("< {}", file.display()) } else { String::new() },
+            );
+            let out = tokio::process::Command::new("sh").args(["-c", &script]).output().await.unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let rss: u64 = String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("0")
+                .trim()
+                .parse()
+                .unwrap_or(0);
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            progress("");
+            println!(
+                "batch    chime enqueue --batch {n:>9} lines from {:<5}  peak RSS {:>7} KiB  {:.0} jobs/s",
+                if stdin { "stdin" } else { "file" },
+                rss,
+                v["confirmed"].as_f64().unwrap() / v["seconds"].as_f64().unwrap()
+            );
+            purge(conn, &q).await;
+        }
+    }
+}
+
+/// Opt-in `properties`: which of the envelope's AMQP properties costs the broker.
+pub async fn properties(c: &Ctx) {
+    let o = &c.o;
+    let conn = &c.conn;
+    let qt = c.o.queue_type.clone();
+    let n = 10_000 * c.o.seconds as usize;
+    let env = TestEnv::new("bench-props");
+    let config = Arc::new(bench_config(&env, &qt, ""));
+    let _declared = EnqueueClient::connect(config).await.unwrap();
+    let q = env.names().work_queue("default");
+    let work = env.names().work_exchange();
+    let sample = envelopes(1, false).remove(0).envelope;
+    let body = sample.encode();
+    let key = sample.key.to_string();
+    // (what, via the work exchange, mandatory, properties)
+    let variants: Vec<(&str, bool, bool, BasicProperties)> = vec![
+        ("default exchange, bare", false, false, bare_props()),
+        ("direct exchange, bare", true, false, bare_props()),
+        ("direct, mandatory", true, true, bare_props()),
+        ("direct, + message_id (the key)", true, false, bare_props().with_message_id(key.clone().into())),
+        ("direct, + type (the job)", true, false, bare_props().with_type(sample.job.clone().into())),
+        ("direct, + timestamp", true, false, bare_props().with_timestamp(1_764_000_000)),
+        ("direct, all three properties", true, false, sample.properties()),
+        ("direct, mandatory, all three (chime's)", true, true, sample.properties()),
+    ];
+    let mut rates: Vec<Vec<f64>> = variants.iter().map(|_| Vec::new()).collect();
+    let mut broker: Vec<Vec<f64>> = variants.iter().map(|_| Vec::new()).collect();
+    for r in 0..o.runs {
+        for k in 0..variants.len() {
+            let i = (k + r) % variants.len();
+            let (what, direct, mandatory, props) = &variants[i];
+            progress(&format!("properties: {what}, run {}/{}", r + 1, o.runs));
+            let t = Target {
+                exchange: if *direct { &work } else { "" },
+                routing_key: if *direct { "default" } else { &q },
+                mandatory: *mandatory,
+                props: props.clone(),
+                body: &body,
+            };
+            let cpu = CpuWindow::start(Vec::new());
+            rates[i].push(raw_publish(conn, &t, FASTEST, Amount::Count(n)).await.0);
+            broker[i].push(cpu.per_message(n as u64)[0]);
+            purge(conn, &q).await;
+        }
+    }
+    progress("");
+    let base_rate = median(rates[1].clone());
+    for (i, (what, ..)) in variants.iter().enumerate() {
+        let r = median(rates[i].clone());
+        println!(
+            "props    raw publish, {what:<40} {r:>7.0} msg/s   {:.2}x   broker {:.1} µs/msg",
+            r / base_rate,
+            median(broker[i].clone())
+        );
+    }
+}
+
+/// Opt-in `baseline`: which shape of raw publisher lapin allows to go fastest (confirm window,
+/// frames handed over together, a fixed count into an empty queue or a fixed time).
+pub async fn baseline(c: &Ctx) {
+    let conn = &c.conn;
+    let qt = c.o.queue_type.clone();
+    let env = TestEnv::new("bench-base");
+    let config = Arc::new(bench_config(&env, &qt, ""));
+    let _declared = EnqueueClient::connect(config).await.unwrap();
+    let q = env.names().work_queue("default");
+    let body = envelopes(1, false)[0].envelope.encode();
+    let t = Target { exchange: "", routing_key: &q, mandatory: false, props: bare_props(), body: &body };
+    let shapes: Vec<(Shape, Amount)> = std::env::var("BENCH_SHAPES")
+        .unwrap_or_else(|_| "4096:1:s10,1000:1:100000,1000:64:100000,4096:256:100000,1000:1:s10".into())
+        .split(',')
+        .map(|s| {
+            let f: Vec<&str> = s.split(':').collect();
+            let amount = match f[2].strip_prefix('s') {
+                Some(secs) => Amount::Secs(secs.parse().unwrap()),
+                None => Amount::Count(f[2].parse().unwrap()),
+            };
+            (Shape { window: f[0].parse().unwrap(), group: f[1].parse().unwrap() }, amount)
+        })
+        .collect();
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); shapes.len()];
+    let mut costs: Vec<Vec<Cost>> = vec![Vec::new(); shapes.len()];
+    for r in 0..c.o.runs {
+        for (i, (shape, amount)) in shapes.iter().enumerate() {
+            progress(&format!("baseline: {shape:?} {amount:?}, run {}/{}", r + 1, c.o.runs));
+            let (rate, cost) = raw_publish(conn, &t, *shape, *amount).await;
+            rates[i].push(rate);
+            costs[i].push(cost);
+            purge(conn, &q).await;
+        }
+    }
+    progress("");
+    for (i, (shape, amount)) in shapes.iter().enumerate() {
+        println!(
+            "baseline window {:>5} group {:>4} {:<16} {:>8.0} msg/s   {}",
+            shape.window,
+            shape.group,
+            format!("{amount:?}"),
+            median(rates[i].clone()),
+            Cost::median(&costs[i]).text()
+        );
+    }
+}
