@@ -152,6 +152,11 @@ pub struct AmqpConfig {
     /// Quorum queues only: broker-side safety net against crash loops. Always explicit and
     /// positive, never -1 (on RabbitMQ 3.10, -1 dead-letters on the first requeue).
     pub delivery_limit: u32,
+    /// Quorum queues only: how many nodes hold a copy of each of the prefix's queues
+    /// (`x-quorum-initial-group-size`, given when the queue is first declared). Unset, the
+    /// broker puts a copy on every node of the cluster, so that each node added makes every
+    /// message cost more; 3 (or 5) keeps the cost per message flat as the cluster grows.
+    pub quorum_replicas: Option<u32>,
     /// AMQP heartbeat.
     #[serde(deserialize_with = "duration::de")]
     pub heartbeat: Duration,
@@ -188,6 +193,7 @@ impl Default for AmqpConfig {
             url: Urls::One("amqp://guest:guest@127.0.0.1:5672/%2f".into()),
             queue_type: QueueType::Quorum,
             delivery_limit: 50,
+            quorum_replicas: None,
             heartbeat: Duration::from_secs(10),
             publish_timeout: Duration::from_secs(30),
             max_message_bytes: 1024 * 1024,
@@ -845,6 +851,19 @@ impl Config {
                 "must be a positive number (0 and -1 dead-letter on the first requeue on RabbitMQ 3.10)",
             ));
         }
+        match self.amqp.quorum_replicas {
+            Some(0) => return Err(ConfigError::invalid("amqp.quorum_replicas", "must be at least 1")),
+            Some(n) if n > 99 => {
+                return Err(ConfigError::invalid("amqp.quorum_replicas", "must be at most 99"));
+            }
+            Some(_) if self.amqp.queue_type == QueueType::Classic => {
+                return Err(ConfigError::invalid(
+                    "amqp.quorum_replicas",
+                    "applies to quorum queues only (queue_type = \"classic\")",
+                ));
+            }
+            _ => {}
+        }
         if self.amqp.heartbeat.as_secs() == 0 || self.amqp.heartbeat.as_secs() > 600 {
             return Err(ConfigError::invalid("amqp.heartbeat", "must be between 1s and 10m"));
         }
@@ -1176,6 +1195,10 @@ mod tests {
         let e = err("[[jobs]]\nname='a'\nhandler='noop'\n[[jobs]]\nname='a'\nhandler='noop'\n");
         assert!(e.contains("duplicate"), "{e}");
         assert!(err("[amqp]\ndelivery_limit = 0\n").contains("amqp.delivery_limit"));
+        assert!(err("[amqp]\nquorum_replicas = 0\n").contains("amqp.quorum_replicas"));
+        assert!(
+            err("[amqp]\nqueue_type = \"classic\"\nquorum_replicas = 3\n").contains("amqp.quorum_replicas")
+        );
         assert!(err("[worker]\nthreads = 5000\n").contains("worker.threads"));
     }
 

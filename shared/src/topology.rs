@@ -15,7 +15,7 @@ use lapin::options::{ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptio
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, Connection, ExchangeKind};
 
-use crate::config::{Config, QueueType};
+use crate::config::{AmqpConfig, Config, QueueType};
 use crate::delay::{self, LEVELS};
 use crate::names::{self, DELAY_DELIVER, DELAY_ORPHANS, DELAY_ORPHANS_EXCHANGE, DELAY_UNROUTABLE};
 
@@ -58,13 +58,23 @@ fn long(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s))
 }
 
+/// `x-quorum-initial-group-size` of a quorum queue when `amqp.quorum_replicas` is set: the
+/// broker otherwise replicates a new quorum queue to every node of the cluster.
+fn replicas(t: &mut FieldTable, replicas: Option<u32>) {
+    if let Some(n) = replicas {
+        t.insert(ShortString::from("x-quorum-initial-group-size"), AMQPValue::LongLongInt(i64::from(n)));
+    }
+}
+
 /// Arguments of a work queue.
-pub fn work_queue_args(names: &Names, queue_type: QueueType, delivery_limit: u32) -> FieldTable {
+pub fn work_queue_args(names: &Names, amqp: &AmqpConfig) -> FieldTable {
+    let (queue_type, delivery_limit) = (amqp.queue_type, amqp.delivery_limit);
     let mut t = FieldTable::default();
     t.insert(ShortString::from("x-queue-type"), long(queue_type.as_str()));
     t.insert(ShortString::from("x-dead-letter-exchange"), long(&names.dead_exchange()));
     match queue_type {
         QueueType::Quorum => {
+            replicas(&mut t, amqp.quorum_replicas);
             t.insert(
                 ShortString::from("x-delivery-limit"),
                 AMQPValue::LongLongInt(i64::from(delivery_limit)),
@@ -87,11 +97,13 @@ pub fn work_queue_args(names: &Names, queue_type: QueueType, delivery_limit: u32
 pub const DLQ_DELIVERY_LIMIT: i64 = 1_000_000;
 
 /// Arguments of a dead-letter queue: nothing expires, nothing dead-letters onward.
-pub fn dlq_args(queue_type: QueueType) -> FieldTable {
+pub fn dlq_args(amqp: &AmqpConfig) -> FieldTable {
+    let queue_type = amqp.queue_type;
     let mut t = FieldTable::default();
     t.insert(ShortString::from("x-queue-type"), long(queue_type.as_str()));
     match queue_type {
         QueueType::Quorum => {
+            replicas(&mut t, amqp.quorum_replicas);
             t.insert(ShortString::from("x-delivery-limit"), AMQPValue::LongLongInt(DLQ_DELIVERY_LIMIT));
         }
         QueueType::Classic => {
@@ -116,13 +128,13 @@ pub async fn declare(conn: &Connection, config: &Config, queues: &[String]) -> R
             .map_err(|e| classify(&ex, e))?;
     }
     declare_chain(&ch, config.amqp.queue_type).await.map_err(|(what, e)| classify(&what, e))?;
-    declare_unroutable(&ch, &names, config.amqp.queue_type)
+    declare_unroutable(&ch, &names, &config.amqp)
         .await
         .map_err(|e| classify(&names.unroutable_queue(), e))?;
     let qopts = QueueDeclareOptions { durable: true, ..Default::default() };
     for q in queues {
         let wq = names.work_queue(q);
-        let args = work_queue_args(&names, config.amqp.queue_type, config.amqp.delivery_limit);
+        let args = work_queue_args(&names, &config.amqp);
         ch.queue_declare(wq.as_str().into(), qopts, args).await.map_err(|e| classify(&wq, e))?;
         ch.queue_bind(
             wq.as_str().into(),
@@ -135,7 +147,7 @@ pub async fn declare(conn: &Connection, config: &Config, queues: &[String]) -> R
         .map_err(amqp(format!("binding of {wq}")))?;
         bind_queue(&ch, &names, q).await.map_err(amqp(format!("delay binding of {wq}")))?;
         let dlq = names.dlq(q);
-        ch.queue_declare(dlq.as_str().into(), qopts, dlq_args(config.amqp.queue_type))
+        ch.queue_declare(dlq.as_str().into(), qopts, dlq_args(&config.amqp))
             .await
             .map_err(|e| classify(&dlq, e))?;
         ch.queue_bind(
@@ -273,16 +285,12 @@ pub async fn bind_queue(ch: &Channel, names: &Names, queue: &str) -> Result<(), 
 
 /// Declares `<p>.unroutable` (a DLQ: nothing expires) and binds it to the unroutable exchange
 /// for every queue of the prefix.
-pub async fn declare_unroutable(
-    ch: &Channel,
-    names: &Names,
-    queue_type: QueueType,
-) -> Result<(), lapin::Error> {
+pub async fn declare_unroutable(ch: &Channel, names: &Names, amqp: &AmqpConfig) -> Result<(), lapin::Error> {
     let q = names.unroutable_queue();
     ch.queue_declare(
         q.as_str().into(),
         QueueDeclareOptions { durable: true, ..Default::default() },
-        dlq_args(queue_type),
+        dlq_args(amqp),
     )
     .await?;
     let key = format!("{}{}.*", delay::stars(LEVELS), names::word(names.prefix()));
@@ -318,7 +326,20 @@ mod tests {
 
     #[test]
     fn quorum_work_queues_never_use_minus_one() {
-        let t = work_queue_args(&Names::new("c"), QueueType::Quorum, 50);
+        let t = work_queue_args(&Names::new("c"), &AmqpConfig::default());
         assert_eq!(t.inner().get("x-delivery-limit"), Some(&AMQPValue::LongLongInt(50)));
+        assert!(t.inner().get("x-quorum-initial-group-size").is_none(), "unset: the broker's default");
+    }
+
+    #[test]
+    fn quorum_replicas_sets_the_initial_group_size_of_work_queues_and_dlqs() {
+        let amqp = AmqpConfig { quorum_replicas: Some(3), ..AmqpConfig::default() };
+        for t in [work_queue_args(&Names::new("c"), &amqp), dlq_args(&amqp)] {
+            assert_eq!(t.inner().get("x-quorum-initial-group-size"), Some(&AMQPValue::LongLongInt(3)));
+        }
+        let classic = AmqpConfig { queue_type: QueueType::Classic, ..amqp };
+        assert!(
+            work_queue_args(&Names::new("c"), &classic).inner().get("x-quorum-initial-group-size").is_none()
+        );
     }
 }

@@ -55,3 +55,41 @@ async fn declaring_twice_is_fine_and_a_mismatch_names_queue_and_argument() {
     );
     let _ = conn.close(200, "".into()).await;
 }
+
+/// `amqp.quorum_replicas` caps how many nodes hold each of the prefix's quorum queues (the
+/// broker's default is every node). The broker checks it like any argument: the same prefix
+/// declared with another value fails, naming the queue and `x-quorum-initial-group-size`.
+#[tokio::test]
+async fn quorum_replicas_caps_the_copies_of_each_queue_on_a_cluster() {
+    let cluster = PrivateCluster::start(2).await;
+    let conn = connect_amqp_to(&cluster.urls()[0]).await;
+    let mut capped_env = TestEnv::new("topo-replicas");
+    capped_env.amqp_url = cluster.urls()[0].clone();
+    let mut capped = capped_env.config("quorum", "", "", "");
+    capped.amqp.quorum_replicas = Some(1);
+    topology::declare(&conn, &capped, &["default".into()]).await.unwrap();
+    let mut every_env = TestEnv::new("topo-every");
+    every_env.amqp_url = cluster.urls()[0].clone();
+    topology::declare(&conn, &every_env.config("quorum", "", "", ""), &["default".into()]).await.unwrap();
+    let out = cluster.nodes[0].ctl(&["list_queues", "-q", "--no-table-headers", "name", "members"]);
+    let members = |queue: &str| {
+        out.lines()
+            .find(|l| l.split_whitespace().next() == Some(queue))
+            .map(|l| l.matches("@localhost").count())
+            .unwrap_or_else(|| panic!("{queue} not listed:\n{out}"))
+    };
+    let (c, e) = (capped_env.names(), every_env.names());
+    assert_eq!(members(&c.work_queue("default")), 1, "{out}");
+    assert_eq!(members(&c.dlq("default")), 1, "{out}");
+    assert_eq!(members(&c.unroutable_queue()), 1, "{out}");
+    assert_eq!(members(&e.work_queue("default")), 2, "{out}");
+    // The capped prefix declared without the cap: refused, by name.
+    let err = topology::declare(&conn, &capped_env.config("quorum", "", "", ""), &["default".into()])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, TopologyError::Inequivalent { argument, .. } if argument == "x-quorum-initial-group-size"),
+        "{err}"
+    );
+    let _ = conn.close(200, "".into()).await;
+}

@@ -38,8 +38,10 @@ struct Costs {
     publisher: f64,
     /// Per broker node, while draining.
     drain_nodes: Vec<f64>,
-    /// All Redis processes (masters and replicas), while draining.
+    /// Redis masters, while draining.
     redis: f64,
+    /// Redis replicas (applying the masters' writes), while draining.
+    replicas: f64,
     /// The worker processes, while draining.
     workers: f64,
     publish_rate: f64,
@@ -56,14 +58,25 @@ fn jobs_text() -> String {
 fn config_text(prefix: &str, urls: &[String], first: usize, redis: &str) -> String {
     let rotated: Vec<String> =
         (0..urls.len()).map(|k| format!("\"{}\"", urls[(first + k) % urls.len()])).collect();
+    // Three copies of each queue however many nodes there are.
+    let replicas = if urls.len() >= 3 { "quorum_replicas = 3\n" } else { "" };
     format!(
-        "prefix = \"{prefix}\"\n[amqp]\nurl = [{}]\nqueue_type = \"quorum\"\n[redis]\n{redis}\n{}",
+        "prefix = \"{prefix}\"\n[amqp]\nurl = [{}]\nqueue_type = \"quorum\"\n{replicas}[redis]\n{redis}\n{}",
         rotated.join(", "),
         jobs_text()
     )
 }
 
-async fn run(urls: &[String], broker_pids: &[u32], redis_line: &str, redis_pids: &[u32], n: usize) -> Costs {
+/// One topology: `redis_pids` are the masters, `replica_pids` the replicas.
+async fn run(
+    urls: &[String],
+    broker_pids: &[u32],
+    redis_line: &str,
+    redis_pids: &[u32],
+    replica_pids: &[u32],
+    cluster: Option<&PrivateCluster>,
+    n: usize,
+) -> Costs {
     let prefix = format!("bench-scale-{}", uuid::Uuid::new_v4().simple());
     let queues: Vec<String> = (0..QUEUES).map(|i| format!("q{i}")).collect();
     // Queue i is declared first from node i: quorum queues are led by the declaring node.
@@ -73,6 +86,12 @@ async fn run(urls: &[String], broker_pids: &[u32], redis_line: &str, redis_pids:
         let conn = chime_shared::amqp::connect(&cfg.amqp, "bench-declare").await.unwrap();
         chime_shared::topology::declare(&conn, &cfg, std::slice::from_ref(&queues[i])).await.unwrap();
         let _ = conn.close(200, "".into()).await;
+    }
+    if let Some(cluster) = cluster {
+        let names = chime_shared::topology::Names::new(&prefix);
+        let leaders: Vec<String> =
+            queues.iter().map(|q| cluster.leader_of(&names.work_queue(q), 0)).collect();
+        println!("scale    queue leaders: {}", leaders.join(", "));
     }
     let mut clients = Vec::new();
     for text in &configs {
@@ -136,13 +155,14 @@ async fn run(urls: &[String], broker_pids: &[u32], redis_line: &str, redis_pids:
         let path = dir.join(format!("w{i}.toml"));
         std::fs::write(&path, text).unwrap();
         let port = free_port();
+        let log = std::fs::File::create(dir.join(format!("w{i}.log"))).unwrap();
         let mut c = tokio::process::Command::new(bin_path("chime-worker"));
         c.arg("--config")
             .arg(&path)
             .args(["--queues", &queues[i], "--listen", &format!("127.0.0.1:{port}")])
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(log)
             .kill_on_drop(true);
         children.push(c.spawn().unwrap());
         ports.push(port);
@@ -151,12 +171,19 @@ async fn run(urls: &[String], broker_pids: &[u32], redis_line: &str, redis_pids:
     let mut groups: Vec<Vec<u32>> = broker_pids.iter().map(|p| vec![*p]).collect();
     groups.push(redis_pids.to_vec());
     groups.push(worker_pids);
+    groups.push(replica_pids.to_vec());
     let g = Groups(groups);
     let before = g.now();
     let start = Instant::now();
     loop {
         if completed(&ports).await >= total as u64 {
             break;
+        }
+        for (i, c) in children.iter_mut().enumerate() {
+            if let Ok(Some(status)) = c.try_wait() {
+                let log = std::fs::read_to_string(dir.join(format!("w{i}.log"))).unwrap_or_default();
+                panic!("worker {i} exited ({status}) during the drain:\n{log}");
+            }
         }
         assert!(start.elapsed() < Duration::from_secs(900), "scale drain stalled");
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -166,19 +193,20 @@ async fn run(urls: &[String], broker_pids: &[u32], redis_line: &str, redis_pids:
     let drain_nodes: Vec<f64> = (0..nodes).map(|i| per(i, &after, &before)).collect();
     let redis = per(nodes, &after, &before);
     let workers = per(nodes + 1, &after, &before);
+    let replicas = per(nodes + 2, &after, &before);
     for c in &mut children {
         let _ = c.start_kill();
         let _ = c.wait().await;
     }
     let _ = std::fs::remove_dir_all(&dir);
-    Costs { publish_nodes, publisher, drain_nodes, redis, workers, publish_rate, drain_rate }
+    Costs { publish_nodes, publisher, drain_nodes, redis, replicas, workers, publish_rate, drain_rate }
 }
 
 fn line(what: &str, c: &Costs) {
     let list = |v: &[f64]| v.iter().map(|x| format!("{x:.0}")).collect::<Vec<_>>().join(" + ");
     let sum = |v: &[f64]| v.iter().sum::<f64>();
     println!(
-        "scale    {what:<44} publish {:>6.0}/s: broker {} = {:.0} µs/job, publisher {:.0} µs   drain {:>6.0}/s: broker {} = {:.0} µs/job, redis {:.0} µs, workers {:.0} µs   total {:.0} µs/job",
+        "scale    {what:<48} publish {:>6.0}/s: broker {} = {:.0} µs/job, publisher {:.0} µs   drain {:>6.0}/s: broker {} = {:.0} µs/job, redis {:.0} µs (+ replicas {:.0} µs), workers {:.0} µs",
         c.publish_rate,
         list(&c.publish_nodes),
         sum(&c.publish_nodes),
@@ -187,8 +215,21 @@ fn line(what: &str, c: &Costs) {
         list(&c.drain_nodes),
         sum(&c.drain_nodes),
         c.redis,
+        c.replicas,
         c.workers,
-        sum(&c.publish_nodes) + c.publisher + sum(&c.drain_nodes) + c.redis + c.workers
+    );
+    // The check: this machine's two cores divided by what a job costs all processes.
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get()) as f64;
+    let publish = sum(&c.publish_nodes) + c.publisher;
+    let drain = sum(&c.drain_nodes) + c.redis + c.replicas + c.workers;
+    println!(
+        "check    {what:<48} {cores:.0} cores / CPU per job predict publish {:.0}/s (measured {:.0}/s, {:.2}x), drain {:.0}/s (measured {:.0}/s, {:.2}x)",
+        cores * 1e6 / publish,
+        c.publish_rate,
+        c.publish_rate / (cores * 1e6 / publish),
+        cores * 1e6 / drain,
+        c.drain_rate,
+        c.drain_rate / (cores * 1e6 / drain),
     );
 }
 
@@ -198,41 +239,58 @@ fn model(c: &Costs) {
     const TARGET: f64 = 100_000.0;
     const UTIL: f64 = 0.7;
     let broker = c.publish_nodes.iter().sum::<f64>() + c.drain_nodes.iter().sum::<f64>();
+    let redis = c.redis + c.replicas;
     let cores = |us: f64| TARGET * us / 1e6 / UTIL;
-    let (b, r, w, p) = (cores(broker), cores(c.redis), cores(c.workers), cores(c.publisher));
+    let (b, m, r, w, p) = (cores(broker), cores(c.redis), cores(redis), cores(c.workers), cores(c.publisher));
+    // A queue is one Raft leader: its node's share of a job, on one core.
+    let leader = broker / c.publish_nodes.len() as f64;
     println!(
-        "model    per core: broker (3 replicas) {:.0} jobs/s, Redis {:.0} jobs/s (one thread), worker {:.0} jobs/s, publisher {:.0} jobs/s",
+        "model    per core: broker {:.0} jobs/s (3 copies of each job), one queue's leader at most {:.0} jobs/s, Redis master {:.0} jobs/s, worker {:.0} jobs/s, publisher {:.0} jobs/s",
         1e6 / broker,
+        1e6 / leader,
         1e6 / c.redis,
         1e6 / c.workers,
         1e6 / c.publisher
     );
     println!(
-        "model    100,000 jobs/s at 70 % load: broker {b:.0} cores (e.g. {} nodes of 8 cores), Redis {r:.1} cores = {} shards (one core each), workers {w:.0} cores, publishers {p:.0} cores",
+        "model    100,000 jobs/s at 70 % load: broker {b:.0} cores ({} nodes of 8 cores, quorum_replicas = 3), at least {} queues, Redis {m:.1} master cores = {} shards ({r:.1} cores with replicas), workers {w:.0} cores, publishers {p:.0} cores",
         (b / 8.0).ceil().max(3.0),
-        r.ceil()
+        (TARGET / (UTIL * 1e6 / leader)).ceil(),
+        m.ceil()
     );
 }
-
 pub async fn scenario(c: &Ctx) {
     let n = 6_000 * c.o.seconds as usize;
     progress("scale: starting a private RabbitMQ node and Redis");
     let node = PrivateRabbit::start_erl(ERL_ARGS).await;
     let redis = PrivateRedis::start().await;
     progress(&format!("scale: one node, {n} jobs"));
-    let single =
-        run(&[node.url()], &[node.pid()], &format!("url = \"{}\"", redis.url()), &[redis.pid()], n).await;
+    let single = run(
+        &[node.url()],
+        &[node.pid()],
+        &format!("url = \"{}\"", redis.url()),
+        &[redis.pid()],
+        &[],
+        None,
+        n,
+    )
+    .await;
     drop(node);
     drop(redis);
     progress("scale: starting a 3-node RabbitMQ cluster and a 3-master Redis Cluster");
     let cluster = PrivateCluster::start_erl(3, Some(ERL_ARGS)).await;
     let rc = PrivateRedisCluster::start(3).await;
     let pids: Vec<u32> = cluster.nodes.iter().map(PrivateRabbit::pid).collect();
-    let redis_pids: Vec<u32> = rc.nodes.iter().map(PrivateRedis::pid).collect();
+    let masters = rc.masters().await;
+    let (mut redis_pids, mut replica_pids) = (Vec::new(), Vec::new());
+    for (i, node) in rc.nodes.iter().enumerate() {
+        if masters.contains(&i) { redis_pids.push(node.pid()) } else { replica_pids.push(node.pid()) }
+    }
     progress(&format!("scale: 3 nodes, {n} jobs"));
     let redis_line = format!("url = \"redis://127.0.0.1/0\"\n{}", rc.config_line());
-    let three = run(&cluster.urls(), &pids, &redis_line, &redis_pids, n).await;
+    let three = run(&cluster.urls(), &pids, &redis_line, &redis_pids, &replica_pids, Some(&cluster), n).await;
     progress("");
+
     line("1 node, 1 Redis", &single);
     line("3 nodes (quorum, 3 replicas), Redis Cluster 3x2", &three);
     model(&three);
