@@ -232,10 +232,12 @@ impl EnqueueError {
 /// receive is absorbed as a duplicate by the workers, never run as a second job.
 pub struct EnqueueClient {
     session: tokio::sync::RwLock<Arc<Session>>,
-    config: Arc<Config>,
-    names: Names,
+    pub(crate) config: Arc<Config>,
+    pub(crate) names: Names,
     /// Queues of typed jobs already declared by this client.
     declared: Mutex<HashSet<String>>,
+    /// Redis, for [`EnqueueClient::wait`] (connected on first use).
+    pub(crate) redis: tokio::sync::OnceCell<chime_shared::history::HistoryReader>,
 }
 
 /// A connection and its confirm channels.
@@ -281,6 +283,7 @@ impl EnqueueClient {
             config,
             names,
             declared: Mutex::new(HashSet::new()),
+            redis: tokio::sync::OnceCell::new(),
         })
     }
 

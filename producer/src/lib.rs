@@ -25,9 +25,11 @@
 #![warn(missing_docs)]
 
 mod enqueue;
+mod wait;
 
 pub use chime_shared::job::{Job, JobOptions};
 pub use enqueue::{
     BatchReport, EnqueueClient, EnqueueError, EnqueueRequest, Enqueued, IntoRequest, Prepared,
     parse_batch_line, prepare,
 };
+pub use wait::{Finished, WaitError};

@@ -80,6 +80,10 @@ pub struct Config {
     pub alerts: AlertsConfig,
     /// Run history (written by workers, read by `chime history`, `inspect` and `web`).
     pub history: HistoryConfig,
+    /// What a run returns, kept with its key's record.
+    pub results: ResultsConfig,
+    /// What a run saves to resume from.
+    pub checkpoints: CheckpointsConfig,
     /// The jobs.
     #[serde(deserialize_with = "de_jobs")]
     pub jobs: Vec<JobConfig>,
@@ -95,6 +99,8 @@ impl Default for Config {
             ticker: TickerConfig::default(),
             alerts: AlertsConfig::default(),
             history: HistoryConfig::default(),
+            results: ResultsConfig::default(),
+            checkpoints: CheckpointsConfig::default(),
             jobs: Vec::new(),
         }
     }
@@ -383,6 +389,45 @@ pub struct HistoryConfig {
 impl Default for HistoryConfig {
     fn default() -> Self {
         Self { enabled: true, max_len: 1_000_000, max_age: Duration::from_secs(86_400), runs_per_key: 20 }
+    }
+}
+
+/// `[results]`: the value a successful run returns (a Rust handler's return value, an `exec`
+/// job's standard output, an `http` job's response body), kept in its key's record.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ResultsConfig {
+    /// Largest result kept, in bytes of JSON (default 65,536; at most 1,048,576). A larger
+    /// result does not fail the run: its record says the result was too large.
+    pub max_bytes: usize,
+    /// How long a result is kept (default: as long as the record, `redis.done_retention`).
+    /// Longer keeps the record that long; shorter hides the result from readers after it.
+    #[serde(deserialize_with = "duration::de_opt")]
+    pub retention: Option<Duration>,
+}
+
+impl Default for ResultsConfig {
+    fn default() -> Self {
+        Self { max_bytes: 65_536, retention: None }
+    }
+}
+
+/// `[checkpoints]`: what a run saves (`JobContext::checkpoint`, or an `exec` job's
+/// `CHIME_CHECKPOINT_FILE`) so that a retry or a redelivered copy resumes from it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointsConfig {
+    /// Largest checkpoint, in bytes (default 65,536; at most 1,048,576): a larger one is an
+    /// error of the save (the run goes on; the previous checkpoint stands).
+    pub max_bytes: usize,
+    /// How often a running `exec` job's checkpoint file is read back (default `"1s"`).
+    #[serde(deserialize_with = "duration::de")]
+    pub poll: Duration,
+}
+
+impl Default for CheckpointsConfig {
+    fn default() -> Self {
+        Self { max_bytes: 65_536, poll: Duration::from_secs(1) }
     }
 }
 
@@ -821,6 +866,20 @@ impl Config {
                 "history",
                 "max_len and max_age must be positive (set history.enabled = false to record nothing)",
             ));
+        }
+        if !(16..=1_048_576).contains(&self.results.max_bytes) {
+            return Err(ConfigError::invalid("results.max_bytes", "must be between 16 and 1048576"));
+        }
+        if self.results.retention.is_some_and(|r| r.is_zero()) {
+            return Err(ConfigError::invalid("results.retention", "must be positive"));
+        }
+        if !(16..=1_048_576).contains(&self.checkpoints.max_bytes) {
+            return Err(ConfigError::invalid("checkpoints.max_bytes", "must be between 16 and 1048576"));
+        }
+        if self.checkpoints.poll < Duration::from_millis(50)
+            || self.checkpoints.poll > Duration::from_secs(60)
+        {
+            return Err(ConfigError::invalid("checkpoints.poll", "must be between 50ms and 1m"));
         }
         if !(1..=100).contains(&self.history.runs_per_key) {
             return Err(ConfigError::invalid("history.runs_per_key", "must be between 1 and 100"));

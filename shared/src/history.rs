@@ -294,8 +294,32 @@ pub struct KeyRecord {
     pub expires_in_ms: Option<i64>,
     /// The dead letter being published, while `dying`: reason.
     pub dying_reason: Option<String>,
+    /// The result the run returned, once `done` (within `results.retention`).
+    pub result: Option<serde_json::Value>,
+    /// Why a `done` run has no result kept (too large, not serialisable, past its retention).
+    pub result_missing: Option<String>,
+    /// The last checkpoint saved under the key (JSON), until a run succeeds.
+    pub checkpoint: Option<serde_json::Value>,
     /// The key's last runs, oldest first.
     pub runs: Vec<RunEvent>,
+}
+
+/// The result field of a record (`v` + JSON, or `e` + why none was kept) and its expiry
+/// (`rt`, ms): `Ok(value)` or `Err(why not)`; `None` when the run left no result.
+pub fn decode_result(
+    res: Option<&str>,
+    until_ms: Option<i64>,
+    now: DateTime<Utc>,
+) -> Option<Result<serde_json::Value, String>> {
+    let res = res?;
+    if until_ms.is_some_and(|u| u > 0 && u <= now.timestamp_millis()) {
+        return Some(Err("the result is past results.retention".into()));
+    }
+    match res.split_at_checked(1) {
+        Some(("v", json)) => Some(serde_json::from_str(json).map_err(|e| format!("unreadable result: {e}"))),
+        Some(("e", why)) => Some(Err(why.to_string())),
+        _ => Some(Err("unreadable result".into())),
+    }
 }
 
 impl KeyRecord {
@@ -312,6 +336,8 @@ impl KeyRecord {
             })
             .collect();
         runs.sort_by_key(|(n, _)| *n);
+        let until = get("rt").and_then(|t| t.parse::<i64>().ok());
+        let result = decode_result(get("res").as_deref(), until, Utc::now());
         Self {
             state: get("s"),
             owner: get("o"),
@@ -321,6 +347,9 @@ impl KeyRecord {
             lease_until: if get("s").as_deref() == Some("run") { at("u") } else { None },
             expires_in_ms: (pttl >= 0).then_some(pttl),
             dying_reason: get("r"),
+            result: result.as_ref().and_then(|r| r.as_ref().ok().cloned()),
+            result_missing: result.and_then(|r| r.err()),
+            checkpoint: get("cp").map(|c| serde_json::from_str(&c).unwrap_or(serde_json::Value::String(c))),
             runs: runs.into_iter().map(|(_, r)| r).collect(),
         }
     }

@@ -6,6 +6,9 @@
 //! taken and `t` when the last outcome was recorded (ms of Redis `TIME`); while `dying`, also
 //! `r` reason, `e` error and `a` attempts of the dead letter being published. With history on,
 //! `n` counts the key's runs and `run:<n>` holds the last few as JSON ([`crate::history`]).
+//! `cp` is the run's last checkpoint (written by its owner, cleared when it is `done`), `res`
+//! the result a `done` run returned, `rt` the instant (ms) that result expires when that is
+//! before the record does.
 //!
 //! **Fences** are microseconds of Redis `TIME`, raised to at least one above the last fence of
 //! the key: strictly increasing while the record exists, and, after Redis lost the record
@@ -43,12 +46,13 @@ const PRELUDE: &str = "local t = redis.call('TIME') local now = tonumber(t[1]) *
 local now_ms = math.floor(now / 1000) local function int(x) return string.format('%.0f', x) end";
 
 /// KEYS[1] idem key; ARGV owner, lease_ms, retention_ms. Claiming again with the same owner
-/// token returns the same fence (a command resent after a connection drop is harmless).
+/// token returns the same fence (a command resent after a connection drop is harmless). A
+/// claim returns the key's last checkpoint (7th element), if any.
 /// A `dying` key is handed to the caller (it becomes the owner) with the dead letter's facts.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{PRELUDE}
-local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'f', 'r', 'e', 'a')
+local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'f', 'r', 'e', 'a', 'cp')
 local s, fence = h[1], tonumber(h[4]) or 0
 if s == 'done' or s == 'dead' then return {{s, fence, 0}} end
 if s == 'dying' then
@@ -56,12 +60,12 @@ if s == 'dying' then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {{'dying', fence, 0, h[5] or '', h[6] or '', tonumber(h[7]) or 0}}
 end
-if s == 'run' and h[2] == ARGV[1] then return {{'claimed', fence, 0}} end
+if s == 'run' and h[2] == ARGV[1] then return {{'claimed', fence, 0, '', '', 0, h[8]}} end
 if s == 'run' and (tonumber(h[3]) or 0) > now_ms then return {{'busy', fence, tonumber(h[3]) - now_ms}} end
 fence = math.max(fence + 1, now)
 redis.call('HSET', KEYS[1], 's', 'run', 'o', ARGV[1], 'u', int(now_ms + tonumber(ARGV[2])), 'f', int(fence), 'c', int(now_ms))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {{'claimed', fence, 0}}"
+return {{'claimed', fence, 0, '', '', 0, h[8]}}"
     ))
 });
 
@@ -92,19 +96,29 @@ redis.call('HSET', KEYS[1], 'run:' .. n, ARGV[i], 'j', ARGV[i + 2], 'q', ARGV[i 
 local old = n - tonumber(ARGV[i + 1]) \
 if old >= 1 then redis.call('HDEL', KEYS[1], 'run:' .. old) end end";
 
-/// KEYS[1]; ARGV owner, fence, new state, retention_ms[, run line, runs kept, job, queue] → 1
-/// recorded, 0 another owner holds the key, 2 recorded although the record was gone (Redis
-/// lost data; `free` writes nothing). With a run, the run is appended to the record in the
-/// same step (the run history's per-key index costs no command of its own).
+/// KEYS[1]; ARGV owner, fence, new state, retention_ms[, result, result expiry ms, run line,
+/// runs kept, job, queue] → 1 recorded, 0 another owner holds the key, 2 recorded although
+/// the record was gone (Redis lost data; `free` writes nothing). `done` stores the result
+/// (unless empty) and clears the checkpoint. With a run, the run is appended to the record in
+/// the same step (the run history's per-key index costs no command of its own).
 static FINISH: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{PRELUDE}
 {LOG_RUN}
+local function result()
+  if ARGV[3] ~= 'done' then return end
+  redis.call('HDEL', KEYS[1], 'cp', 'res', 'rt')
+  if ARGV[5] and ARGV[5] ~= '' then
+    redis.call('HSET', KEYS[1], 'res', ARGV[5])
+    if ARGV[6] ~= '0' then redis.call('HSET', KEYS[1], 'rt', ARGV[6]) end
+  end
+end
 local h = redis.call('HMGET', KEYS[1], 's', 'o')
 if not h[1] then
   if ARGV[3] ~= 'free' then
     redis.call('HSET', KEYS[1], 's', ARGV[3], 'o', ARGV[1], 'f', ARGV[2], 'u', 0, 't', int(now_ms))
-    if ARGV[5] then log_run(5) end
+    result()
+    if ARGV[7] then log_run(7) end
     redis.call('PEXPIRE', KEYS[1], ARGV[4])
   end
   return 2
@@ -112,10 +126,25 @@ end
 if (h[1] ~= 'run' and h[1] ~= 'dying') or h[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 's', ARGV[3], 'u', 0, 't', int(now_ms))
 redis.call('HDEL', KEYS[1], 'r', 'e', 'a')
-if ARGV[5] then log_run(5) end
+result()
+if ARGV[7] then log_run(7) end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1"
     ))
+});
+
+/// KEYS[1]; ARGV owner, checkpoint, retention_ms → 1 saved, 0 another owner (or a final
+/// state) holds the key, 2 saved although the record was gone (Redis lost data: the
+/// checkpoint waits for the next renewal, which re-creates the claim around it).
+static CHECKPOINT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"local h = redis.call('HMGET', KEYS[1], 's', 'o')
+if h[1] and (h[1] ~= 'run' or h[2] ~= ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'cp', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if h[1] then return 1 end
+return 2",
+    )
 });
 
 /// KEYS[1]; ARGV run line, runs kept, job, queue. Appends a run to an existing record (see
@@ -189,6 +218,8 @@ pub enum Claim {
     Claimed {
         /// Fence token of the record (increases with every claim of the key).
         fence: u64,
+        /// The checkpoint an earlier attempt (or copy) of the key saved, to resume from.
+        checkpoint: Option<String>,
     },
     /// Already completed (a duplicate).
     Done {
@@ -350,6 +381,8 @@ pub struct IdemStore {
     history: Option<HistoryConfig>,
     /// The history writer's queue (started like the batching task).
     writer: Arc<Mutex<Option<mpsc::UnboundedSender<ToWriter>>>>,
+    /// `results.retention` (`None`: as long as the record).
+    result_retention: Option<Duration>,
 }
 
 /// What the history writer is told.
@@ -383,6 +416,7 @@ impl IdemStore {
             batcher: Arc::new(Mutex::new(None)),
             history: None,
             writer: Arc::new(Mutex::new(None)),
+            result_retention: None,
         })
     }
 
@@ -482,7 +516,7 @@ impl IdemStore {
             |i: usize| reply.get(i).and_then(|v| redis::from_redis_value::<u64>(v.clone()).ok()).unwrap_or(0);
         let (fence, third) = (num(1), num(2));
         Ok(match text(0).as_deref() {
-            Some("claimed") => Claim::Claimed { fence },
+            Some("claimed") => Claim::Claimed { fence, checkpoint: text(6) },
             Some("done") => Claim::Done { fence },
             Some("dead") => Claim::Dead { fence },
             Some("busy") => Claim::Busy { fence, remaining: Duration::from_millis(third) },
@@ -520,27 +554,53 @@ impl IdemStore {
         fence: u64,
         state: Final,
     ) -> Result<Recorded, IdemError> {
-        self.finish_with_run(key, owner, fence, state, None).await
+        self.finish_with_run(key, owner, fence, state, None, None).await
     }
 
-    /// [`IdemStore::finish`], appending `run` to the key's record in the same script when
-    /// history is on (then [`IdemStore::record_run`] with `logged = true` hands it to the
-    /// stream only).
+    /// [`IdemStore::finish`], with the result of a `done` run (JSON) kept in the record, and
+    /// `run` appended to the key's record in the same script when history is on (then
+    /// [`IdemStore::record_run`] with `logged = true` hands it to the stream only).
     pub async fn finish_with_run(
         &self,
         key: &str,
         owner: &str,
         fence: u64,
         state: Final,
+        result: Option<&str>,
         run: Option<&RunEvent>,
     ) -> Result<Recorded, IdemError> {
+        // A result kept longer than the record would be extends the record; one kept shorter
+        // carries its own expiry (readers ignore it past then).
+        let (retention, until) = match (result, self.result_retention) {
+            (Some(_), Some(keep)) if keep > self.retention => (keep, 0),
+            (Some(_), Some(keep)) => (
+                self.retention,
+                chrono::Utc::now().timestamp_millis() + i64::try_from(keep.as_millis()).unwrap_or(i64::MAX),
+            ),
+            _ => (self.retention, 0),
+        };
         let mut cmd = evalsha(&FINISH, self.names.idem_key(key));
-        cmd.arg(owner).arg(fence).arg(state.as_str()).arg(Self::ms(self.retention));
+        cmd.arg(owner).arg(fence).arg(state.as_str()).arg(Self::ms(retention));
+        cmd.arg(result.unwrap_or("")).arg(until);
         if let (Some(h), Some(run)) = (&self.history, run) {
             cmd.arg(run.record_line()).arg(h.runs_per_key).arg(&run.job).arg(&run.queue);
         }
         let n: i64 = self.call(cmd).await?;
         Ok(Recorded::from_reply(n))
+    }
+
+    /// Saves `checkpoint` (JSON) as the key's checkpoint, if `owner` still holds it.
+    pub async fn checkpoint(&self, key: &str, owner: &str, checkpoint: &str) -> Result<Recorded, IdemError> {
+        let mut cmd = evalsha(&CHECKPOINT, self.names.idem_key(key));
+        cmd.arg(owner).arg(checkpoint).arg(Self::ms(self.retention));
+        let n: i64 = self.call(cmd).await?;
+        Ok(Recorded::from_reply(n))
+    }
+
+    /// Keeps results for `retention` instead of `redis.done_retention` (`results.retention`).
+    pub fn with_result_retention(mut self, retention: Option<Duration>) -> Self {
+        self.result_retention = retention;
+        self
     }
 
     /// Marks the key `dying` before its dead letter is published, so that a copy finding the
@@ -745,7 +805,7 @@ async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
         if again_replies.is_empty() {
             return;
         }
-        for script in [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*RUNLOG, &*XADDS] {
+        for script in [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*RUNLOG, &*XADDS, &*CHECKPOINT] {
             if let Err(e) = script.prepare_invoke().load_async(conn).await {
                 return fail_all(again_replies, || IdemError::Redis(e.clone()));
             }

@@ -98,7 +98,7 @@ pub(crate) fn on_claim(claim: Result<Claim, &IdemError>) -> Result<u64, Plan> {
         // One poisoned record must not pause the worker: this delivery goes to the DLQ.
         Err(e) if e.is_bad_record() => Err(rejected(DeadReason::BadRecord, &e.to_string())),
         Err(_) => Err(Plan::Requeue),
-        Ok(Claim::Claimed { fence }) => Ok(fence),
+        Ok(Claim::Claimed { fence, .. }) => Ok(fence),
         Ok(Claim::Done { .. } | Claim::Dead { .. }) => Err(Plan::Ack(Settled::Duplicate)),
         // Never drop a busy copy (its owner may die): send it round after the remaining lease.
         Ok(Claim::Busy { remaining, .. }) => {
@@ -216,7 +216,7 @@ mod tests {
 
     #[test]
     fn claims_map_to_plans() {
-        assert_eq!(on_claim(Ok(Claim::Claimed { fence: 7 })), Ok(7));
+        assert_eq!(on_claim(Ok(Claim::Claimed { fence: 7, checkpoint: None })), Ok(7));
         assert_eq!(on_claim(Ok(Claim::Done { fence: 7 })), Err(Plan::Ack(Settled::Duplicate)));
         assert_eq!(on_claim(Ok(Claim::Dead { fence: 7 })), Err(Plan::Ack(Settled::Duplicate)));
         let busy = Claim::Busy { fence: 1, remaining: Duration::from_millis(300) };

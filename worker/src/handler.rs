@@ -6,6 +6,7 @@
 
 use chime_shared::job::{Job, JobOptions};
 use futures_util::future::BoxFuture;
+use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
@@ -30,6 +31,38 @@ pub struct JobContext {
     pub(crate) fence: u64,
     pub(crate) timeout: Duration,
     pub(crate) cancel: CancellationToken,
+    pub(crate) run: Arc<RunState>,
+}
+
+/// What a run keeps beside its facts: the checkpoint it resumed from (or saved last), the
+/// result it set, and the way to the worker that saves checkpoints under the key's claim.
+#[derive(Default)]
+pub(crate) struct RunState {
+    /// The last checkpoint, as JSON text.
+    pub(crate) checkpoint: std::sync::Mutex<Option<String>>,
+    /// The result set with `set_result` or returned by a typed handler; `Err` when it could
+    /// not be turned into JSON.
+    pub(crate) result: std::sync::Mutex<Option<Result<serde_json::Value, String>>>,
+    /// Saves go to the run's owner task (which holds the claim), with their answer.
+    pub(crate) saves: Option<tokio::sync::mpsc::UnboundedSender<SaveCheckpoint>>,
+    /// `checkpoints.max_bytes`.
+    pub(crate) max_bytes: usize,
+    /// `results.max_bytes`.
+    pub(crate) result_max_bytes: usize,
+    /// `checkpoints.poll` (how often an `exec` job's checkpoint file is read).
+    pub(crate) poll: Duration,
+}
+
+impl fmt::Debug for RunState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RunState").field("saves", &self.saves.is_some()).finish_non_exhaustive()
+    }
+}
+
+/// One checkpoint to save (JSON text), and where to say how it went.
+pub(crate) struct SaveCheckpoint {
+    pub(crate) json: String,
+    pub(crate) done: tokio::sync::oneshot::Sender<Result<(), String>>,
 }
 
 impl JobContext {
@@ -81,6 +114,81 @@ impl JobContext {
     /// Whether the run must stop (see [`JobContext::cancelled`]).
     pub fn is_cancelled(&self) -> bool {
         self.cancel.is_cancelled()
+    }
+
+    /// The last checkpoint saved under this key, by an earlier attempt, a copy that was cut
+    /// off (its worker died), or this run; `None` if there is none or it is not a `T`.
+    ///
+    /// ```
+    /// # async fn f(ctx: chime_worker::JobContext) -> Result<(), chime_worker::JobError> {
+    /// let start: u64 = ctx.last_checkpoint().unwrap_or(0);
+    /// for row in start..1000 {
+    ///     // … process row …
+    ///     ctx.checkpoint(&(row + 1)).await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn last_checkpoint<T: DeserializeOwned>(&self) -> Option<T> {
+        let text = self.run.checkpoint.lock().ok()?.clone()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    /// Saves `value` under the key, while this run holds it, for a retry or a redelivered copy
+    /// to resume from ([`JobContext::last_checkpoint`]). A run that succeeds clears it. An
+    /// error (Redis unreachable, the lease taken over, larger than `checkpoints.max_bytes`)
+    /// leaves the previous checkpoint in place; `?` makes it a transient failure.
+    pub async fn checkpoint<T: Serialize + ?Sized>(&self, value: &T) -> Result<(), JobError> {
+        let json = serde_json::to_string(value)
+            .map_err(|e| JobError::permanent(format!("checkpoint does not serialise: {e}")))?;
+        self.save_checkpoint(json).await
+    }
+
+    /// Saves checkpoint JSON text (see [`JobContext::checkpoint`]).
+    pub(crate) async fn save_checkpoint(&self, json: String) -> Result<(), JobError> {
+        if json.len() > self.run.max_bytes {
+            return Err(JobError::transient(format!(
+                "checkpoint of {} bytes exceeds checkpoints.max_bytes ({})",
+                json.len(),
+                self.run.max_bytes
+            )));
+        }
+        let Some(saves) = &self.run.saves else {
+            return Err(JobError::transient("checkpoints are not available outside a worker"));
+        };
+        let (done, answer) = tokio::sync::oneshot::channel();
+        saves
+            .send(SaveCheckpoint { json: json.clone(), done })
+            .map_err(|_| JobError::transient("the run has ended; checkpoint not saved"))?;
+        answer
+            .await
+            .map_err(|_| JobError::transient("the run has ended; checkpoint not saved"))?
+            .map_err(JobError::transient)?;
+        if let Ok(mut last) = self.run.checkpoint.lock() {
+            *last = Some(json);
+        }
+        Ok(())
+    }
+
+    /// The last checkpoint as JSON text.
+    pub(crate) fn checkpoint_text(&self) -> Option<String> {
+        self.run.checkpoint.lock().ok()?.clone()
+    }
+
+    /// Records that the run has a result that cannot be kept (say, too large to read).
+    pub(crate) fn set_result_error(&self, why: String) {
+        if let Ok(mut slot) = self.run.result.lock() {
+            *slot = Some(Err(why));
+        }
+    }
+
+    /// Sets the run's result: kept with the key's record when the run succeeds (up to
+    /// `results.max_bytes` of JSON), read back by `EnqueueClient::wait`, `chime enqueue
+    /// --wait` and `chime inspect`. A typed handler's return value is its result.
+    pub fn set_result<T: Serialize + ?Sized>(&self, value: &T) {
+        let value = serde_json::to_value(value).map_err(|e| format!("result does not serialise: {e}"));
+        if let Ok(mut slot) = self.run.result.lock() {
+            *slot = Some(value);
+        }
     }
 }
 
@@ -237,7 +345,9 @@ impl States {
 }
 
 /// A function that handles job `J`: `Fn(JobContext, J)` or `Fn(JobContext, J, State<S>)`,
-/// returning a future of `Result<(), JobError>`. `Args` tells the two apart; you never name it.
+/// returning a future of `Result<R, JobError>` where `R` is `()` or any `Serialize` value (the
+/// run's result, see [`JobContext::set_result`]). `Args` tells the forms apart; you never
+/// name it.
 pub trait JobFn<J, Args>: Send + Sync + 'static {
     /// Runs one attempt; `states` holds what [`Registry::state`] registered.
     #[doc(hidden)]
@@ -247,28 +357,57 @@ pub trait JobFn<J, Args>: Send + Sync + 'static {
     fn needs(states: &States) -> Result<(), &'static str>;
 }
 
-impl<F, Fut, J> JobFn<J, ()> for F
+/// Keeps what a typed handler returned as the run's result (`()` is none).
+fn returned<R: Serialize>(ctx: &JobContext, value: R) {
+    match serde_json::to_value(&value) {
+        Ok(serde_json::Value::Null) => {}
+        Ok(v) => {
+            if let Ok(mut slot) = ctx.run.result.lock() {
+                *slot = Some(Ok(v));
+            }
+        }
+        Err(e) => {
+            if let Ok(mut slot) = ctx.run.result.lock() {
+                *slot = Some(Err(format!("result does not serialise: {e}")));
+            }
+        }
+    }
+}
+
+impl<F, Fut, J, R> JobFn<J, (R,)> for F
 where
     F: Fn(JobContext, J) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), JobError>> + Send + 'static,
+    Fut: Future<Output = Result<R, JobError>> + Send + 'static,
+    R: Serialize + Send + 'static,
 {
     fn run(&self, ctx: JobContext, job: J, _: &States) -> BoxFuture<'static, Result<(), JobError>> {
-        Box::pin(self(ctx, job))
+        let fut = self(ctx.clone(), job);
+        Box::pin(async move {
+            returned(&ctx, fut.await?);
+            Ok(())
+        })
     }
     fn needs(_: &States) -> Result<(), &'static str> {
         Ok(())
     }
 }
 
-impl<F, Fut, J, S> JobFn<J, (State<S>,)> for F
+impl<F, Fut, J, S, R> JobFn<J, (State<S>, R)> for F
 where
     F: Fn(JobContext, J, State<S>) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), JobError>> + Send + 'static,
+    Fut: Future<Output = Result<R, JobError>> + Send + 'static,
     S: Clone + Send + Sync + 'static,
+    R: Serialize + Send + 'static,
 {
     fn run(&self, ctx: JobContext, job: J, states: &States) -> BoxFuture<'static, Result<(), JobError>> {
         match states.get::<S>() {
-            Some(s) => Box::pin(self(ctx, job, State(s))),
+            Some(s) => {
+                let fut = self(ctx.clone(), job, State(s));
+                Box::pin(async move {
+                    returned(&ctx, fut.await?);
+                    Ok(())
+                })
+            }
             None => Box::pin(async {
                 Err(JobError::permanent(format!("no state of type {}", std::any::type_name::<S>())))
             }),
@@ -411,6 +550,7 @@ mod tests {
             fence: 7,
             timeout: Duration::from_secs(1),
             cancel: CancellationToken::new(),
+            run: Arc::default(),
         }
     }
 
@@ -477,6 +617,45 @@ mod tests {
         // A payload of another shape cannot succeed on a retry: permanent.
         let e = h.call(ctx(), serde_json::json!({"user": "x"})).await.unwrap_err();
         assert!(e.is_permanent() && e.to_string().contains("payload does not match"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_typed_handler_returns_its_result_and_unit_leaves_none() {
+        #[derive(serde::Serialize)]
+        struct Receipt {
+            sent_to: u64,
+        }
+        async fn receipt(_: JobContext, job: SendWelcome) -> Result<Receipt, JobError> {
+            Ok(Receipt { sent_to: job.user_id })
+        }
+        let mut registry = Registry::new();
+        registry.job(receipt);
+        let c = ctx();
+        registry
+            .get("send_welcome")
+            .unwrap()
+            .call(c.clone(), serde_json::json!({"user_id": 9}))
+            .await
+            .unwrap();
+        let kept = c.run.result.lock().unwrap().take();
+        assert_eq!(kept, Some(Ok(serde_json::json!({"sent_to": 9}))));
+
+        async fn nothing(_: JobContext, _: SendWelcome) -> Result<(), JobError> {
+            Ok(())
+        }
+        let mut registry = Registry::new();
+        registry.job(nothing);
+        let c = ctx();
+        registry
+            .get("send_welcome")
+            .unwrap()
+            .call(c.clone(), serde_json::json!({"user_id": 9}))
+            .await
+            .unwrap();
+        assert!(c.run.result.lock().unwrap().is_none(), "() is no result");
+        // Outside a worker there is nowhere to save a checkpoint: an error, not a panic.
+        assert!(c.checkpoint(&1).await.is_err());
+        assert_eq!(c.last_checkpoint::<u64>(), None);
     }
 
     #[test]

@@ -97,6 +97,24 @@ struct Held {
     key: String,
     owner: String,
     fence: u64,
+    /// The result of a successful run, encoded for the record ([`encode_result`]).
+    result: Option<String>,
+}
+
+/// A run's result as its record keeps it: `v` and the JSON, or `e` and why there is none (too
+/// large, or it did not serialise); the run succeeded either way.
+pub(crate) fn encode_result(result: Result<serde_json::Value, String>, max_bytes: usize) -> String {
+    match result {
+        Ok(v) => {
+            let json = v.to_string();
+            if json.len() > max_bytes {
+                format!("eresult of {} bytes exceeds results.max_bytes ({max_bytes}); not kept", json.len())
+            } else {
+                format!("v{json}")
+            }
+        }
+        Err(e) => format!("e{e}"),
+    }
 }
 
 /// What the history records of a handler run.
@@ -208,11 +226,15 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         Ok(Claim::Dying { fence, .. }) => Some(*fence),
         _ => None,
     };
+    let checkpoint = match &claim {
+        Ok(Claim::Claimed { checkpoint, .. }) => checkpoint.clone(),
+        _ => None,
+    };
     let fence = match decision::on_claim(claim.as_ref().map(Clone::clone)) {
         Ok(fence) => fence,
         Err(plan) => {
             // A `dying` claim made us the owner of the dead letter to publish again.
-            let held = dying_fence.map(|fence| Held { key, owner, fence });
+            let held = dying_fence.map(|fence| Held { key, owner, fence, result: None });
             return Verdict::settled(plan, env, held, Some(spec));
         }
     };
@@ -229,7 +251,7 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         started_at,
     };
     let guard = core.running(&owner, running);
-    let end = run(core, store, &spec, &env, &key, &owner, &fence).await;
+    let (end, result) = run(core, store, &spec, &env, &key, &owner, &fence, checkpoint).await;
     drop(guard);
     let duration = run_started.elapsed();
     metrics.duration.record(duration.as_secs_f64());
@@ -240,7 +262,8 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         error = Some(e);
     }
     let plan = decision::on_run(end, env.attempt, env.max_attempts, &spec.backoff, env.key);
-    let held = Held { key, owner, fence: fence.load(Ordering::Relaxed) };
+    let result = result.map(|r| encode_result(r, core.config.results.max_bytes));
+    let held = Held { key, owner, fence: fence.load(Ordering::Relaxed), result };
     let mut verdict = Verdict::settled(plan, env, Some(held), Some(spec));
     verdict.run = Some(RunFacts { started_at, duration, error });
     verdict
@@ -254,7 +277,12 @@ enum Stop {
     Shutdown,
 }
 
-/// Runs the handler under its timeout with the lease renewed, catching a panic.
+/// What a handler left as its result (see [`JobContext::set_result`]).
+type RunResult = Option<Result<serde_json::Value, String>>;
+
+/// Runs the handler under its timeout with the lease renewed and its checkpoints saved,
+/// catching a panic; returns how it ended and the result it set.
+#[allow(clippy::too_many_arguments)]
 async fn run<S: KeyStore>(
     core: &Core,
     store: &S,
@@ -263,6 +291,34 @@ async fn run<S: KeyStore>(
     key: &str,
     owner: &str,
     fence: &AtomicU64,
+    checkpoint: Option<String>,
+) -> (RunEnd, RunResult) {
+    let (saves, save_rx) = tokio::sync::mpsc::unbounded_channel();
+    let state = Arc::new(crate::handler::RunState {
+        checkpoint: std::sync::Mutex::new(checkpoint),
+        result: std::sync::Mutex::new(None),
+        saves: Some(saves),
+        max_bytes: core.config.checkpoints.max_bytes,
+        result_max_bytes: core.config.results.max_bytes,
+        poll: core.config.checkpoints.poll,
+    });
+    let end = run_handler(core, store, spec, env, key, owner, fence, state.clone(), save_rx).await;
+    let result = state.result.lock().ok().and_then(|mut r| r.take());
+    (end, result)
+}
+
+/// [`run`] with its run state made.
+#[allow(clippy::too_many_arguments)]
+async fn run_handler<S: KeyStore>(
+    core: &Core,
+    store: &S,
+    spec: &JobSpec,
+    env: &Envelope,
+    key: &str,
+    owner: &str,
+    fence: &AtomicU64,
+    state: Arc<crate::handler::RunState>,
+    save_rx: tokio::sync::mpsc::UnboundedReceiver<crate::handler::SaveCheckpoint>,
 ) -> RunEnd {
     let cancel = CancellationToken::new();
     let ctx = JobContext {
@@ -276,11 +332,19 @@ async fn run<S: KeyStore>(
         fence: fence.load(Ordering::Relaxed),
         timeout: spec.timeout,
         cancel: cancel.clone(),
+        run: state,
     };
     let mut task = std::pin::pin!(
         std::panic::AssertUnwindSafe(spec.handler.call(ctx, env.payload.clone())).catch_unwind()
     );
-    let mut renewals = std::pin::pin!(renew_lease(core, store, key, owner, fence));
+    // Beside the handler: lease renewals (this ends only when another owner took the key) and
+    // the checkpoints it saves, under this claim.
+    let mut renewals = std::pin::pin!(async {
+        tokio::select! {
+            _ = renew_lease(core, store, key, owner, fence) => {}
+            _ = save_checkpoints(core, store, key, owner, save_rx) => std::future::pending().await,
+        }
+    });
     let mut stop = tokio::select! {
         joined = &mut task => return ended(joined),
         _ = tokio::time::sleep(spec.timeout) => Stop::Timeout,
@@ -335,6 +399,30 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "panic".into())
+}
+
+/// Saves the checkpoints a run asks for, one at a time, answering each; ends when the run's
+/// context is gone.
+async fn save_checkpoints<S: KeyStore>(
+    core: &Core,
+    store: &S,
+    key: &str,
+    owner: &str,
+    mut saves: tokio::sync::mpsc::UnboundedReceiver<crate::handler::SaveCheckpoint>,
+) {
+    while let Some(save) = saves.recv().await {
+        let answer = match store.checkpoint(key, owner, &save.json).await {
+            Ok(Recorded::Yes | Recorded::Recreated) => Ok(()),
+            Ok(Recorded::NotOurs) => Err("another owner holds the key now; checkpoint not saved".to_string()),
+            Err(e) => {
+                if !e.is_bad_record() {
+                    core.redis_failed();
+                }
+                Err(format!("checkpoint not saved: {e}"))
+            }
+        };
+        let _ = save.done.send(answer);
+    }
 }
 
 /// Renews the lease every third of it; returns only when another owner holds the key. A
@@ -456,7 +544,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
             let retried = if sent.is_ok() { event(Outcome::Retried, None, run_error) } else { None };
             // Free the key either way: the retry (or the requeued copy) must be able to claim it.
             let freed = best_effort(core, "free the key", || {
-                store.finish(&h.key, &h.owner, h.fence, Final::Free, retried.as_ref())
+                store.finish(&h.key, &h.owner, h.fence, Final::Free, None, retried.as_ref())
             })
             .await;
             match sent {
@@ -518,7 +606,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                     let mut recorded = None;
                     if let Some(h) = &held {
                         recorded = best_effort(core, "record dead", || {
-                            store.finish(&h.key, &h.owner, h.fence, Final::Dead, died.as_ref())
+                            store.finish(&h.key, &h.owner, h.fence, Final::Dead, None, died.as_ref())
                         })
                         .await;
                     }
@@ -541,7 +629,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
             let mut freed = None;
             if let Some(h) = &held {
                 freed = best_effort(core, "free the key", || {
-                    store.finish(&h.key, &h.owner, h.fence, Final::Free, stopped.as_ref())
+                    store.finish(&h.key, &h.owner, h.fence, Final::Free, None, stopped.as_ref())
                 })
                 .await;
             }
@@ -618,7 +706,7 @@ async fn record_until_done<S: KeyStore>(
     // Every attempt runs to its answer (at a hard stop too: Redis may well be fine); only the
     // wait between attempts is cut short, and a hard stop ends the retries.
     let stop = core.hard_stop.clone();
-    let recorded = (|| store.finish(&h.key, &h.owner, h.fence, Final::Done, run))
+    let recorded = (|| store.finish(&h.key, &h.owner, h.fence, Final::Done, h.result.as_deref(), run))
         .retry(policy)
         .sleep(move |wait| {
             let stop = stop.clone();

@@ -150,7 +150,8 @@ impl WorkerBuilder {
         }
         let jobs = resolve_jobs(&config, &self.registry, &queues)?;
         let store = IdemStore::connect(&config.redis, chime_shared::topology::Names::new(&config.prefix))?
-            .with_history(&config.history);
+            .with_history(&config.history)
+            .with_result_retention(config.results.retention);
         let worker_id = self.worker_id.unwrap_or_else(chime_shared::names::process_name);
         let prefetch =
             queues.iter().map(|q| default_prefetch(&config, &self.registry, &jobs, q, concurrency)).collect();

@@ -22,15 +22,24 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
     fn lease(&self) -> Duration;
     fn claim(&self, key: &str, owner: &str) -> impl Future<Output = Result<Claim, IdemError>> + Send;
     fn renew(&self, key: &str, owner: &str) -> impl Future<Output = Result<Renewal, IdemError>> + Send;
-    /// Records the final state; `run` (when history is on) joins the key's record in the
-    /// same step.
+    /// Records the final state (with the encoded result of a `done` run, see
+    /// `process::encode_result`); `run` (when history is on) joins the key's record in the same
+    /// step.
     fn finish(
         &self,
         key: &str,
         owner: &str,
         fence: u64,
         state: Final,
+        result: Option<&str>,
         run: Option<&RunEvent>,
+    ) -> impl Future<Output = Result<Recorded, IdemError>> + Send;
+    /// Saves the run's checkpoint while `owner` holds the key.
+    fn checkpoint(
+        &self,
+        key: &str,
+        owner: &str,
+        checkpoint: &str,
     ) -> impl Future<Output = Result<Recorded, IdemError>> + Send;
     fn mark_dying(
         &self,
@@ -68,9 +77,18 @@ impl KeyStore for IdemStore {
         owner: &str,
         fence: u64,
         state: Final,
+        result: Option<&str>,
         run: Option<&RunEvent>,
     ) -> impl Future<Output = Result<Recorded, IdemError>> + Send {
-        IdemStore::finish_with_run(self, key, owner, fence, state, run)
+        IdemStore::finish_with_run(self, key, owner, fence, state, result, run)
+    }
+    fn checkpoint(
+        &self,
+        key: &str,
+        owner: &str,
+        checkpoint: &str,
+    ) -> impl Future<Output = Result<Recorded, IdemError>> + Send {
+        IdemStore::checkpoint(self, key, owner, checkpoint)
     }
     fn mark_dying(
         &self,

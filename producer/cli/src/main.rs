@@ -5,6 +5,10 @@ use clap::Parser;
 #[tokio::main]
 async fn main() {
     let cli = chime_cli::cli::Cli::parse();
+    // `chime dlq list | head`: a closed pipe ends a command quietly, as for any Unix tool.
+    if !cli.command.is_daemon() {
+        chime_daemon::signals::default_sigpipe();
+    }
     chime_daemon::telemetry::init_tracing();
     std::process::exit(chime_cli::cli::main_exit_code(cli).await);
 }

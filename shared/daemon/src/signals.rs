@@ -45,3 +45,16 @@ pub async fn next_stop() -> std::io::Result<()> {
     tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
     Ok(())
 }
+
+/// Makes a write to a closed pipe end the process quietly, as it does for other Unix tools
+/// (`chime dlq list | head`): Rust ignores `SIGPIPE`, so `println!` would otherwise panic with
+/// a backtrace on `EPIPE`. For commands that run and exit only (sockets are not concerned:
+/// Rust writes to them with `MSG_NOSIGNAL`); daemons keep it ignored.
+#[allow(unsafe_code)]
+pub fn default_sigpipe() {
+    // SAFETY: restoring a signal's default disposition at startup, before any thread runs
+    // that could rely on it being ignored; `signal` is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}

@@ -112,3 +112,30 @@ async fn a_large_batch_on_stdin_is_validated_whole_then_published_in_chunks() {
     wait_depth(&queue, 25_000, std::time::Duration::from_secs(30)).await;
     assert_eq!(spools(), before, "the spool of standard input is removed");
 }
+
+/// `chime … | head`: the reader going away ends the command quietly (SIGPIPE), never with a
+/// panic and a backtrace.
+#[tokio::test]
+async fn a_closed_pipe_ends_a_command_quietly() {
+    use std::io::BufRead;
+    let env = TestEnv::new("clipipe");
+    let jobs = "[[jobs]]\nname = \"tick\"\nhandler = \"noop\"\nschedule = \"* * * * * *\"\n";
+    let path = env.write_config(&env.config_text("quorum", "", "", jobs));
+    let mut child = std::process::Command::new(bin("chime"))
+        .arg("--config")
+        .arg(&path)
+        .args(["jobs", "next", "tick", "--count", "1000000"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    assert!(first.contains("T"), "{first}");
+    // The reader is gone (dropped above).
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(13), "ended by SIGPIPE: {:?} {err}", out.status);
+}

@@ -33,7 +33,7 @@ impl Keys {
     }
     async fn claimed(&self, k: &str, owner: &str) -> u64 {
         match self.store.claim(k, owner).await.unwrap() {
-            Claim::Claimed { fence } => fence,
+            Claim::Claimed { fence, .. } => fence,
             other => panic!("{k}: {other:?}"),
         }
     }

@@ -17,6 +17,7 @@ mod project;
 mod publish;
 mod redis_outage;
 mod reliability;
+mod results;
 mod retries;
 mod runtime;
 mod steer;

@@ -71,7 +71,7 @@ async fn batched_store_answers_each_call_and_survives_script_flush() {
     let first = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         match rt.block_on(other.claim("first-runtime", "o")).unwrap() {
-            Claim::Claimed { fence } => fence,
+            Claim::Claimed { fence, .. } => fence,
             other => panic!("{other:?}"),
         }
     })
@@ -90,12 +90,12 @@ async fn batched_store_answers_each_call_and_survives_script_flush() {
         async move {
             let key = format!("k{i}");
             let owner = format!("o{i}");
-            let Claim::Claimed { fence } = store.claim(&key, &owner).await.unwrap() else {
+            let Claim::Claimed { fence, .. } = store.claim(&key, &owner).await.unwrap() else {
                 panic!("fresh key {key} not claimed")
             };
             assert_eq!(
                 store.claim(&key, &owner).await.unwrap(),
-                Claim::Claimed { fence },
+                Claim::Claimed { fence, checkpoint: None },
                 "same owner again"
             );
             assert!(matches!(store.claim(&key, "someone else").await.unwrap(), Claim::Busy { .. }));
@@ -112,7 +112,7 @@ async fn batched_store_answers_each_call_and_survives_script_flush() {
 
     let mut conn = connect_redis(&redis.url()).await;
     let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut conn).await.unwrap();
-    let Claim::Claimed { fence } = store.claim("after-flush", "o").await.unwrap() else {
+    let Claim::Claimed { fence, .. } = store.claim("after-flush", "o").await.unwrap() else {
         panic!("not claimed")
     };
     assert_eq!(store.finish("after-flush", "o", fence, Final::Done).await.unwrap(), Recorded::Yes);

@@ -11,6 +11,13 @@
 //! Output: stdout goes to the worker's stdout; stderr is read as it comes and only its last
 //! 2 KiB are kept (for the error message), so a program writing gigabytes costs no memory.
 //!
+//! Checkpoint and result: `CHIME_CHECKPOINT_FILE` names a file that holds the key's last
+//! checkpoint when the program starts (empty when there is none); whatever the program writes
+//! there is read back every `checkpoints.poll` and when it exits, and saved under the key, so
+//! a retry or a copy redelivered after a crash starts from it. `CHIME_RESULT_FILE` names an
+//! empty file; what the program leaves in it when it exits 0 is the run's result (JSON if it
+//! parses as JSON, else the text). Both files are removed after the run.
+//!
 //! Process hygiene: the program runs under a tiny `/bin/sh` guard that leads its own
 //! process group and has `PR_SET_PDEATHSIG = SIGTERM`. On timeout or cancellation the
 //! worker kills the whole group; if the worker itself dies (even by SIGKILL) the kernel
@@ -81,6 +88,86 @@ impl Handler for ExecHandler {
     }
 }
 
+/// The run's checkpoint and result files (removed when dropped).
+struct RunFiles {
+    checkpoint: std::path::PathBuf,
+    result: std::path::PathBuf,
+    /// What the checkpoint file held when last read (or written).
+    seen: std::sync::Mutex<Option<Vec<u8>>>,
+}
+
+impl RunFiles {
+    fn create(ctx: &JobContext) -> std::io::Result<Self> {
+        let base = std::env::temp_dir().join(format!(
+            "chime-{}-{}-{}-{}",
+            std::process::id(),
+            ctx.key,
+            ctx.attempt,
+            uuid::Uuid::new_v4().simple()
+        ));
+        let checkpoint = base.with_extension("checkpoint");
+        let result = base.with_extension("result");
+        // An exec job's checkpoint is its file's text (a JSON string); another handler's, its JSON.
+        let text = ctx.checkpoint_text().map(|json| match serde_json::from_str::<serde_json::Value>(&json) {
+            Ok(serde_json::Value::String(s)) => s,
+            _ => json,
+        });
+        let start = text.unwrap_or_default().into_bytes();
+        std::fs::write(&checkpoint, &start)?;
+        std::fs::write(&result, b"")?;
+        Ok(Self { checkpoint, result, seen: std::sync::Mutex::new(Some(start)) })
+    }
+
+    /// Reads at most `max + 1` bytes of `path`.
+    fn read_bounded(path: &std::path::Path, max: usize) -> std::io::Result<Vec<u8>> {
+        use std::io::Read;
+        let mut out = Vec::new();
+        std::fs::File::open(path)?.take(max as u64 + 1).read_to_end(&mut out)?;
+        Ok(out)
+    }
+
+    /// Saves the checkpoint file's text when it changed since last read.
+    async fn save_checkpoint(&self, ctx: &JobContext) {
+        let Ok(bytes) = Self::read_bounded(&self.checkpoint, ctx.run.max_bytes) else { return };
+        if self.seen.lock().ok().is_some_and(|seen| seen.as_deref() == Some(&bytes[..])) {
+            return;
+        }
+        if let Ok(mut seen) = self.seen.lock() {
+            *seen = Some(bytes.clone());
+        }
+        let Ok(text) = String::from_utf8(bytes) else {
+            tracing::warn!("the checkpoint file is not UTF-8 text; not saved");
+            return;
+        };
+        if let Err(e) = ctx.save_checkpoint(serde_json::Value::String(text).to_string()).await {
+            tracing::warn!(error = %e, "checkpoint not saved");
+        }
+    }
+
+    /// The result file's content as the run's result, when there is one.
+    fn take_result(&self, ctx: &JobContext) {
+        let max = ctx.run.result_max_bytes;
+        match Self::read_bounded(&self.result, max) {
+            Ok(bytes) if bytes.is_empty() => {}
+            Ok(bytes) if bytes.len() > max => ctx.set_result_error(format!(
+                "the result file holds more than results.max_bytes ({max}); not kept"
+            )),
+            Ok(bytes) => match serde_json::from_slice::<serde_json::Value>(&bytes) {
+                Ok(v) => ctx.set_result(&v),
+                Err(_) => ctx.set_result(String::from_utf8_lossy(&bytes).trim_end_matches('\n')),
+            },
+            Err(e) => ctx.set_result_error(format!("cannot read the result file: {e}")),
+        }
+    }
+}
+
+impl Drop for RunFiles {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.checkpoint);
+        let _ = std::fs::remove_file(&self.result);
+    }
+}
+
 async fn run(
     command: &[String],
     permanent: &[i32],
@@ -116,6 +203,9 @@ async fn run(
             Ok(())
         });
     }
+    let files = RunFiles::create(&ctx)
+        .map_err(|e| JobError::transient(format!("cannot create the run's files: {e}")))?;
+    cmd.env("CHIME_CHECKPOINT_FILE", &files.checkpoint).env("CHIME_RESULT_FILE", &files.result);
     let mut child =
         cmd.spawn().map_err(|e| JobError::transient(format!("cannot start {:?}: {e}", command.first())))?;
     let guard = GroupGuard(child.id().and_then(|id| i32::try_from(id).ok()));
@@ -148,9 +238,27 @@ async fn run(
         let start = tail.len().saturating_sub(STDERR_TAIL);
         String::from_utf8_lossy(&tail[start..]).trim().to_string()
     };
-    let (_, tail, status) = tokio::join!(write, read, child.wait());
+    let watch = async {
+        let mut tick = tokio::time::interval(ctx.run.poll);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            files.save_checkpoint(&ctx).await;
+        }
+    };
+    let (_, tail, status) = tokio::join!(write, read, async {
+        tokio::select! {
+            status = child.wait() => status,
+            never = watch => never,
+        }
+    });
     let status = status.map_err(|e| JobError::transient(format!("waiting for the program: {e}")))?;
     drop(guard); // the group leader exited; kill stragglers it left behind
+    // What the program wrote last before it exited.
+    files.save_checkpoint(&ctx).await;
+    if status.code() == Some(0) {
+        files.take_result(&ctx);
+    }
     let detail = if tail.is_empty() { String::new() } else { format!(": {tail}") };
     match status.code() {
         Some(0) => Ok(()),

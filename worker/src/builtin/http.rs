@@ -5,6 +5,8 @@
 //! = transient. Headers `X-Chime-Job`, `X-Chime-Key`, `X-Chime-Attempt`, `X-Chime-Fence`
 //! and `Idempotency-Key` (= the key) let the receiving service deduplicate.
 //!
+//! A 2xx response's body (up to `results.max_bytes`) is the run's result.
+//!
 //! Redirects are followed only to the same host (a redirect elsewhere would re-POST the body
 //! and the idempotency key to a stranger). Errors name the URL with its password and query
 //! values redacted, so tokens in a query string never reach logs or the DLQ.
@@ -93,7 +95,28 @@ impl Handler for HttpHandler {
                     status.as_u16()
                 )));
             }
-            classify(status.as_u16(), &format!("POST {shown}"))
+            classify(status.as_u16(), &format!("POST {shown}"))?;
+            // A 2xx body is the run's result (JSON if it parses, else text), read only up to
+            // results.max_bytes: a larger one is not kept, and never held in memory whole.
+            let max = ctx.run.result_max_bytes;
+            let mut body = Vec::new();
+            let mut resp = resp;
+            while let Ok(Some(chunk)) = resp.chunk().await {
+                body.extend_from_slice(&chunk);
+                if body.len() > max {
+                    ctx.set_result_error(format!(
+                        "the response body exceeds results.max_bytes ({max}); not kept"
+                    ));
+                    return Ok(());
+                }
+            }
+            if !body.is_empty() {
+                match serde_json::from_slice::<serde_json::Value>(&body) {
+                    Ok(v) => ctx.set_result(&v),
+                    Err(_) => ctx.set_result(&String::from_utf8_lossy(&body)),
+                }
+            }
+            Ok(())
         })
     }
 }

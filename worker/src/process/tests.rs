@@ -26,6 +26,10 @@ struct Rec {
     fence: u64,
     until: std::time::Instant,
     dead: Option<DeadInfo>,
+    /// The checkpoint.
+    cp: Option<String>,
+    /// The result a `done` run left.
+    res: Option<String>,
 }
 
 /// The Lua scripts' semantics over a map.
@@ -64,6 +68,8 @@ impl FakeStore {
                 error: "earlier".into(),
                 attempts: 1,
             }),
+            cp: None,
+            res: None,
         };
         self.recs.lock().unwrap().insert(key.into(), rec);
     }
@@ -106,7 +112,9 @@ impl KeyStore for FakeStore {
                         }),
                     });
                 }
-                "run" if r.owner == owner => return Ok(Claim::Claimed { fence: r.fence }),
+                "run" if r.owner == owner => {
+                    return Ok(Claim::Claimed { fence: r.fence, checkpoint: r.cp.clone() });
+                }
                 "run" if r.until > now => {
                     return Ok(Claim::Busy { fence: r.fence, remaining: r.until - now });
                 }
@@ -114,9 +122,13 @@ impl KeyStore for FakeStore {
             }
         }
         let fence = recs.get(key).map_or(0, |r| r.fence) + 1;
+        let cp = recs.get(key).and_then(|r| r.cp.clone());
         let until = now + self.lease();
-        recs.insert(key.into(), Rec { state: "run", owner: owner.into(), fence, until, dead: None });
-        Ok(Claim::Claimed { fence })
+        recs.insert(
+            key.into(),
+            Rec { state: "run", owner: owner.into(), fence, until, dead: None, cp: cp.clone(), res: None },
+        );
+        Ok(Claim::Claimed { fence, checkpoint: cp })
     }
     async fn renew(&self, key: &str, owner: &str) -> Result<Renewal, IdemError> {
         if self.down.load(Ordering::SeqCst) {
@@ -128,7 +140,15 @@ impl KeyStore for FakeStore {
             None => {
                 recs.insert(
                     key.into(),
-                    Rec { state: "run", owner: owner.into(), fence: 1000, until, dead: None },
+                    Rec {
+                        state: "run",
+                        owner: owner.into(),
+                        fence: 1000,
+                        until,
+                        dead: None,
+                        cp: None,
+                        res: None,
+                    },
                 );
                 Ok(Renewal::Recreated { fence: 1000 })
             }
@@ -145,13 +165,28 @@ impl KeyStore for FakeStore {
         owner: &str,
         fence: u64,
         state: Final,
+        result: Option<&str>,
         run: Option<&RunEvent>,
     ) -> Result<Recorded, IdemError> {
-        let recorded = self.finish_state(key, owner, fence, state)?;
+        let recorded = self.finish_state(key, owner, fence, state, result)?;
         if let (Some(run), Recorded::Yes | Recorded::Recreated) = (run, &recorded) {
             self.logged.lock().unwrap().push(run.clone());
         }
         Ok(recorded)
+    }
+    async fn checkpoint(&self, key: &str, owner: &str, checkpoint: &str) -> Result<Recorded, IdemError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(Self::err());
+        }
+        let mut recs = self.recs.lock().unwrap();
+        match recs.get_mut(key) {
+            Some(r) if r.state == "run" && r.owner == owner => {
+                r.cp = Some(checkpoint.into());
+                Ok(Recorded::Yes)
+            }
+            Some(_) => Ok(Recorded::NotOurs),
+            None => Ok(Recorded::Recreated),
+        }
     }
     async fn mark_dying(
         &self,
@@ -171,7 +206,15 @@ impl KeyStore for FakeStore {
                 let existed = found.is_some();
                 recs.insert(
                     key.into(),
-                    Rec { state: "dying", owner: owner.into(), fence, until: now, dead: Some(dead.clone()) },
+                    Rec {
+                        state: "dying",
+                        owner: owner.into(),
+                        fence,
+                        until: now,
+                        dead: Some(dead.clone()),
+                        cp: None,
+                        res: None,
+                    },
                 );
                 Ok(if existed { Recorded::Yes } else { Recorded::Recreated })
             }
@@ -180,7 +223,20 @@ impl KeyStore for FakeStore {
 }
 
 impl FakeStore {
-    fn finish_state(&self, key: &str, owner: &str, fence: u64, state: Final) -> Result<Recorded, IdemError> {
+    fn checkpoint_of(&self, key: &str) -> Option<String> {
+        self.recs.lock().unwrap().get(key).and_then(|r| r.cp.clone())
+    }
+    fn result_of(&self, key: &str) -> Option<String> {
+        self.recs.lock().unwrap().get(key).and_then(|r| r.res.clone())
+    }
+    fn finish_state(
+        &self,
+        key: &str,
+        owner: &str,
+        fence: u64,
+        state: Final,
+        result: Option<&str>,
+    ) -> Result<Recorded, IdemError> {
         if self.down.load(Ordering::SeqCst) || self.finish_down.load(Ordering::SeqCst) {
             return Err(Self::err());
         }
@@ -194,9 +250,18 @@ impl FakeStore {
         match recs.get_mut(key) {
             None => {
                 if state != Final::Free {
+                    let res = result.filter(|_| state == Final::Done).map(str::to_string);
                     recs.insert(
                         key.into(),
-                        Rec { state: name, owner: owner.into(), fence, until: now, dead: None },
+                        Rec {
+                            state: name,
+                            owner: owner.into(),
+                            fence,
+                            until: now,
+                            dead: None,
+                            cp: None,
+                            res,
+                        },
                     );
                 }
                 Ok(Recorded::Recreated)
@@ -204,6 +269,10 @@ impl FakeStore {
             Some(r) if (r.state == "run" || r.state == "dying") && r.owner == owner => {
                 r.state = name;
                 r.dead = None;
+                if state == Final::Done {
+                    r.cp = None;
+                    r.res = result.map(str::to_string);
+                }
                 Ok(Recorded::Yes)
             }
             Some(_) => Ok(Recorded::NotOurs),
@@ -289,6 +358,8 @@ struct Harness {
     runs: Arc<AtomicUsize>,
     /// Set by the `cooperative` handler when it saw its cancellation token fire.
     saw_cancel: Arc<AtomicBool>,
+    /// Where each run of the `resumable` handler started.
+    starts: Arc<Mutex<Vec<u64>>>,
 }
 
 fn harness() -> Harness {
@@ -297,7 +368,9 @@ fn harness() -> Harness {
                 [[jobs]]\nname = \"cooperative\"\nhandler = \"cooperative\"\ntimeout = \"100ms\"\n\
                 [[jobs]]\nname = \"long\"\nhandler = \"long\"\n\
                 [[jobs]]\nname = \"patient\"\nhandler = \"patient\"\ntimeout = \"60s\"\n\
-                [[jobs]]\nname = \"stubborn\"\nhandler = \"stubborn\"\ntimeout = \"60s\"\n";
+                [[jobs]]\nname = \"stubborn\"\nhandler = \"stubborn\"\ntimeout = \"60s\"\n\
+                [[jobs]]\nname = \"resumable\"\nhandler = \"resumable\"\n\
+                [results]\nmax_bytes = 64\n";
     let config = Config::from_toml_str(text).unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let saw_cancel = Arc::new(AtomicBool::new(false));
@@ -366,9 +439,35 @@ fn harness() -> Harness {
             }
         }),
     );
+    // Counts from its last checkpoint to `to`, saving each step; fails once at `fail_at`
+    // (attempt 1 only); its result is the rows it counted, or `pad` bytes of text.
+    let (r, starts) = (runs.clone(), Arc::new(Mutex::new(Vec::new())));
+    let s = starts.clone();
+    registry.register(
+        "resumable",
+        raw_handler_fn(move |ctx: JobContext, p: serde_json::Value| {
+            r.fetch_add(1, Ordering::SeqCst);
+            let s = s.clone();
+            async move {
+                let start: u64 = ctx.last_checkpoint().unwrap_or(0);
+                s.lock().unwrap().push(start);
+                for row in start..p["to"].as_u64().unwrap_or(0) {
+                    if ctx.attempt() == 1 && Some(row) == p["fail_at"].as_u64() {
+                        return Err(JobError::transient("cut off"));
+                    }
+                    ctx.checkpoint(&(row + 1)).await?;
+                }
+                match p["pad"].as_u64() {
+                    Some(n) => ctx.set_result(&"x".repeat(n as usize)),
+                    None => ctx.set_result(&serde_json::json!({"rows": p["to"]})),
+                }
+                Ok(())
+            }
+        }),
+    );
     let jobs = resolve_jobs(&config, &registry, &["default".to_string()]).unwrap();
     let core = Core::new(Arc::new(config), registry, jobs, "test".into());
-    Harness { core, store: FakeStore::new(), outbox: FakeOutbox::default(), runs, saw_cancel }
+    Harness { core, store: FakeStore::new(), outbox: FakeOutbox::default(), runs, saw_cancel, starts }
 }
 
 fn envelope(job: &str, payload: &str, attempt: u32, max: u32) -> Envelope {
@@ -714,4 +813,38 @@ async fn on_shutdown_a_handler_ignoring_cancellation_is_dropped_and_its_delivery
     assert_eq!(settled, ["requeue"], "the job is given back, not acked");
     assert_eq!(h.store.state(&key), Some("free"), "the key is released for the next copy");
     assert!(h.sent().is_empty(), "no retry and no dead letter for a job that was stopped");
+}
+
+#[tokio::test]
+async fn a_retry_resumes_from_the_last_checkpoint_and_a_success_keeps_its_result() {
+    let h = harness();
+    let payload = serde_json::json!({"to": 5, "fail_at": 3});
+    let mut env =
+        Envelope::new("resumable", "default", adhoc_key("resumable", "r"), payload, None, 3, Source::Adhoc);
+    let key = env.key.to_string();
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"], "attempt 1 fails and is retried");
+    assert_eq!(h.store.state(&key), Some("free"));
+    assert_eq!(h.store.checkpoint_of(&key).as_deref(), Some("3"), "rows 0, 1, 2 were done");
+    env.attempt = 2;
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert_eq!(*h.starts.lock().unwrap(), [0, 3], "the retry started from the checkpoint");
+    assert_eq!(h.store.state(&key), Some("done"));
+    assert_eq!(h.store.checkpoint_of(&key), None, "a success clears the checkpoint");
+    assert_eq!(h.store.result_of(&key).as_deref(), Some(r#"v{"rows":5}"#));
+
+    // A result above results.max_bytes (64) does not fail the run; the record says why.
+    let env = Envelope::new(
+        "resumable",
+        "default",
+        adhoc_key("resumable", "big"),
+        serde_json::json!({"to": 1, "pad": 100}),
+        None,
+        3,
+        Source::Adhoc,
+    );
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    let key = env.key.to_string();
+    assert_eq!(h.store.state(&key), Some("done"));
+    let kept = h.store.result_of(&key).unwrap();
+    assert!(kept.starts_with("eresult of 102 bytes exceeds results.max_bytes (64)"), "{kept}");
 }

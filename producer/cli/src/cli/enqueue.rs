@@ -39,6 +39,13 @@ pub struct EnqueueArgs {
     /// JSON lines, one job each ({"payload":…,"key":…} or a bare payload); `-` = stdin
     #[arg(long, value_name = "PATH|-")]
     pub batch: Option<String>,
+    /// Wait until the job is done or dead and print its result (exit 1 if it was
+    /// dead-lettered or did not finish in time)
+    #[arg(long, conflicts_with = "batch")]
+    pub wait: bool,
+    /// How long --wait waits
+    #[arg(long, value_name = "DUR", default_value = "5m", requires = "wait")]
+    pub wait_timeout: String,
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
@@ -151,21 +158,66 @@ pub async fn run(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> 
     // Asked before publishing: a worker may settle this very copy a moment later.
     let settled =
         if args.key.is_some() { settled_keys(&config, &[key.to_string()]).await } else { Vec::new() };
+    let wait_for = if args.wait {
+        Some(
+            chime_shared::duration::parse(&args.wait_timeout)
+                .map_err(|e| usage(anyhow::anyhow!("--wait-timeout: {e}")))?,
+        )
+    } else {
+        None
+    };
     let client = EnqueueClient::connect(config.clone()).await.map_err(from_enqueue)?;
     let done = client.enqueue(req).await.map_err(from_enqueue)?;
-    if args.json {
-        println!(
-            "{}",
-            serde_json::json!({"confirmed": true, "id": done.id, "key": done.key, "job": done.job, "queue": done.queue})
-        );
-    } else {
-        println!(
-            "enqueued {} on queue {} (key {}, id {}), confirmed",
-            done.job, done.queue, done.key, done.id
-        );
+    let Some(wait_for) = wait_for else {
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({"confirmed": true, "id": done.id, "key": done.key, "job": done.job, "queue": done.queue})
+            );
+        } else {
+            println!(
+                "enqueued {} on queue {} (key {}, id {}), confirmed",
+                done.job, done.queue, done.key, done.id
+            );
+        }
+        warn_settled(settled.first(), settled.len());
+        return Ok(());
+    };
+    if !args.json {
+        eprintln!("enqueued {} (key {}), confirmed; waiting up to {}", done.job, done.key, args.wait_timeout);
     }
     warn_settled(settled.first(), settled.len());
-    Ok(())
+    print_finished(client.wait(done.key, wait_for).await, args.json)
+}
+
+/// Prints how a waited-for job ended: its result (standard output), or why it did not end
+/// well (exit 1).
+fn print_finished(
+    finished: Result<chime_producer::Finished, chime_producer::WaitError>,
+    json: bool,
+) -> Result<(), Failure> {
+    use chime_producer::Finished;
+    let finished = finished.map_err(runtime)?;
+    if json {
+        println!("{}", serde_json::to_string(&finished).unwrap_or_default());
+    }
+    match finished {
+        Finished::Done { result, result_missing } => {
+            if !json {
+                match (result, result_missing) {
+                    (Some(r), _) => println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default()),
+                    (None, Some(why)) => eprintln!("done; no result: {why}"),
+                    (None, None) => eprintln!("done (no result)"),
+                }
+            }
+            Ok(())
+        }
+        Finished::Dead { reason, error } => Err(runtime(anyhow::anyhow!(
+            "the job was dead-lettered ({}){}",
+            reason.as_deref().unwrap_or("see chime dlq list"),
+            error.map(|e| format!(": {}", chime_shared::config::escape_control(&e))).unwrap_or_default()
+        ))),
+    }
 }
 
 /// A key that already ran to an end: the key, `done` or `dead`, and when.

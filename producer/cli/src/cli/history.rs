@@ -265,7 +265,24 @@ fn print_record(key: &Uuid, r: &KeyRecord) {
     if let Some(reason) = &r.dying_reason {
         println!("dying     reason {reason}");
     }
+    if let Some(cp) = &r.checkpoint {
+        println!("checkpoint {}", shown(cp));
+    }
+    match (&r.result, &r.result_missing) {
+        (Some(v), _) => println!("result    {}", shown(v)),
+        (None, Some(why)) => println!("result    none kept: {why}"),
+        _ => {}
+    }
     print_key_runs(r);
+}
+
+/// A JSON value on one line, control characters escaped, cut at 2 KiB.
+fn shown(v: &serde_json::Value) -> String {
+    let text = chime_shared::config::escape_control(&v.to_string()).into_owned();
+    match text.char_indices().nth(2048) {
+        Some((i, _)) => format!("{}… (cut; --json shows it whole)", &text[..i]),
+        None => text,
+    }
 }
 
 fn print_key_runs(r: &KeyRecord) {

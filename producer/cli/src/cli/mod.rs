@@ -29,6 +29,13 @@ pub struct Cli {
     pub command: Command,
 }
 
+impl Command {
+    /// The daemons (`tick`, `web`, `watch`); every other command runs and exits.
+    pub fn is_daemon(&self) -> bool {
+        matches!(self, Command::Tick { .. } | Command::Web(_) | Command::Watch { .. })
+    }
+}
+
 // Parsed once per process: the size of the largest variant does not matter.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]

@@ -318,9 +318,21 @@ pub async fn scenario(c: &Ctx) {
         while probes < 30 {
             probes += 1;
             progress(&format!("latency: capacity search, run {}/{}, offering {rate:.0}/s", r + 1, c.o.runs));
-            let s = step(&client, &mut worker, &queue, rate, warm, secs).await;
+            let mut s = step(&client, &mut worker, &queue, rate, warm, secs).await;
             progress("");
             println!("{}", step_line("capacity", &s));
+            if !s.sustained() {
+                // One hiccup of this VM (a queue compacting its log, a noisy neighbour) must
+                // not end the search: a rate counts as too much only when it fails twice.
+                progress(&format!(
+                    "latency: capacity search, run {}/{}, offering {rate:.0}/s again",
+                    r + 1,
+                    c.o.runs
+                ));
+                s = step(&client, &mut worker, &queue, rate, warm, secs).await;
+                progress("");
+                println!("{}", step_line("again", &s));
+            }
             if s.sustained() {
                 good = Some(rate);
             } else {

@@ -1,0 +1,97 @@
+//! [`EnqueueClient::wait`]: how a job ended, and what it returned, read from its key's record.
+
+use chime_shared::history::{HistoryReader, KeyRecord};
+use std::time::{Duration, Instant};
+use uuid::Uuid;
+
+use crate::EnqueueClient;
+
+/// How a job ended, as its key's record says.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Finished {
+    /// It succeeded.
+    Done {
+        /// What it returned (a Rust handler's value, an `exec` job's `CHIME_RESULT_FILE`, an
+        /// `http` job's response body), if anything.
+        result: Option<serde_json::Value>,
+        /// Why a result it returned is not there (too large for `results.max_bytes`, past
+        /// `results.retention`).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        result_missing: Option<String>,
+    },
+    /// It was dead-lettered (`chime dlq show` has the whole story).
+    Dead {
+        /// Why, from the key's last run (with `[history]` on).
+        reason: Option<String>,
+        /// The last error, from the key's last run (with `[history]` on).
+        error: Option<String>,
+    },
+}
+
+/// Why [`EnqueueClient::wait`] returned without an outcome.
+#[derive(Debug, thiserror::Error)]
+pub enum WaitError {
+    /// The job did not end within the wait.
+    #[error("job {key} did not finish within {waited:?} (its key is {})", state.as_deref().unwrap_or("not claimed yet: queued, delayed or not enqueued"))]
+    Timeout {
+        /// The key waited for.
+        key: Uuid,
+        /// How long.
+        waited: Duration,
+        /// The key's state when the wait ended (`run`, `free` between retries, …).
+        state: Option<String>,
+    },
+    /// Redis could not be asked.
+    #[error("cannot read the job's record from Redis: {0}")]
+    Redis(String),
+}
+
+impl Finished {
+    fn of(record: &KeyRecord) -> Option<Self> {
+        match record.state.as_deref() {
+            Some("done") => Some(Finished::Done {
+                result: record.result.clone(),
+                result_missing: record.result_missing.clone(),
+            }),
+            Some("dead") => {
+                let last = record.runs.last();
+                Some(Finished::Dead {
+                    reason: last.and_then(|r| r.reason.clone()),
+                    error: last.and_then(|r| r.error.clone()),
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+impl EnqueueClient {
+    /// Waits until the job under `key` (an [`crate::Enqueued::key`]) is done or dead, for at
+    /// most `timeout`, and returns how it ended with its result. Reads the key's record in
+    /// Redis (connected on first use), every 20 ms at first and every 500 ms at most; a job
+    /// that already ended returns at once, for as long as its record is kept
+    /// (`redis.done_retention`).
+    pub async fn wait(&self, key: Uuid, timeout: Duration) -> Result<Finished, WaitError> {
+        let reader = self
+            .redis
+            .get_or_try_init(|| HistoryReader::connect(&self.config.redis, self.names.clone()))
+            .await
+            .map_err(|e| WaitError::Redis(e.to_string()))?;
+        let start = Instant::now();
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let record =
+                reader.record(&key.to_string()).await.map_err(|e| WaitError::Redis(e.to_string()))?;
+            if let Some(done) = Finished::of(&record) {
+                return Ok(done);
+            }
+            let left = timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Err(WaitError::Timeout { key, waited: timeout, state: record.state });
+            }
+            tokio::time::sleep(pause.min(left)).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+}
