@@ -5,7 +5,7 @@
 //! envelope) happens before anything is published, so a bad batch publishes nothing.
 
 use chime_shared::amqp::{self, AmqpError};
-use chime_shared::config::{Config, valid_name};
+use chime_shared::config::{Config, Priority, valid_name};
 use chime_shared::delay;
 use chime_shared::envelope::{self, Envelope, Source};
 use chime_shared::job::{Job, JobOptions};
@@ -38,6 +38,9 @@ pub struct EnqueueRequest {
     /// Overrides the job's `max_attempts`.
     #[serde(default)]
     pub max_attempts: Option<u32>,
+    /// Overrides the job's `priority` (the queue must have priority levels).
+    #[serde(default)]
+    pub priority: Option<Priority>,
     /// Deliver after this long (1 s granularity, rounded up).
     #[serde(skip)]
     pub delay: Option<Duration>,
@@ -99,6 +102,12 @@ impl EnqueueRequest {
     /// Overrides the job's attempts.
     pub fn max_attempts(mut self, n: u32) -> Self {
         self.max_attempts = Some(n);
+        self
+    }
+    /// Delivers ahead of (`High`) or behind (`Low`) the queue's other jobs when a backlog
+    /// exists; the queue must have priority levels (a `[[jobs]]` entry on it sets `priority`).
+    pub fn priority(mut self, priority: Priority) -> Self {
+        self.priority = Some(priority);
         self
     }
 }
@@ -367,7 +376,7 @@ impl EnqueueClient {
     /// connection is replaced and the envelope sent again (up to 5 new connections).
     pub async fn publish(&self, env: &Envelope, delay: Duration) -> Result<(), EnqueueError> {
         let (exchange, routing_key) =
-            delay::target(&self.names, self.config.amqp.queue_type, &env.queue, delay);
+            delay::target(&self.names, self.config.amqp.queue_type, &env.route(), delay);
         let body = env.encode();
         let mut session = self.session().await;
         let mut reconnects = 0;
@@ -480,7 +489,7 @@ impl EnqueueClient {
         if !returns.is_empty() {
             let qt = self.config.amqp.queue_type;
             for (i, p) in envs.iter().enumerate().take(confirmed).skip(start) {
-                let (exchange, rk) = delay::target(&self.names, qt, &p.envelope.queue, p.delay);
+                let (exchange, rk) = delay::target(&self.names, qt, &p.envelope.route(), p.delay);
                 if let Some(e) = returns.take(&exchange, &rk, &p.envelope.encode()) {
                     return (i, Some(e));
                 }
@@ -515,7 +524,7 @@ impl EnqueueClient {
             let encoded: Vec<(String, String, Vec<u8>)> = group
                 .iter()
                 .map(|p| {
-                    let (exchange, rk) = delay::target(&self.names, qt, &p.envelope.queue, p.delay);
+                    let (exchange, rk) = delay::target(&self.names, qt, &p.envelope.route(), p.delay);
                     (exchange, rk, p.envelope.encode())
                 })
                 .collect();
@@ -607,7 +616,21 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
         .clone()
         .or_else(|| entry.and_then(|j| j.payload.clone()))
         .unwrap_or(serde_json::Value::Null);
-    let env = Envelope::new(&req.job, queue, key, payload, None, max_attempts, Source::Adhoc);
+    let mut env = Envelope::new(&req.job, queue, key, payload, None, max_attempts, Source::Adhoc);
+    let priority = req.priority.or_else(|| entry.and_then(|j| j.priority)).unwrap_or_default();
+    if priority != Priority::Normal {
+        let declared = config.all_queues().iter().any(|q| q == queue);
+        if declared && !config.levels(queue).contains(&priority) {
+            return Err(EnqueueError::Invalid {
+                field: "priority".into(),
+                message: format!(
+                    "queue {queue:?} has no priority levels: set `priority` on a [[jobs]] entry of that queue, \
+                     so that it gets them and workers consume them"
+                ),
+            });
+        }
+        env.priority = Some(priority);
+    }
     let size = env.encode().len();
     if size > config.amqp.max_message_bytes {
         return Err(EnqueueError::TooLarge {

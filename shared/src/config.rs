@@ -464,6 +464,90 @@ pub enum CatchUp {
     None,
 }
 
+/// What the ticker does with a slot whose previous run is still in progress (not yet done or
+/// dead: queued, running, or between retries).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Overlap {
+    /// Publish it anyway (runs may overlap).
+    #[default]
+    Allow,
+    /// Skip it (counted in `chime_slots_overlapped_total`, recorded in the history).
+    Skip,
+    /// Hold it until the previous run ends, then publish it; at most one waits, later ones
+    /// are skipped.
+    BufferOne,
+}
+
+/// How many copies of each slot (or ad-hoc enqueue) a sharded job fans out to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(untagged)]
+pub enum Shards {
+    /// A fixed number, 1 to 1,000.
+    Count(u32),
+    /// As many as workers consume the job's queue when the slot is published.
+    Workers,
+}
+
+impl<'de> Deserialize<'de> for Shards {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(i64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) if (1..=1000).contains(&n) => Ok(Shards::Count(n as u32)),
+            Raw::N(n) => {
+                Err(serde::de::Error::custom(format!("{n}: must be between 1 and 1000, or \"workers\"")))
+            }
+            Raw::S(s) if s == "workers" => Ok(Shards::Workers),
+            Raw::S(s) => Err(serde::de::Error::custom(format!("{s:?}: a number of shards, or \"workers\""))),
+        }
+    }
+}
+
+/// Delivery order when a backlog exists: `high` before `normal` before `low`.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize, serde::Serialize, Default,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    /// Ahead of the others.
+    High,
+    /// The default.
+    #[default]
+    Normal,
+    /// Behind the others.
+    Low,
+}
+
+impl Priority {
+    /// Every level, highest first.
+    pub const ALL: [Priority; 3] = [Priority::High, Priority::Normal, Priority::Low];
+    /// `high`, `normal` or `low`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::High => "high",
+            Priority::Normal => "normal",
+            Priority::Low => "low",
+        }
+    }
+}
+
+impl std::str::FromStr for Priority {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "high" => Ok(Priority::High),
+            "normal" => Ok(Priority::Normal),
+            "low" => Ok(Priority::Low),
+            _ => Err(format!("{s:?}: high, normal or low")),
+        }
+    }
+}
+
 /// One `[[jobs]]` entry.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(try_from = "RawJobConfig")]
@@ -497,6 +581,14 @@ pub struct JobConfig {
     /// Runs of this job at once in one worker process (default: 8 for `exec`, otherwise
     /// `worker.concurrency`): heavy handlers bounded, light ones run wide.
     pub concurrency: Option<usize>,
+    /// A scheduled job's slot whose previous run is still in progress (default `allow`).
+    pub overlap: Overlap,
+    /// Fan each slot (or ad-hoc enqueue) out to this many messages, one per shard.
+    pub shards: Option<Shards>,
+    /// Run each slot once on every live worker consuming the job's queue.
+    pub broadcast: bool,
+    /// Delivery order when a backlog exists (default `normal`).
+    pub priority: Option<Priority>,
 }
 
 /// What runs a job. In TOML it is the `handler` key plus the keys of that handler alone
@@ -581,6 +673,14 @@ struct RawJobConfig {
     jitter: Option<Duration>,
     #[serde(default)]
     concurrency: Option<usize>,
+    #[serde(default)]
+    overlap: Option<Overlap>,
+    #[serde(default)]
+    shards: Option<Shards>,
+    #[serde(default)]
+    broadcast: Option<bool>,
+    #[serde(default)]
+    priority: Option<Priority>,
 }
 
 /// `[[jobs]]` with each entry's index in its errors, as `validate` names them.
@@ -608,6 +708,15 @@ impl RawJobConfig {
             |field: &str, handler: &str| format!("{}: only valid with handler \"{handler}\"", key(field));
         if raw.concurrency.is_some_and(|n| !(1..=10_000).contains(&n)) {
             return Err(format!("{}: must be between 1 and 10000", key("concurrency")));
+        }
+        if raw.overlap.is_some_and(|o| o != Overlap::Allow) && raw.schedule.is_none() {
+            return Err(format!(
+                "{}: applies to scheduled jobs only (this one has no schedule)",
+                key("overlap")
+            ));
+        }
+        if raw.broadcast == Some(true) && raw.shards.is_some() {
+            return Err(format!("{}: a job is sharded or broadcast, not both", key("broadcast")));
         }
         if raw.handler != "exec" {
             for (field, set) in [
@@ -671,6 +780,10 @@ impl RawJobConfig {
             deadline: raw.deadline,
             jitter: raw.jitter,
             concurrency: raw.concurrency,
+            overlap: raw.overlap.unwrap_or_default(),
+            shards: raw.shards,
+            broadcast: raw.broadcast.unwrap_or(false),
+            priority: raw.priority,
         })
     }
 }
@@ -1093,6 +1206,22 @@ impl Config {
         set.extend(self.worker.queues.iter().cloned());
         set.insert(DEFAULT_QUEUE.to_string());
         set.into_iter().collect()
+    }
+
+    /// The priority levels of `queue`: all three when one of its jobs sets `priority`, else
+    /// only `normal` (a level is a queue of its own on the broker).
+    pub fn levels(&self, queue: &str) -> Vec<Priority> {
+        if self.jobs.iter().any(|j| j.queue() == queue && j.priority.is_some()) {
+            Priority::ALL.to_vec()
+        } else {
+            vec![Priority::Normal]
+        }
+    }
+
+    /// The routes (queues on the broker, `<prefix>.q.<route>`) of `queue` with their levels,
+    /// highest first.
+    pub fn routes(&self, queue: &str) -> Vec<(String, Priority)> {
+        self.levels(queue).into_iter().map(|p| (crate::envelope::priority_route(queue, p), p)).collect()
     }
 }
 

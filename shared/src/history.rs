@@ -40,17 +40,21 @@ pub enum Outcome {
     Stopped,
     /// Another owner took the key over while this run was going; that owner settles it.
     LostLease,
+    /// The ticker did not publish a scheduled slot: its job's previous run was still in
+    /// progress (`overlap = "skip"`, or `"buffer_one"` with one slot already waiting).
+    Skipped,
 }
 
 impl Outcome {
     /// Every outcome, in a fixed order.
-    pub const ALL: [Outcome; 6] = [
+    pub const ALL: [Outcome; 7] = [
         Outcome::Succeeded,
         Outcome::Retried,
         Outcome::DeadLettered,
         Outcome::Expired,
         Outcome::Stopped,
         Outcome::LostLease,
+        Outcome::Skipped,
     ];
 
     /// The spelling in events, filters and URLs.
@@ -62,6 +66,7 @@ impl Outcome {
             Outcome::Expired => "expired",
             Outcome::Stopped => "stopped",
             Outcome::LostLease => "lost_lease",
+            Outcome::Skipped => "skipped",
         }
     }
 
@@ -74,6 +79,7 @@ impl Outcome {
             Outcome::Expired => 'e',
             Outcome::Stopped => 'x',
             Outcome::LostLease => 'l',
+            Outcome::Skipped => 'k',
         }
     }
 
@@ -226,6 +232,26 @@ pub const RUNS_PER_ENTRY: usize = 8;
 /// One stream entry's `runs` field: a JSON array of `[job, key, id, line]`, oldest first.
 pub fn encode_entry(runs: &[[String; 4]]) -> String {
     serde_json::to_string(runs).unwrap_or_else(|_| "[]".into())
+}
+
+/// Appends `events` (each to its queue's stream, one entry each) and to their keys' records
+/// when these exist: for what the ticker decides about a slot (a skipped one). Best-effort,
+/// like all history; the stream is trimmed by the workers' next writes.
+pub async fn append(
+    conn: &mut RedisConn,
+    names: &crate::topology::Names,
+    events: &[RunEvent],
+) -> redis::RedisResult<()> {
+    let mut pipe = redis::pipe();
+    for e in events {
+        pipe.cmd("XADD")
+            .arg(names.history(&e.queue))
+            .arg("*")
+            .arg("runs")
+            .arg(encode_entry(std::slice::from_ref(&e.stream_values())))
+            .ignore();
+    }
+    pipe.query_async(conn).await
 }
 
 /// The runs of stream entry `entry` of `queue`, oldest first; each event's `entry` is

@@ -95,6 +95,15 @@ impl Names {
     pub fn paused_schedule(&self, job: &str) -> String {
         format!("{}:paused:schedule:{job}", self.prefix)
     }
+    /// Redis hash of a scheduled job's overlap state: its last published run and the slot
+    /// waiting for it to end (`overlap`).
+    pub fn overlap(&self, job: &str) -> String {
+        format!("{}:overlap:{job}", self.prefix)
+    }
+    /// Redis hash of a fanned-out run (sharded or broadcast): its members' keys.
+    pub fn group(&self, base_key: &str) -> String {
+        format!("{}:group:{base_key}", self.prefix)
+    }
 }
 
 /// `<host>:<pid>`: how a worker or ticker names itself in claims, leases and logs unless

@@ -133,19 +133,26 @@ pub async fn declare(conn: &Connection, config: &Config, queues: &[String]) -> R
         .map_err(|e| classify(&names.unroutable_queue(), e))?;
     let qopts = QueueDeclareOptions { durable: true, ..Default::default() };
     for q in queues {
-        let wq = names.work_queue(q);
-        let args = work_queue_args(&names, &config.amqp);
-        ch.queue_declare(wq.as_str().into(), qopts, args).await.map_err(|e| classify(&wq, e))?;
-        ch.queue_bind(
-            wq.as_str().into(),
-            names.work_exchange().into(),
-            q.as_str().into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(amqp(format!("binding of {wq}")))?;
-        bind_queue(&ch, &names, q).await.map_err(amqp(format!("delay binding of {wq}")))?;
+        // The queue itself, and its priority levels' queues when it has them.
+        for (route, _) in config.routes(q) {
+            let wq = names.work_queue(&route);
+            let mut args = work_queue_args(&names, &config.amqp);
+            if &route != q {
+                // Broker-side dead letters keep their routing key: a level's go to its queue's DLQ.
+                args.insert(ShortString::from("x-dead-letter-routing-key"), long(q));
+            }
+            ch.queue_declare(wq.as_str().into(), qopts, args).await.map_err(|e| classify(&wq, e))?;
+            ch.queue_bind(
+                wq.as_str().into(),
+                names.work_exchange().into(),
+                route.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(amqp(format!("binding of {wq}")))?;
+            bind_queue(&ch, &names, &route).await.map_err(amqp(format!("delay binding of {wq}")))?;
+        }
         let dlq = names.dlq(q);
         ch.queue_declare(dlq.as_str().into(), qopts, dlq_args(&config.amqp))
             .await

@@ -137,8 +137,19 @@ impl TestEnv {
         let names = self.names();
         // The prefix's own queues and exchanges; the delay chain is shared by every prefix on
         // the virtual host and stays.
-        let mut queues: Vec<String> =
-            self.queues.iter().flat_map(|q| [names.work_queue(q), names.dlq(q)]).collect();
+        let level = |q: &str, p| names.work_queue(&chime_shared::envelope::priority_route(q, p));
+        let mut queues: Vec<String> = self
+            .queues
+            .iter()
+            .flat_map(|q| {
+                [
+                    names.work_queue(q),
+                    level(q, chime_shared::config::Priority::High),
+                    level(q, chime_shared::config::Priority::Low),
+                    names.dlq(q),
+                ]
+            })
+            .collect();
         queues.push(names.unroutable_queue());
         for name in queues {
             if let Ok(ch) = conn.create_channel().await {

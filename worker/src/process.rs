@@ -36,7 +36,11 @@ pub(crate) const UNKNOWN_SINCE: &str = "x-chime-unknown-since";
 
 /// A delivery, as far as deciding its fate goes.
 pub(crate) struct Incoming {
+    /// The queue the delivery belongs to (its DLQ, history, logs).
     pub queue: String,
+    /// The broker queue it came from: the queue, one of its priority levels, or the worker's
+    /// own queue (broadcast copies).
+    pub route: String,
     pub data: Vec<u8>,
     pub properties: BasicProperties,
     /// The worker-wide slot (`worker.concurrency`) the delivery holds until it is settled;
@@ -162,7 +166,7 @@ pub(crate) async fn handle<S: KeyStore, O: Outbox, A: AckSink>(
     } else {
         match Envelope::decode(&incoming.data) {
             Err(e) => {
-                warn!(queue = %incoming.queue, error = %e, "malformed message");
+                warn!(queue = %incoming.queue, route = %incoming.route, error = %e, "malformed message");
                 (
                     unknown(),
                     Verdict::bare(decision::rejected(DeadReason::Malformed, &e.to_string())),
@@ -540,7 +544,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
             let mut next = env.clone();
             next.attempt += 1;
             next.id = Uuid::now_v7();
-            let sent = outbox.delayed(&incoming.queue, &next, delay, FieldTable::default()).await;
+            let sent = outbox.delayed(&next.route(), &next, delay, FieldTable::default()).await;
             let retried = if sent.is_ok() { event(Outcome::Retried, None, run_error) } else { None };
             // Free the key either way: the retry (or the requeued copy) must be able to claim it.
             let freed = best_effort(core, "free the key", || {
@@ -568,7 +572,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
             if let Redelay::UnknownJob(since) = why {
                 put_header(&mut headers, UNKNOWN_SINCE, &since.to_rfc3339());
             }
-            match outbox.delayed(&incoming.queue, &env, delay, headers).await {
+            match outbox.delayed(&env.route(), &env, delay, headers).await {
                 Ok(()) => {
                     debug!(?delay, ?why, "copy sent round again");
                     Stats::bump(&stats.redelayed);

@@ -11,7 +11,7 @@
 //! `worker.shutdown_timeout`, then stop what is left (requeued, claim released) and close.
 
 use chime_shared::amqp;
-use chime_shared::config::{Config, ConfigError};
+use chime_shared::config::{Config, ConfigError, Priority};
 use chime_shared::control::{self, Target, WorkerBeat};
 use chime_shared::health::Health;
 use chime_shared::idempotency::IdemStore;
@@ -310,18 +310,28 @@ impl Worker {
         self.health.set("amqp", true);
         info!("connected to RabbitMQ");
 
-        // One channel per queue for the whole session: a pause cancels the consumer but
-        // keeps the channel, so in-flight deliveries on it can still be settled.
+        // One channel per route (a queue, or one of its priority levels) for the whole
+        // session: a pause cancels the consumer but keeps the channel, so in-flight deliveries
+        // on it can still be settled.
         let mut channels = Vec::new();
         for (q, prefetch) in self.queues.iter().zip(&self.prefetch) {
-            let ch = match conn.create_channel().await {
-                Ok(c) => c,
-                Err(e) => return lost(e),
-            };
-            if let Err(e) = ch.basic_qos(*prefetch, BasicQosOptions::default()).await {
-                return lost(e);
+            let routes = self.core.config.routes(q);
+            let levels = routes.len();
+            for (route, level) in routes {
+                let ch = match conn.create_channel().await {
+                    Ok(c) => c,
+                    Err(e) => return lost(e),
+                };
+                // Priority holds only among deliveries already here: above the lowest level,
+                // twice the prefetch keeps one waiting for every slot that frees while the
+                // broker sends the next (else a low job would take the slot meanwhile).
+                let prefetch =
+                    if levels > 1 && level != Priority::Low { prefetch.saturating_mul(2) } else { *prefetch };
+                if let Err(e) = ch.basic_qos(prefetch, BasicQosOptions::default()).await {
+                    return lost(e);
+                }
+                channels.push(Route { queue: q.clone(), route, level, ch, acks: AckBatcher::spawn() });
             }
-            channels.push((q.clone(), ch, AckBatcher::spawn()));
         }
         let outbox = BrokerOutbox {
             channels: publish,
@@ -345,16 +355,19 @@ impl Worker {
             }
             let paused = paused_rx.borrow_and_update().clone();
             let mut tags = Vec::new();
-            let mut streams = SelectAll::new();
-            for (q, ch, acks) in &channels {
-                if paused.contains(q) {
+            // By level: the next delivery taken is the most urgent one waiting.
+            let mut streams: [SelectAll<_>; 3] = [SelectAll::new(), SelectAll::new(), SelectAll::new()];
+            for r in &channels {
+                if paused.contains(&r.queue) {
                     continue;
                 }
-                match self.consume(ch, q).await {
+                match self.consume(&r.ch, &r.route).await {
                     Ok(consumer) => {
-                        let (queue, acks) = (q.clone(), acks.clone());
-                        tags.push((ch.clone(), consumer.tag()));
-                        streams.push(consumer.map(move |d| (queue.clone(), acks.clone(), d)).boxed());
+                        let (queue, route, acks) = (r.queue.clone(), r.route.clone(), r.acks.clone());
+                        tags.push((r.ch.clone(), consumer.tag()));
+                        streams[level_index(r.level)].push(
+                            consumer.map(move |d| (queue.clone(), route.clone(), acks.clone(), d)).boxed(),
+                        );
                     }
                     Err(e) => return lost(e),
                 }
@@ -362,7 +375,7 @@ impl Worker {
             if !paused.is_empty() {
                 info!(paused = ?paused, "paused queues are not consumed (chime resume queue Q)");
             }
-            if streams.is_empty() {
+            if streams.iter().all(SelectAll::is_empty) {
                 // Every queue is paused: wait for a resume.
                 self.health.set("consuming", false);
                 tokio::select! {
@@ -372,38 +385,49 @@ impl Worker {
                 continue;
             }
             self.health.set("consuming", true);
+            let [high, normal, low] = &mut streams;
             let pause = loop {
-                tokio::select! {
+                // A slot first, then the delivery to run in it: a high one before a normal one
+                // before a low one, whichever arrived first (the broker pushes each level's
+                // prefetch; they wait here until a slot is free).
+                let permit = tokio::select! {
                     biased;
                     _ = shutdown.cancelled() => break Pause::Shutdown,
                     _ = redis_becomes(&mut self.redis_rx, false) => break Pause::Redis,
                     _ = paused_rx.changed() => break Pause::Steer,
                     _ = outbox.broken.cancelled() => break Pause::Lost("the broker closed the publish channel".into()),
-                    next = streams.next() => match next {
-                        Some((queue, acks, Ok(delivery))) => {
-                            let ticket = acks.delivered(delivery.delivery_tag, delivery.acker);
-                            let permit = tokio::select! {
-                                p = semaphore.clone().acquire_owned() => p,
-                                _ = shutdown.cancelled() => {
-                                    ticket.requeue();
-                                    break Pause::Shutdown;
-                                }
-                            };
-                            let Ok(permit) = permit else { break Pause::Shutdown };
-                            let (core, store, outbox) = (self.core.clone(), self.store.clone(), outbox.clone());
-                            let incoming = Incoming {
-                                queue,
-                                data: delivery.data,
-                                properties: delivery.properties,
-                                slot: process::WorkerSlot::new(permit),
-                            };
-                            tracker.spawn(async move {
-                                process::handle(&core, &store, &outbox, incoming, ticket).await;
-                            });
-                        }
-                        Some((queue, _, Err(e))) => break Pause::Lost(format!("consumer of {queue}: {e}")),
-                        None => break Pause::Lost("consumers ended (cancelled by the broker?)".into()),
+                    p = semaphore.clone().acquire_owned() => match p {
+                        Ok(p) => p,
+                        Err(_) => break Pause::Shutdown,
                     },
+                };
+                let next = tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => break Pause::Shutdown,
+                    _ = redis_becomes(&mut self.redis_rx, false) => break Pause::Redis,
+                    _ = paused_rx.changed() => break Pause::Steer,
+                    _ = outbox.broken.cancelled() => break Pause::Lost("the broker closed the publish channel".into()),
+                    next = high.next(), if !high.is_empty() => next,
+                    next = normal.next(), if !normal.is_empty() => next,
+                    next = low.next(), if !low.is_empty() => next,
+                };
+                match next {
+                    Some((queue, route, acks, Ok(delivery))) => {
+                        let ticket = acks.delivered(delivery.delivery_tag, delivery.acker);
+                        let (core, store, outbox) = (self.core.clone(), self.store.clone(), outbox.clone());
+                        let incoming = Incoming {
+                            queue,
+                            route,
+                            data: delivery.data,
+                            properties: delivery.properties,
+                            slot: process::WorkerSlot::new(permit),
+                        };
+                        tracker.spawn(async move {
+                            process::handle(&core, &store, &outbox, incoming, ticket).await;
+                        });
+                    }
+                    Some((_, route, _, Err(e))) => break Pause::Lost(format!("consumer of {route}: {e}")),
+                    None => break Pause::Lost("consumers ended (cancelled by the broker?)".into()),
                 }
             };
             self.health.set("consuming", false);
@@ -415,8 +439,10 @@ impl Worker {
                 let _ = ch.basic_cancel(tag.clone(), BasicCancelOptions::default()).await;
             }
             let requeue = async {
-                while let Some((_, acks, Ok(d))) = streams.next().await {
-                    acks.delivered(d.delivery_tag, d.acker).requeue();
+                for level in &mut streams {
+                    while let Some((_, _, acks, Ok(d))) = level.next().await {
+                        acks.delivered(d.delivery_tag, d.acker).requeue();
+                    }
                 }
             };
             let _ = tokio::time::timeout(Duration::from_secs(2), requeue).await;
@@ -427,9 +453,9 @@ impl Worker {
                 // close waits for close-ok, and AMQP orders frames per channel, so every ack
                 // has reached the broker. Closing the connection alone can overtake the last
                 // acks (they would be redelivered).
-                for (_, ch, acks) in &channels {
-                    acks.flush().await;
-                    let _ = ch.close(200, "shutdown".into()).await;
+                for r in &channels {
+                    r.acks.flush().await;
+                    let _ = r.ch.close(200, "shutdown".into()).await;
                 }
                 outbox.channels.close().await;
                 return Ok(SessionEnd::Shutdown);
@@ -451,6 +477,26 @@ impl Worker {
             )
             .await?;
         Ok(consumer)
+    }
+}
+
+/// A route the session consumes: a queue, or one of its priority levels.
+struct Route {
+    /// The queue it belongs to (pause flags, dead letters, history).
+    queue: String,
+    /// The broker queue it is (`<prefix>.q.<route>`).
+    route: String,
+    level: Priority,
+    ch: Channel,
+    acks: AckBatcher<lapin::Acker>,
+}
+
+/// Index of a level in the intake's streams, most urgent first.
+fn level_index(level: Priority) -> usize {
+    match level {
+        Priority::High => 0,
+        Priority::Normal => 1,
+        Priority::Low => 2,
     }
 }
 

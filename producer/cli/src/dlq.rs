@@ -339,12 +339,16 @@ impl DlqClient {
                         Source::Replay,
                     );
                     env.trace_id = old.trace_id;
+                    // A level's job goes back to its level; a broadcast copy to any worker
+                    // (the one it was for may be gone), still under its own key.
+                    env.priority = old.priority;
+                    (env.group, env.shard, env.shards) = (old.group, old.shard, old.shards);
                     // Dead keys absorb duplicates; replay is the explicit override.
                     self.store.revive(&env.key.to_string()).await?;
                     amqp::publish_confirmed(
                         &self.channel,
                         &self.names.work_exchange(),
-                        &target,
+                        &env.route(),
                         &env.encode(),
                         env.properties(),
                         timeout,

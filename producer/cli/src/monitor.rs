@@ -235,9 +235,14 @@ pub async fn run(config: Arc<Config>, health: Health, token: CancellationToken) 
                     }
                 };
                 metrics::gauge!(telemetry::DLQ_MESSAGES, "queue" => q.clone()).set(f64::from(depth));
-                if let Ok((work, _)) = topology::depth(&conn, &names.work_queue(q)).await {
-                    metrics::gauge!(telemetry::QUEUE_MESSAGES, "queue" => q.clone()).set(f64::from(work));
+                // Every priority level of the queue counts.
+                let mut work = 0u32;
+                for (route, _) in config.routes(q) {
+                    if let Ok((d, _)) = topology::depth(&conn, &names.work_queue(&route)).await {
+                        work = work.saturating_add(d);
+                    }
                 }
+                metrics::gauge!(telemetry::QUEUE_MESSAGES, "queue" => q.clone()).set(f64::from(work));
                 if let Some(n) = alerts.observe(q, depth, Instant::now(), Utc::now()) {
                     let _ = tx.send(n);
                 }

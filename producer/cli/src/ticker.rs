@@ -53,6 +53,8 @@ pub struct TickerJob {
     pub jitter: Option<Duration>,
     pub payload: serde_json::Value,
     pub max_attempts: u32,
+    /// High or low; `None` is normal.
+    pub priority: Option<chime_shared::config::Priority>,
 }
 
 /// Every job of `config` that has a schedule.
@@ -81,6 +83,7 @@ pub fn scheduled_jobs(config: &Config) -> Result<Vec<TickerJob>, (String, Schedu
             jitter: job.jitter,
             payload: job.payload.clone().unwrap_or(serde_json::Value::Null),
             max_attempts: job.max_attempts(),
+            priority: job.priority.filter(|p| *p != chime_shared::config::Priority::Normal),
         });
     }
     Ok(out)
@@ -430,7 +433,7 @@ impl Ticker {
                 continue;
             }
             let key = envelope::scheduled_key(&job.name, slot);
-            let env = Envelope::new(
+            let mut env = Envelope::new(
                 &job.name,
                 &job.queue,
                 key,
@@ -439,26 +442,24 @@ impl Ticker {
                 job.max_attempts,
                 Source::Schedule,
             );
-            bodies.push((i, slot, env.encode(), env.properties()));
+            env.priority = job.priority;
+            bodies.push((i, slot, env.encode(), env.properties(), env.route()));
         }
         // Handed to lapin a group at a time: a burst of due slots leaves in a few writes.
         for group in bodies.chunks(amqp::PUBLISH_GROUP) {
             let sent = if healthy {
-                let outgoing = group.iter().filter_map(|(i, _, body, props)| {
-                    let job = jobs.get(*i)?;
-                    Some(amqp::Outgoing {
-                        exchange: &exchange,
-                        routing_key: &job.queue,
-                        body,
-                        props: props.clone(),
-                    })
+                let outgoing = group.iter().map(|(_, _, body, props, route)| amqp::Outgoing {
+                    exchange: &exchange,
+                    routing_key: route,
+                    body,
+                    props: props.clone(),
                 });
                 amqp::publish_group(ch, outgoing).await
             } else {
                 Vec::new()
             };
             let mut sent = sent.into_iter();
-            for (i, slot, _, _) in group {
+            for (i, slot, _, _, _) in group {
                 let p = if healthy { sent.next().and_then(Result::ok) } else { None };
                 if p.is_none() {
                     healthy = false;
@@ -470,21 +471,19 @@ impl Ticker {
         // confirm of the burst (see amqp::Returns).
         let mut returns = amqp::Returns::default();
         let mut verdicts = Vec::with_capacity(pending.len());
-        for (i, _, sent) in &mut pending {
-            let Some(job) = jobs.get(*i) else {
-                verdicts.push(Err(None));
-                continue;
-            };
+        for ((_, _, sent), (_, _, _, _, route)) in pending.iter_mut().zip(&bodies) {
             verdicts.push(match sent.take() {
-                Some(p) => returns.confirm(p, &exchange, &job.queue, timeout).await.map_err(Some),
+                Some(p) => returns.confirm(p, &exchange, route, timeout).await.map_err(Some),
                 None => Err(None),
             });
         }
         let mut confirmed = Vec::new();
         let retry_at = Utc::now() + chrono::Duration::seconds(1);
-        for (((i, slot, _), verdict), (_, _, body, _)) in pending.into_iter().zip(verdicts).zip(&bodies) {
+        for (((i, slot, _), verdict), (_, _, body, _, route)) in
+            pending.into_iter().zip(verdicts).zip(&bodies)
+        {
             let Some(job) = jobs.get(i) else { continue };
-            let verdict = verdict.and_then(|()| match returns.take(&exchange, &job.queue, body) {
+            let verdict = verdict.and_then(|()| match returns.take(&exchange, route, body) {
                 Some(e) => Err(Some(e)),
                 None => Ok(()),
             });
@@ -570,6 +569,7 @@ mod tests {
             jitter: None,
             payload: serde_json::Value::Null,
             max_attempts: 1,
+            priority: None,
         }
     }
 

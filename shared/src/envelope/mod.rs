@@ -72,6 +72,23 @@ pub struct Envelope {
     /// W3C trace id propagated to the handler, if the producer set one.
     #[serde(deserialize_with = "required_nullable")]
     pub trace_id: Option<String>,
+    /// A fanned-out run (sharded or broadcast): the key of the whole run, which names its
+    /// group record; each copy has a key of its own derived from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<Uuid>,
+    /// A sharded run: this copy's shard, 0-based.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<u32>,
+    /// A sharded run: how many shards the run has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<u32>,
+    /// A broadcast run: the worker this copy is for (delivered through that worker's own
+    /// queue).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+    /// Delivery order when a backlog exists; `None` is normal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<crate::config::Priority>,
     /// Fields of newer releases, passed through unchanged.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -134,6 +151,37 @@ pub fn random_key() -> Uuid {
     Uuid::now_v7()
 }
 
+/// Key of shard `shard` of `shards` of the run keyed `base`: UUIDv5(ns,
+/// "{base}#shard:{shard}/{shards}"). Every ticker replica derives the same keys for a slot.
+pub fn shard_key(base: Uuid, shard: u32, shards: u32) -> Uuid {
+    Uuid::new_v5(&NAMESPACE, format!("{base}#shard:{shard}/{shards}").as_bytes())
+}
+
+/// Key of the copy of the broadcast run keyed `base` for worker `worker`: UUIDv5(ns,
+/// "{base}#worker:{worker}").
+pub fn broadcast_key(base: Uuid, worker: &str) -> Uuid {
+    Uuid::new_v5(&NAMESPACE, format!("{base}#worker:{worker}").as_bytes())
+}
+
+/// The route (a queue of the prefix, `<prefix>.q.<route>`) of a worker's own queue: `@` and
+/// the worker id with every character outside letters, digits, `.`, `_` and `-` spelled `-`.
+pub fn worker_route(worker: &str) -> String {
+    let id: String = worker
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') { c } else { '-' })
+        .collect();
+    format!("@{id}")
+}
+
+/// The route of `queue`'s level `priority`: the queue itself for `normal`, else
+/// `<queue>^high` or `<queue>^low` (`^` is outside the name alphabet: no queue is called so).
+pub fn priority_route(queue: &str, priority: crate::config::Priority) -> String {
+    match priority {
+        crate::config::Priority::Normal => queue.to_string(),
+        p => format!("{queue}^{}", p.as_str()),
+    }
+}
+
 impl Envelope {
     /// A fresh envelope for attempt 1.
     pub fn new(
@@ -158,7 +206,22 @@ impl Envelope {
             max_attempts,
             source,
             trace_id: None,
+            group: None,
+            shard: None,
+            shards: None,
+            target: None,
+            priority: None,
             extra: serde_json::Map::new(),
+        }
+    }
+
+    /// Where the message goes: a queue of the prefix (`<prefix>.q.<route>`). The job's queue,
+    /// or its priority level's queue, or, for a broadcast copy, its worker's own queue.
+    pub fn route(&self) -> String {
+        match (&self.target, self.priority) {
+            (Some(worker), _) => worker_route(worker),
+            (None, Some(p)) => priority_route(&self.queue, p),
+            (None, None) => self.queue.clone(),
         }
     }
 

@@ -12,6 +12,7 @@ mod hostile;
 mod idempotency;
 mod loss_windows;
 mod pipeline;
+mod priorities;
 mod processes;
 mod project;
 mod publish;

@@ -480,6 +480,7 @@ fn envelope(job: &str, payload: &str, attempt: u32, max: u32) -> Envelope {
 fn incoming(env: &Envelope) -> Incoming {
     Incoming {
         queue: "default".into(),
+        route: env.route(),
         data: env.encode(),
         properties: env.properties(),
         slot: Default::default(),
@@ -745,6 +746,7 @@ async fn malformed_and_too_large_bodies_are_dead_lettered_with_their_reason() {
     let h = harness();
     let garbage = Incoming {
         queue: "default".into(),
+        route: "default".into(),
         data: b"not json".to_vec(),
         properties: BasicProperties::default(),
         slot: Default::default(),
@@ -752,6 +754,7 @@ async fn malformed_and_too_large_bodies_are_dead_lettered_with_their_reason() {
     assert_eq!(h.deliver(garbage).await, ["ack"]);
     let huge = Incoming {
         queue: "default".into(),
+        route: "default".into(),
         data: vec![b' '; 2 << 20],
         properties: BasicProperties::default(),
         slot: Default::default(),
@@ -769,6 +772,7 @@ async fn malformed_and_too_large_bodies_are_dead_lettered_with_their_reason() {
     h.outbox.fail.store(true, Ordering::SeqCst);
     let garbage = Incoming {
         queue: "default".into(),
+        route: "default".into(),
         data: b"{".to_vec(),
         properties: BasicProperties::default(),
         slot: Default::default(),

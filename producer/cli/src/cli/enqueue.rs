@@ -30,6 +30,10 @@ pub struct EnqueueArgs {
     /// Attempts before the job is dead-lettered (default: the job's max_attempts)
     #[arg(long)]
     pub max_attempts: Option<u32>,
+    /// high, normal or low: delivered ahead of (or behind) the queue's other jobs when a
+    /// backlog exists (default: the job's priority)
+    #[arg(long)]
+    pub priority: Option<chime_shared::config::Priority>,
     /// Deliver after this long ("90s", "2h", "30d"; 1 s granularity)
     #[arg(long, value_name = "DUR", conflicts_with = "at")]
     pub delay: Option<String>,
@@ -149,6 +153,7 @@ pub async fn run(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> 
         key: args.key.clone(),
         queue: args.queue.clone(),
         max_attempts: args.max_attempts,
+        priority: args.priority,
         delay,
         at,
         options: None,
@@ -375,6 +380,9 @@ impl Requests<'_> {
                 .map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?;
             if req.queue.is_none() {
                 req.queue = self.args.queue.clone();
+            }
+            if req.priority.is_none() {
+                req.priority = self.args.priority;
             }
             if req.max_attempts.is_none() {
                 req.max_attempts = self.args.max_attempts;

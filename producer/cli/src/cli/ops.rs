@@ -165,7 +165,11 @@ async fn reloads(path: PathBuf, tx: watch::Sender<Arc<Config>>, token: Cancellat
 #[derive(serde::Serialize)]
 struct QueueRow {
     queue: String,
+    /// Ready in all its levels.
     ready: u32,
+    /// Ready in each level (high, normal, low), when it has levels.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    levels: Option<[u32; 3]>,
     consumers: u32,
     dlq: u32,
     paused: Option<chime_shared::control::PauseFlag>,
@@ -186,8 +190,19 @@ pub async fn status(config: Config, json: bool) -> Result<(), Failure> {
     let mut queues = Vec::new();
     for q in config.all_queues() {
         let (ready, consumers) = topology::depth(&conn, &names.work_queue(&q)).await.unwrap_or((0, 0));
+        let routes = config.routes(&q);
+        let levels = if routes.len() > 1 {
+            let mut by = [0u32; 3];
+            for (i, (route, _)) in routes.iter().enumerate() {
+                by[i] = topology::depth(&conn, &names.work_queue(route)).await.map(|d| d.0).unwrap_or(0);
+            }
+            Some(by)
+        } else {
+            None
+        };
+        let ready = levels.map_or(ready, |l| l.iter().sum());
         let dlq = topology::depth(&conn, &names.dlq(&q)).await.map(|d| d.0).unwrap_or(0);
-        queues.push(QueueRow { queue: q, ready, consumers, dlq, paused: None });
+        queues.push(QueueRow { queue: q, ready, levels, consumers, dlq, paused: None });
     }
     let mut delayed = 0u64;
     for level in 0..delay::LEVELS {
@@ -250,7 +265,10 @@ pub async fn status(config: Config, json: bool) -> Result<(), Failure> {
     for q in &queues {
         t.add_row([
             q.queue.clone(),
-            q.ready.to_string(),
+            match q.levels {
+                Some([h, n, l]) => format!("{} (high {h}, normal {n}, low {l})", q.ready),
+                None => q.ready.to_string(),
+            },
             q.consumers.to_string(),
             q.dlq.to_string(),
             paused(&q.paused),

@@ -108,6 +108,9 @@ pub async fn main() {
     if c.opted("web") {
         web::web_pages(&c.o.queue_type).await;
     }
+    if c.opted("priority") {
+        latency::priority(&c).await;
+    }
     if c.want("latency") {
         latency::scenario(&c).await;
     }

@@ -1,0 +1,125 @@
+//! Priorities: a queue whose jobs set `priority` has a queue per level on the broker, and a
+//! worker with a free slot takes a high job before a normal one before a low one, on quorum
+//! and classic queues alike.
+
+use chime_producer::{EnqueueClient, EnqueueRequest};
+use chime_shared::config::Priority;
+use chime_worker::{JobContext, JobError, Registry, raw_handler_fn};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::common::*;
+
+const JOBS: &str = "[[jobs]]\nname = \"bulk\"\nhandler = \"rec\"\npriority = \"low\"\n\
+                    [[jobs]]\nname = \"urgent\"\nhandler = \"rec\"\npriority = \"high\"\nmax_attempts = 1\n\
+                    [[jobs]]\nname = \"plain\"\nhandler = \"rec\"\n\
+                    [[jobs]]\nname = \"elsewhere\"\nhandler = \"rec\"\nqueue = \"flat\"\n";
+
+/// Records the order jobs start in (`<job>:<n>`); sleeps 5 ms; `fail` payloads fail for good.
+fn recorder(order: &Arc<Mutex<Vec<String>>>) -> Registry {
+    let o = order.clone();
+    let mut r = Registry::new();
+    r.register(
+        "rec",
+        raw_handler_fn(move |ctx: JobContext, p: serde_json::Value| {
+            o.lock().unwrap().push(format!("{}:{}", ctx.job(), p["n"]));
+            async move {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                if p["fail"] == true {
+                    return Err(JobError::permanent("refused"));
+                }
+                Ok(())
+            }
+        }),
+    );
+    r
+}
+
+#[tokio::test]
+async fn high_jobs_pass_a_low_backlog_on_quorum_and_classic_queues() {
+    for queue_type in ["quorum", "classic"] {
+        let mut env = TestEnv::new(&format!("prio-{queue_type}"));
+        env.queues = vec!["default".into(), "flat".into()];
+        let config = env.config(queue_type, "", "concurrency = 4", JOBS);
+        let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+        // A backlog of 1,000 low jobs and 100 normal ones, waiting before any worker runs.
+        let low: Vec<EnqueueRequest> =
+            (0..1000).map(|n| EnqueueRequest::new("bulk").payload(serde_json::json!({"n": n}))).collect();
+        assert_eq!(client.enqueue_batch(&low).await.unwrap().confirmed, 1000);
+        let normal: Vec<EnqueueRequest> =
+            (0..100).map(|n| EnqueueRequest::new("plain").payload(serde_json::json!({"n": n}))).collect();
+        assert_eq!(client.enqueue_batch(&normal).await.unwrap().confirmed, 100);
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let worker = Running::start(config.clone(), recorder(&order), 4).await;
+        // Every normal job runs before the low ones still waiting (the worker took some low ones
+        // into its prefetch before the normal ones arrived on their level: at most 4 running).
+        wait_until("100 normal jobs done", Duration::from_secs(60), || async {
+            order.lock().unwrap().iter().filter(|s| s.starts_with("plain:")).count() == 100
+        })
+        .await;
+        let started = order.lock().unwrap().clone();
+        let last_plain = started.iter().rposition(|s| s.starts_with("plain:")).unwrap();
+        let lows_before = started[..last_plain].iter().filter(|s| s.starts_with("bulk:")).count();
+        assert!(lows_before <= 8, "{queue_type}: {lows_before} low jobs started before the last normal one");
+
+        // Halfway through the low backlog, 20 high jobs (one by `--priority` on a low job).
+        let mark = order.lock().unwrap().len();
+        for n in 0..19 {
+            client.enqueue(EnqueueRequest::new("urgent").payload(serde_json::json!({"n": n}))).await.unwrap();
+        }
+        client
+            .enqueue(
+                EnqueueRequest::new("bulk")
+                    .payload(serde_json::json!({"n": "promoted"}))
+                    .priority(Priority::High),
+            )
+            .await
+            .unwrap();
+        wait_until("the high jobs ran", Duration::from_secs(60), || async {
+            let o = order.lock().unwrap();
+            o.iter().filter(|s| s.starts_with("urgent:")).count() == 19
+                && o.iter().any(|s| s == "bulk:\"promoted\"")
+        })
+        .await;
+        let started = order.lock().unwrap().clone();
+        let last_high =
+            started.iter().rposition(|s| s.starts_with("urgent:") || s == "bulk:\"promoted\"").unwrap();
+        let lows_between = started[mark..last_high].iter().filter(|s| s.starts_with("bulk:")).count();
+        // Each high job was enqueued while the worker ran a few low ones; none waited behind
+        // the backlog (hundreds left).
+        assert!(
+            lows_between <= 40,
+            "{queue_type}: {lows_between} low jobs started while 20 high ones waited"
+        );
+        let remaining = started.iter().filter(|s| s.starts_with("bulk:")).count();
+        assert!(remaining < 1000, "{queue_type}: the low backlog was not done yet ({remaining} ran)");
+
+        // A failing high job goes to its queue's one DLQ.
+        client
+            .enqueue(EnqueueRequest::new("urgent").payload(serde_json::json!({"n": "x", "fail": true})))
+            .await
+            .unwrap();
+        wait_depth(&env.names().dlq("default"), 1, Duration::from_secs(60)).await;
+        wait_until("the low backlog is done", Duration::from_secs(120), || async {
+            order.lock().unwrap().iter().filter(|s| s.starts_with("bulk:") && !s.contains("promoted")).count()
+                == 1000
+        })
+        .await;
+        worker.stop().await;
+
+        // A queue none of whose jobs sets `priority` has no levels: asking for one is refused,
+        // by name, before anything is published.
+        let err =
+            client.enqueue(EnqueueRequest::new("elsewhere").priority(Priority::High)).await.unwrap_err();
+        assert!(
+            err.is_usage() && err.to_string().contains("priority") && err.to_string().contains("flat"),
+            "{err}"
+        );
+        let path = env.write_config(&env.config_text(queue_type, "", "", JOBS));
+        let (code, _, stderr) = chime(&path, &["enqueue", "elsewhere", "--priority", "high"], None);
+        assert_eq!(code, 2, "{stderr}");
+        assert!(stderr.contains("no priority levels"), "{stderr}");
+        let (code, _, stderr) = chime(&path, &["enqueue", "bulk", "--priority", "urgent"], None);
+        assert_eq!(code, 2, "{stderr}");
+    }
+}
