@@ -148,14 +148,18 @@ pub struct Prepared {
 /// A confirmed job.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Enqueued {
-    /// Id of the message.
+    /// Id of the message (of the first member, for a run that fanned out).
     pub id: Uuid,
-    /// Idempotency key of the run.
+    /// Idempotency key of the run (of the whole run, for one that fanned out: its group
+    /// record names the members; `EnqueueClient::wait` waits for all of them).
     pub key: Uuid,
     /// Job name.
     pub job: String,
     /// Queue it was published to.
     pub queue: String,
+    /// The members' keys, for a sharded or broadcast job (empty otherwise).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub members: Vec<Uuid>,
 }
 
 /// Result of a batch: how many were confirmed, and the first failure if any.
@@ -204,6 +208,17 @@ pub enum EnqueueError {
         /// The limit.
         max: usize,
     },
+    /// A broadcast job, and no live worker consumes its queue: nobody to run it.
+    #[error(
+        "broadcast: no live worker consumes queue {queue:?}, so nothing would run (start one, or resume the queue)"
+    )]
+    NoWorkers {
+        /// The job's queue.
+        queue: String,
+    },
+    /// Redis, which a sharded or broadcast job needs (its group record), could not be asked.
+    #[error("redis (a sharded or broadcast job's group record): {0}")]
+    Redis(String),
     /// Declaring the job's queue or the delay chain failed.
     #[error(transparent)]
     Topology(#[from] Box<TopologyError>),
@@ -340,8 +355,64 @@ impl EnqueueClient {
     pub async fn enqueue(&self, req: impl IntoRequest) -> Result<Enqueued, EnqueueError> {
         let p = self.prepare(&req.into_request()?)?;
         self.check_queue(&p).await?;
-        self.publish(&p.envelope, p.delay).await?;
-        Ok(enqueued(&p.envelope))
+        let members = self.fan_out(std::slice::from_ref(&p)).await?;
+        if members.len() == 1 && members[0].envelope.key == p.envelope.key {
+            self.publish(&p.envelope, p.delay).await?;
+            return Ok(enqueued(&p.envelope));
+        }
+        if members.is_empty() {
+            return Err(EnqueueError::NoWorkers { queue: p.envelope.queue.clone() });
+        }
+        let report = self.publish_batch(&members).await;
+        if let Some(e) = report.error {
+            return Err(e);
+        }
+        let mut done = enqueued(&p.envelope);
+        done.id = members.first().map_or(done.id, |m| m.envelope.id);
+        done.members = members.iter().map(|m| m.envelope.key).collect();
+        Ok(done)
+    }
+
+    /// Every prepared job as the messages it is published as: itself, or, for a sharded or
+    /// broadcast job, one per shard or live worker (the run's group record, written in Redis
+    /// here, fixes which). Order is kept.
+    pub async fn fan_out(&self, prepared: &[Prepared]) -> Result<Vec<Prepared>, EnqueueError> {
+        let mut out = Vec::with_capacity(prepared.len());
+        for p in prepared {
+            let Some(job) = self.config.job(&p.envelope.job).filter(|j| j.shards.is_some() || j.broadcast)
+            else {
+                out.push(p.clone());
+                continue;
+            };
+            let redis_err = |e: redis::RedisError| EnqueueError::Redis(e.to_string());
+            let reader = self
+                .redis
+                .get_or_try_init(|| {
+                    chime_shared::history::HistoryReader::connect(&self.config.redis, self.names.clone())
+                })
+                .await
+                .map_err(redis_err)?;
+            let mut conn = reader.connection();
+            let fan = match chime_shared::group::propose(&mut conn, &self.names, job, None)
+                .await
+                .map_err(redis_err)?
+            {
+                Some(fan) => chime_shared::group::fix(
+                    &mut conn,
+                    &self.names,
+                    &p.envelope,
+                    &fan,
+                    self.config.redis.done_retention,
+                )
+                .await
+                .map_err(redis_err)?,
+                None => continue,
+            };
+            out.extend(
+                fan.envelopes(&p.envelope).into_iter().map(|envelope| Prepared { envelope, ..p.clone() }),
+            );
+        }
+        Ok(out)
     }
 
     /// Makes sure the job's queue exists: declares a typed job's own queue, verifies one given
@@ -436,6 +507,7 @@ impl EnqueueClient {
                 })?;
             }
         }
+        let envs = self.fan_out(&envs).await?;
         Ok(self.publish_batch(&envs).await)
     }
 
@@ -649,7 +721,7 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
 }
 
 fn enqueued(env: &Envelope) -> Enqueued {
-    Enqueued { id: env.id, key: env.key, job: env.job.clone(), queue: env.queue.clone() }
+    Enqueued { id: env.id, key: env.key, job: env.job.clone(), queue: env.queue.clone(), members: Vec::new() }
 }
 
 /// Parses one line of `--batch` input: `{"payload": …, "key": …, "queue": …,

@@ -32,4 +32,4 @@ pub use enqueue::{
     BatchReport, EnqueueClient, EnqueueError, EnqueueRequest, Enqueued, IntoRequest, Prepared,
     parse_batch_line, prepare,
 };
-pub use wait::{Finished, WaitError};
+pub use wait::{Finished, MemberFinished, WaitError};

@@ -27,6 +27,27 @@ pub enum Finished {
         /// The last error, from the key's last run (with `[history]` on).
         error: Option<String>,
     },
+    /// A sharded or broadcast run: every member ended (done or dead), in order.
+    Group {
+        /// Each member and how it ended.
+        members: Vec<MemberFinished>,
+    },
+}
+
+/// How one member of a fanned-out run ended.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct MemberFinished {
+    /// The member's own key.
+    pub key: Uuid,
+    /// Its shard (sharded runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shard: Option<u32>,
+    /// Its worker (broadcast runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    /// How it ended.
+    #[serde(flatten)]
+    pub finished: Finished,
 }
 
 /// Why [`EnqueueClient::wait`] returned without an outcome.
@@ -68,7 +89,8 @@ impl Finished {
 
 impl EnqueueClient {
     /// Waits until the job under `key` (an [`crate::Enqueued::key`]) is done or dead, for at
-    /// most `timeout`, and returns how it ended with its result. Reads the key's record in
+    /// most `timeout`, and returns how it ended with its result; for a sharded or broadcast
+    /// run, until every member has ended ([`Finished::Group`]). Reads the key's record in
     /// Redis (connected on first use), every 20 ms at first and every 500 ms at most; a job
     /// that already ended returns at once, for as long as its record is kept
     /// (`redis.done_retention`).
@@ -78,6 +100,13 @@ impl EnqueueClient {
             .get_or_try_init(|| HistoryReader::connect(&self.config.redis, self.names.clone()))
             .await
             .map_err(|e| WaitError::Redis(e.to_string()))?;
+        // A fanned-out run's key names its group record; its members have the records.
+        let group = chime_shared::group::read(&mut reader.connection(), &self.names, key)
+            .await
+            .map_err(|e| WaitError::Redis(e.to_string()))?;
+        if let Some(group) = group {
+            return self.wait_members(reader, key, group.fan.members(key), timeout).await;
+        }
         let start = Instant::now();
         let mut pause = Duration::from_millis(20);
         loop {
@@ -89,6 +118,47 @@ impl EnqueueClient {
             let left = timeout.saturating_sub(start.elapsed());
             if left.is_zero() {
                 return Err(WaitError::Timeout { key, waited: timeout, state: record.state });
+            }
+            tokio::time::sleep(pause.min(left)).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Waits until every member has ended.
+    async fn wait_members(
+        &self,
+        reader: &HistoryReader,
+        key: Uuid,
+        members: Vec<chime_shared::group::Member>,
+        timeout: Duration,
+    ) -> Result<Finished, WaitError> {
+        let start = Instant::now();
+        let mut pause = Duration::from_millis(20);
+        let mut ended: Vec<Option<Finished>> = vec![None; members.len()];
+        loop {
+            for (m, slot) in members.iter().zip(ended.iter_mut()).filter(|(_, e)| e.is_none()) {
+                let record =
+                    reader.record(&m.key.to_string()).await.map_err(|e| WaitError::Redis(e.to_string()))?;
+                *slot = Finished::of(&record);
+            }
+            if ended.iter().all(Option::is_some) {
+                let members = members
+                    .into_iter()
+                    .zip(ended)
+                    .filter_map(|(m, f)| {
+                        Some(MemberFinished { key: m.key, shard: m.shard, worker: m.target, finished: f? })
+                    })
+                    .collect();
+                return Ok(Finished::Group { members });
+            }
+            let left = timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                let open = ended.iter().filter(|e| e.is_none()).count();
+                return Err(WaitError::Timeout {
+                    key,
+                    waited: timeout,
+                    state: Some(format!("a fanned-out run with {open} of {} members not ended", ended.len())),
+                });
             }
             tokio::time::sleep(pause.min(left)).await;
             pause = (pause * 2).min(Duration::from_millis(500));

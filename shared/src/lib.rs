@@ -32,6 +32,7 @@ pub mod control;
 pub mod delay;
 pub mod duration;
 pub mod envelope;
+pub mod group;
 pub mod health;
 pub mod history;
 pub mod idempotency;

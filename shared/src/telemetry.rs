@@ -13,6 +13,11 @@ pub const JOB_LAG: &str = "chime_job_lag_seconds";
 pub const SLOTS_MISSED: &str = "chime_slots_missed_total";
 /// Counter: slots skipped because their schedule was paused (`job`).
 pub const SLOTS_PAUSED: &str = "chime_slots_paused_total";
+/// Counter: slots not published because the job's previous run was still in progress
+/// (`overlap = "skip"`, or `"buffer_one"` with a slot already waiting) (`job`).
+pub const SLOTS_OVERLAPPED: &str = "chime_slots_overlapped_total";
+/// Counter: slots held until the job's previous run ended (`overlap = "buffer_one"`) (`job`).
+pub const SLOTS_BUFFERED: &str = "chime_slots_buffered_total";
 /// Gauge: ready messages in a work queue (`queue`).
 pub const QUEUE_MESSAGES: &str = "chime_queue_messages";
 /// Gauge: ready messages in a dead-letter queue (`queue`).
@@ -37,6 +42,8 @@ pub const ALL: &[&str] = &[
     JOB_LAG,
     SLOTS_MISSED,
     SLOTS_PAUSED,
+    SLOTS_OVERLAPPED,
+    SLOTS_BUFFERED,
     QUEUE_MESSAGES,
     DLQ_MESSAGES,
     TICKER_LEADER,
@@ -72,6 +79,8 @@ pub fn describe() {
     describe_histogram!(JOB_LAG, metrics::Unit::Seconds, "Handler start minus slot (or enqueue time).");
     describe_counter!(SLOTS_MISSED, "Scheduled slots older than the catch-up window.");
     describe_counter!(SLOTS_PAUSED, "Scheduled slots skipped while their schedule was paused.");
+    describe_counter!(SLOTS_OVERLAPPED, "Scheduled slots skipped because the previous run was in progress.");
+    describe_counter!(SLOTS_BUFFERED, "Scheduled slots held until the previous run ended (buffer_one).");
     describe_gauge!(QUEUE_MESSAGES, "Ready messages in a work queue.");
     describe_gauge!(DLQ_MESSAGES, "Ready messages in a dead-letter queue.");
     describe_gauge!(TICKER_LEADER, "1 while this ticker holds the leader lease.");

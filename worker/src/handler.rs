@@ -32,6 +32,10 @@ pub struct JobContext {
     pub(crate) timeout: Duration,
     pub(crate) cancel: CancellationToken,
     pub(crate) run: Arc<RunState>,
+    /// `(shard, shards)` of a sharded run.
+    pub(crate) shard: Option<(u32, u32)>,
+    /// Key of the whole fanned-out run (sharded or broadcast).
+    pub(crate) group: Option<Uuid>,
 }
 
 /// What a run keeps beside its facts: the checkpoint it resumed from (or saved last), the
@@ -103,6 +107,17 @@ impl JobContext {
     /// This job's handler timeout.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+    /// A sharded run's shard and shard count, `(shard, shards)` with `shard` in
+    /// `0..shards`: take the part of the work that is yours (say, ids where `id % shards ==
+    /// shard`). `None` for a job that is not sharded.
+    pub fn shard(&self) -> Option<(u32, u32)> {
+        self.shard
+    }
+    /// Key of the whole run a shard or broadcast copy belongs to (its group record names
+    /// every member); `None` for a run that did not fan out.
+    pub fn group(&self) -> Option<Uuid> {
+        self.group
     }
     /// Resolves when the run must stop: its timeout passed, the worker is shutting down past
     /// its drain deadline, or another owner took the key over. The handler then has
@@ -551,6 +566,8 @@ mod tests {
             timeout: Duration::from_secs(1),
             cancel: CancellationToken::new(),
             run: Arc::default(),
+            shard: None,
+            group: None,
         }
     }
 

@@ -337,6 +337,8 @@ async fn run_handler<S: KeyStore>(
         timeout: spec.timeout,
         cancel: cancel.clone(),
         run: state,
+        shard: env.shard.zip(env.shards),
+        group: env.group,
     };
     let mut task = std::pin::pin!(
         std::panic::AssertUnwindSafe(spec.handler.call(ctx, env.payload.clone())).catch_unwind()

@@ -169,6 +169,11 @@ impl TickerStore {
     }
 
     /// Pause flags of these schedules, in order (`true`: paused).
+    /// The store's connection (for the overlap state and group records).
+    pub fn conn(&self) -> RedisConn {
+        self.conn.clone()
+    }
+
     pub async fn paused(&self, names: &Names, jobs: &[String]) -> Result<Vec<bool>, redis::RedisError> {
         let mut c = self.conn.clone();
         let flags = control::flags(&mut c, names, Target::Schedule, jobs).await?;

@@ -6,4 +6,5 @@ pub mod cli;
 pub mod dlq;
 pub mod lease;
 pub mod monitor;
+pub mod overlap;
 pub mod ticker;

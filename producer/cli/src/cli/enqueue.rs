@@ -175,14 +175,24 @@ pub async fn run(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> 
     let done = client.enqueue(req).await.map_err(from_enqueue)?;
     let Some(wait_for) = wait_for else {
         if args.json {
-            println!(
-                "{}",
-                serde_json::json!({"confirmed": true, "id": done.id, "key": done.key, "job": done.job, "queue": done.queue})
-            );
-        } else {
+            let mut out = serde_json::json!({"confirmed": true, "id": done.id, "key": done.key, "job": done.job, "queue": done.queue});
+            if !done.members.is_empty() {
+                out["members"] = serde_json::json!(done.members);
+            }
+            println!("{out}");
+        } else if done.members.is_empty() {
             println!(
                 "enqueued {} on queue {} (key {}, id {}), confirmed",
                 done.job, done.queue, done.key, done.id
+            );
+        } else {
+            println!(
+                "enqueued {} on queue {} as {} messages (key {}; chime inspect {} shows each), confirmed",
+                done.job,
+                done.queue,
+                done.members.len(),
+                done.key,
+                done.key
             );
         }
         warn_settled(settled.first(), settled.len());
@@ -222,6 +232,31 @@ fn print_finished(
             reason.as_deref().unwrap_or("see chime dlq list"),
             error.map(|e| format!(": {}", chime_shared::config::escape_control(&e))).unwrap_or_default()
         ))),
+        Finished::Group { members } => {
+            let dead = members.iter().filter(|m| matches!(m.finished, Finished::Dead { .. })).count();
+            if !json {
+                for m in &members {
+                    let who = match (&m.shard, &m.worker) {
+                        (Some(s), _) => format!("shard {s}"),
+                        (_, Some(w)) => format!("worker {w}"),
+                        _ => m.key.to_string(),
+                    };
+                    match &m.finished {
+                        Finished::Done { result: Some(r), .. } => println!("{who}: {r}"),
+                        Finished::Done { .. } => println!("{who}: done"),
+                        Finished::Dead { reason, .. } => {
+                            println!("{who}: dead-lettered ({})", reason.as_deref().unwrap_or("?"))
+                        }
+                        Finished::Group { .. } => {}
+                    }
+                }
+            }
+            if dead == 0 {
+                Ok(())
+            } else {
+                Err(runtime(anyhow::anyhow!("{dead} of {} members were dead-lettered", members.len())))
+            }
+        }
     }
 }
 
@@ -451,6 +486,7 @@ async fn enqueue_batch(
             .map_err(|e| usage(anyhow::anyhow!("{source} line {line}: queue: {e}")))?;
     }
     // Pass 2: publish, PUBLISH_CHUNK jobs at a time.
+    let fans_out = config.job(&args.job).is_some_and(|j| j.shards.is_some() || j.broadcast);
     let started = Instant::now();
     let mut requests =
         Requests { reader: file.reader()?, spool: None, source, limit, args, timing: (delay, at), line: 0 };
@@ -466,7 +502,15 @@ async fn enqueue_batch(
         if chunk.is_empty() {
             break;
         }
-        let report = client.publish_batch(&chunk).await;
+        // A sharded or broadcast job's line is several messages: counted as such.
+        let messages = if fans_out {
+            let members = client.fan_out(&chunk).await.map_err(from_enqueue)?;
+            total += members.len() - chunk.len();
+            std::borrow::Cow::Owned(members)
+        } else {
+            std::borrow::Cow::Borrowed(&chunk)
+        };
+        let report = client.publish_batch(&messages).await;
         confirmed += report.confirmed;
         if report.error.is_some() {
             error = report.error;

@@ -47,12 +47,16 @@ pub struct InspectArgs {
     /// The idempotency key (a UUID, as printed by `chime enqueue` and `chime history`)
     #[arg(required_unless_present = "job", conflicts_with = "job")]
     pub key: Option<String>,
-    /// Derive the key from a job name and the `--key` given to `chime enqueue`
-    #[arg(long, requires = "user_key")]
+    /// Derive the key from a job name and the `--key` given to `chime enqueue` (or a
+    /// scheduled slot, `--slot`)
+    #[arg(long)]
     pub job: Option<String>,
     /// With `--job`: the key given to `chime enqueue --key`
-    #[arg(long = "key", value_name = "K", id = "user_key")]
+    #[arg(long = "key", value_name = "K", id = "user_key", conflicts_with = "slot")]
     pub user_key: Option<String>,
+    /// With `--job`: a scheduled slot (RFC 3339), as `chime jobs next` prints them
+    #[arg(long, value_name = "RFC3339")]
+    pub slot: Option<String>,
     /// Print JSON
     #[arg(long)]
     pub json: bool,
@@ -176,13 +180,26 @@ pub async fn history(config: Config, args: HistoryArgs) -> Result<(), Failure> {
 }
 
 pub async fn inspect(config: Config, args: InspectArgs) -> Result<(), Failure> {
-    let key = match (&args.key, &args.job, &args.user_key) {
-        (Some(k), _, _) => parse_key(k)?,
-        (None, Some(job), Some(k)) => chime_shared::envelope::adhoc_key(job, k),
-        _ => return Err(usage(anyhow::anyhow!("give a KEY, or --job JOB --key K"))),
+    let key = match (&args.key, &args.job, &args.user_key, &args.slot) {
+        (Some(k), _, _, _) => parse_key(k)?,
+        (None, Some(job), Some(k), _) => chime_shared::envelope::adhoc_key(job, k),
+        (None, Some(job), None, Some(slot)) => {
+            let slot = slot
+                .parse::<chrono::DateTime<chrono::Utc>>()
+                .map_err(|e| usage(anyhow::anyhow!("--slot {slot:?}: not an RFC 3339 time: {e}")))?;
+            chime_shared::envelope::scheduled_key(job, slot)
+        }
+        _ => return Err(usage(anyhow::anyhow!("give a KEY, or --job JOB with --key K or --slot RFC3339"))),
     };
     let reader = reader(&config).await?;
     let record = reader.record(&key.to_string()).await.map_err(runtime)?;
+    // A fanned-out run: the key names its group; each member has a record of its own.
+    let group = chime_shared::group::read(&mut reader.connection(), &Names::new(&config.prefix), key)
+        .await
+        .map_err(runtime)?;
+    if let Some(group) = group {
+        return print_group(&reader, &group, args.json).await;
+    }
     // The DLQs the key's runs name (every queue when none ran here).
     let mut queues: Vec<String> = record.runs.iter().map(|r| r.queue.clone()).collect();
     queues.sort();
@@ -225,6 +242,66 @@ pub async fn inspect(config: Config, args: InspectArgs) -> Result<(), Failure> {
             );
         }
     }
+    Ok(())
+}
+
+/// A fanned-out run: its members, each with its state (a member without a record has not
+/// started: queued, or lost).
+async fn print_group(
+    reader: &HistoryReader,
+    group: &chime_shared::group::GroupRecord,
+    json: bool,
+) -> Result<(), Failure> {
+    let members = group.fan.members(group.base);
+    let keys: Vec<String> = members.iter().map(|m| m.key.to_string()).collect();
+    let states = reader.states(&keys).await.map_err(runtime)?;
+    let mut records = Vec::new();
+    for k in &keys {
+        records.push(reader.record(k).await.map_err(runtime)?);
+    }
+    let done = states.iter().filter(|s| s.as_ref().is_some_and(|(s, _)| s == "done")).count();
+    let missing = states.iter().filter(|s| s.is_none()).count();
+    if json {
+        let rows: Vec<serde_json::Value> = members
+            .iter()
+            .zip(&records)
+            .map(|(m, r)| serde_json::json!({"member": m, "record": r}))
+            .collect();
+        let out = serde_json::json!({"key": group.base, "group": group, "members": rows,
+            "complete": done == members.len()});
+        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+        return Ok(());
+    }
+    println!("key       {} (a fanned-out run: each member has a key of its own)", group.base);
+    println!("job       {} on queue {}", group.job, group.queue);
+    if let Some(slot) = group.slot {
+        println!("slot      {} UTC", at(slot));
+    }
+    match &group.fan {
+        chime_shared::group::Fan::Shards(n) => println!("fan-out   {n} shards"),
+        chime_shared::group::Fan::Broadcast(w) => println!("fan-out   broadcast to {} workers", w.len()),
+    }
+    let complete = if done == members.len() {
+        "complete: every member is done".to_string()
+    } else {
+        format!("{done} of {} done; {missing} not started (queued, or lost)", members.len())
+    };
+    println!("state     {complete}");
+    let mut t = crate::cli::table::new(["MEMBER", "KEY", "STATE", "FINISHED (UTC)", "RESULT"], &[]);
+    for ((m, s), r) in members.iter().zip(&states).zip(&records) {
+        let who = match (&m.shard, &m.target) {
+            (Some(i), _) => format!("shard {i}"),
+            (_, Some(w)) => format!("worker {w}"),
+            _ => String::new(),
+        };
+        let (state, finished) = match s {
+            Some((state, t)) => (state.clone(), t.map(at).unwrap_or_default()),
+            None => ("missing: not started".to_string(), String::new()),
+        };
+        let result = r.result.as_ref().map(|v| cut(&v.to_string(), 60)).unwrap_or_default();
+        t.add_row([who, m.key.to_string(), state, finished, result]);
+    }
+    crate::cli::table::print(&t);
     Ok(())
 }
 

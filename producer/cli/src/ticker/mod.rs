@@ -15,7 +15,7 @@
 
 use chime_shared::amqp;
 use chime_shared::config::{CatchUp, Config};
-use chime_shared::envelope::{self, Envelope, Source};
+use chime_shared::envelope;
 use chime_shared::health::Health;
 use chime_shared::schedule::{Schedule, ScheduleError};
 use chime_shared::telemetry;
@@ -29,14 +29,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::lease::TickerStore;
+
+mod publish;
 
 /// Default catch-up window of jobs that set none.
 pub const DEFAULT_CATCH_UP_WINDOW: Duration = Duration::from_secs(3600);
 /// Most slots published in one batch.
 const BATCH: usize = 10_000;
+/// How often a slot waiting for its job's previous run (`buffer_one`) checks on it.
+const RELEASE_CHECK: Duration = Duration::from_secs(1);
 /// Most missed slots counted one by one for one job (beyond it the count is a lower bound).
 const COUNT_CAP: usize = 1_000_000;
 
@@ -55,6 +59,19 @@ pub struct TickerJob {
     pub max_attempts: u32,
     /// High or low; `None` is normal.
     pub priority: Option<chime_shared::config::Priority>,
+    /// Sharded: how many shards each slot fans out to.
+    pub shards: Option<chime_shared::config::Shards>,
+    /// Broadcast: each slot runs once on every live worker of the queue.
+    pub broadcast: bool,
+    /// What to do with a slot whose previous run is still in progress.
+    pub overlap: chime_shared::config::Overlap,
+}
+
+impl TickerJob {
+    /// Whether a slot of this job is more than one message (sharded or broadcast).
+    pub fn fans_out(&self) -> bool {
+        self.shards.is_some() || self.broadcast
+    }
 }
 
 /// Every job of `config` that has a schedule.
@@ -84,6 +101,9 @@ pub fn scheduled_jobs(config: &Config) -> Result<Vec<TickerJob>, (String, Schedu
             payload: job.payload.clone().unwrap_or(serde_json::Value::Null),
             max_attempts: job.max_attempts(),
             priority: job.priority.filter(|p| *p != chime_shared::config::Priority::Normal),
+            shards: job.shards,
+            broadcast: job.broadcast,
+            overlap: job.overlap,
         });
     }
     Ok(out)
@@ -299,6 +319,9 @@ impl Ticker {
             Some(p) => p,
             None => return Stop::LostLease,
         };
+        // Jobs with a slot waiting for their previous run (buffer_one): checked every second.
+        let mut buffered = self.buffered(&names, &jobs).await;
+        let mut next_release = Instant::now();
         loop {
             if Instant::now() >= next_renew {
                 let asked = Instant::now();
@@ -322,14 +345,18 @@ impl Ticker {
                 return Stop::LostLease;
             }
             let due = plan.pop_due(Utc::now(), BATCH);
-            if !due.is_empty() {
+            let release = !buffered.is_empty() && Instant::now() >= next_release;
+            if !due.is_empty() || release {
+                if release {
+                    next_release = Instant::now() + RELEASE_CHECK;
+                }
                 if amqp_link.is_none() {
                     amqp_link = connect(&config).await;
                     self.health.set("amqp", amqp_link.is_some());
                 }
                 match &amqp_link {
                     Some((_, ch)) => {
-                        if !self.publish(ch, &names, &config, &jobs, &mut plan, due).await {
+                        if !self.publish(ch, &names, &config, &jobs, &mut plan, due, &mut buffered).await {
                             amqp_link = None; // reconnect before the retry
                         }
                     }
@@ -342,11 +369,14 @@ impl Ticker {
                 }
                 continue;
             }
-            let wake = plan
+            let mut wake = plan
                 .next_due()
                 .map(|d| (d - Utc::now()).to_std().unwrap_or(Duration::ZERO))
                 .unwrap_or(Duration::from_secs(3600))
                 .min(next_renew.saturating_duration_since(Instant::now()));
+            if !buffered.is_empty() {
+                wake = wake.min(next_release.saturating_duration_since(Instant::now()));
+            }
             tokio::select! {
                 _ = tokio::time::sleep(wake) => {}
                 _ = token.cancelled() => return Stop::Shutdown,
@@ -362,11 +392,36 @@ impl Ticker {
                                     Some(p) => plan = p,
                                     None => return Stop::LostLease,
                                 }
+                                buffered = self.buffered(&names, &jobs).await;
                             }
                             Err((job, e)) => warn!(%job, error = %e, "reload rejected; keeping the old schedules"),
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// The jobs (indexes) with a slot waiting for their previous run (`buffer_one`), as
+    /// Redis says: a new leader carries on with what the last one buffered.
+    async fn buffered(&self, names: &Names, jobs: &[TickerJob]) -> std::collections::BTreeSet<usize> {
+        let watched: Vec<usize> = (0..jobs.len())
+            .filter(|i| jobs[*i].overlap == chime_shared::config::Overlap::BufferOne)
+            .collect();
+        if watched.is_empty() {
+            return Default::default();
+        }
+        let job_names: Vec<&str> = watched.iter().map(|i| jobs[*i].name.as_str()).collect();
+        match crate::overlap::states(&mut self.store.conn(), names, &job_names).await {
+            Ok(states) => watched
+                .into_iter()
+                .zip(states)
+                .filter(|(_, s)| s.buffered.is_some())
+                .map(|(i, _)| i)
+                .collect(),
+            Err(e) => {
+                warn!(error = %e, "cannot read buffered slots; checking them at every slot");
+                watched.into_iter().collect()
             }
         }
     }
@@ -393,143 +448,6 @@ impl Ticker {
                 Err(_) => return None,
             }
         }
-    }
-
-    /// Publishes due slots with pipelined confirms, advances the watermarks of the confirmed
-    /// ones, and schedules their next slots. Failed slots are retried. False if the channel
-    /// failed.
-    async fn publish(
-        &self,
-        ch: &Channel,
-        names: &Names,
-        config: &Config,
-        jobs: &[TickerJob],
-        plan: &mut Plan,
-        due: Vec<(usize, DateTime<Utc>)>,
-    ) -> bool {
-        let exchange = names.work_exchange();
-        let timeout = config.amqp.publish_timeout;
-        let mut pending = Vec::with_capacity(due.len());
-        let mut healthy = true;
-        // Paused schedules: their slots are skipped and count as handled (the watermark
-        // moves on), so neither a resume nor a new leader runs them late.
-        let due_jobs: Vec<String> =
-            due.iter().filter_map(|(i, _)| jobs.get(*i).map(|j| j.name.clone())).collect();
-        let paused: Vec<bool> = match self.store.paused(names, &due_jobs).await {
-            Ok(p) => p,
-            Err(e) => {
-                warn!(error = %e, "cannot read pause flags; publishing");
-                vec![false; due_jobs.len()]
-            }
-        };
-        let mut skipped = Vec::new();
-        let mut bodies = Vec::with_capacity(due.len());
-        for ((i, slot), paused) in due.into_iter().zip(paused.into_iter().chain(std::iter::repeat(false))) {
-            let Some(job) = jobs.get(i) else { continue };
-            if paused {
-                debug!(job = %job.name, %slot, "schedule paused: slot skipped");
-                metrics::counter!(telemetry::SLOTS_PAUSED, "job" => job.name.clone()).increment(1);
-                skipped.push((i, slot));
-                continue;
-            }
-            let key = envelope::scheduled_key(&job.name, slot);
-            let mut env = Envelope::new(
-                &job.name,
-                &job.queue,
-                key,
-                job.payload.clone(),
-                Some(slot),
-                job.max_attempts,
-                Source::Schedule,
-            );
-            env.priority = job.priority;
-            bodies.push((i, slot, env.encode(), env.properties(), env.route()));
-        }
-        // Handed to lapin a group at a time: a burst of due slots leaves in a few writes.
-        for group in bodies.chunks(amqp::PUBLISH_GROUP) {
-            let sent = if healthy {
-                let outgoing = group.iter().map(|(_, _, body, props, route)| amqp::Outgoing {
-                    exchange: &exchange,
-                    routing_key: route,
-                    body,
-                    props: props.clone(),
-                });
-                amqp::publish_group(ch, outgoing).await
-            } else {
-                Vec::new()
-            };
-            let mut sent = sent.into_iter();
-            for (i, slot, _, _, _) in group {
-                let p = if healthy { sent.next().and_then(Result::ok) } else { None };
-                if p.is_none() {
-                    healthy = false;
-                }
-                pending.push((*i, *slot, p));
-            }
-        }
-        // Every confirm first, then each slot's verdict: a returned message may ride on any
-        // confirm of the burst (see amqp::Returns).
-        let mut returns = amqp::Returns::default();
-        let mut verdicts = Vec::with_capacity(pending.len());
-        for ((_, _, sent), (_, _, _, _, route)) in pending.iter_mut().zip(&bodies) {
-            verdicts.push(match sent.take() {
-                Some(p) => returns.confirm(p, &exchange, route, timeout).await.map_err(Some),
-                None => Err(None),
-            });
-        }
-        let mut confirmed = Vec::new();
-        let retry_at = Utc::now() + chrono::Duration::seconds(1);
-        for (((i, slot, _), verdict), (_, _, body, _, route)) in
-            pending.into_iter().zip(verdicts).zip(&bodies)
-        {
-            let Some(job) = jobs.get(i) else { continue };
-            let verdict = verdict.and_then(|()| match returns.take(&exchange, route, body) {
-                Some(e) => Err(Some(e)),
-                None => Ok(()),
-            });
-            let ok = match verdict {
-                Ok(()) => true,
-                Err(Some(e)) => {
-                    warn!(job = %job.name, %slot, error = %e, "slot not confirmed; will retry");
-                    if e.is_transient() {
-                        healthy = false;
-                    }
-                    false
-                }
-                Err(None) => false,
-            };
-            if ok {
-                let lag = (Utc::now() - slot).num_milliseconds() as f64 / 1000.0;
-                debug!(job = %job.name, %slot, lag, "slot published");
-                metrics::counter!(telemetry::JOBS_PUBLISHED, "job" => job.name.clone(), "source" => "schedule").increment(1);
-                confirmed.push((i, slot));
-            } else {
-                plan.heap.push(Reverse((retry_at.timestamp_millis(), slot.timestamp(), i)));
-            }
-        }
-        for (i, _) in &skipped {
-            if let Some(job) = jobs.get(*i) {
-                self.store.count(&job.name, "paused", 1).await;
-            }
-        }
-        confirmed.extend(skipped);
-        let marks: Vec<(&str, i64)> = confirmed
-            .iter()
-            .filter_map(|(i, slot)| jobs.get(*i).map(|j| (j.name.as_str(), slot.timestamp())))
-            .collect();
-        if let Err(e) = self.store.advance(&marks).await {
-            // Published but not recorded: a later leader republishes these slots (same keys,
-            // absorbed by the workers). Never the other way round.
-            warn!(error = %e, slots = marks.len(), "watermarks not advanced");
-        }
-        for (i, slot) in confirmed {
-            if let Some(job) = jobs.get(i)
-                && let Some(next) = job.schedule.next_after(slot)
-            {
-                plan.push(i, job, next);
-            }
-        }
-        healthy
     }
 }
 
@@ -570,6 +488,9 @@ mod tests {
             payload: serde_json::Value::Null,
             max_attempts: 1,
             priority: None,
+            shards: None,
+            broadcast: false,
+            overlap: chime_shared::config::Overlap::Allow,
         }
     }
 
