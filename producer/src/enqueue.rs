@@ -363,13 +363,29 @@ impl EnqueueClient {
         if members.is_empty() {
             return Err(EnqueueError::NoWorkers { queue: p.envelope.queue.clone() });
         }
-        let report = self.publish_batch(&members).await;
-        if let Some(e) = report.error {
-            return Err(e);
-        }
         let mut done = enqueued(&p.envelope);
+        if members.iter().any(|m| m.envelope.target.is_some()) {
+            // Broadcast: a copy for a worker whose queue is gone (the worker with it) is dropped.
+            for m in &members {
+                match self.publish(&m.envelope, m.delay).await {
+                    Ok(()) => done.members.push(m.envelope.key),
+                    Err(EnqueueError::Amqp(e)) if matches!(*e, AmqpError::Returned { .. }) => {
+                        tracing::info!(worker = ?m.envelope.target, "broadcast: that worker is gone; its copy is dropped");
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            if done.members.is_empty() {
+                return Err(EnqueueError::NoWorkers { queue: p.envelope.queue.clone() });
+            }
+        } else {
+            let report = self.publish_batch(&members).await;
+            if let Some(e) = report.error {
+                return Err(e);
+            }
+            done.members = members.iter().map(|m| m.envelope.key).collect();
+        }
         done.id = members.first().map_or(done.id, |m| m.envelope.id);
-        done.members = members.iter().map(|m| m.envelope.key).collect();
         Ok(done)
     }
 

@@ -311,6 +311,47 @@ pub async fn declare_unroutable(ch: &Channel, names: &Names, amqp: &AmqpConfig) 
     .await
 }
 
+/// How long a worker's own queue outlives its consumer (the worker gone, or reconnecting).
+pub const WORKER_QUEUE_EXPIRES: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Declares a worker's own queue (`<prefix>.q.@<worker>`, where its broadcast copies are
+/// delivered) and binds it to the work exchange and the delay chain (a retried copy comes back
+/// to it). Classic and unreplicated whatever `queue_type` is: it serves one process; it
+/// expires [`WORKER_QUEUE_EXPIRES`] after its worker stopped consuming it (a copy published to
+/// it meanwhile is for a worker that is gone).
+pub async fn declare_worker_queue(
+    ch: &Channel,
+    names: &Names,
+    worker: &str,
+) -> Result<String, TopologyError> {
+    let route = crate::envelope::worker_route(worker);
+    let q = names.work_queue(&route);
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-queue-type"), long("classic"));
+    args.insert(ShortString::from("x-queue-version"), AMQPValue::LongLongInt(2));
+    args.insert(
+        ShortString::from("x-expires"),
+        AMQPValue::LongLongInt(i64::try_from(WORKER_QUEUE_EXPIRES.as_millis()).unwrap_or(i64::MAX)),
+    );
+    let amqp = |what: String| {
+        move |source: lapin::Error| TopologyError::Amqp { what: what.clone(), source: Box::new(source) }
+    };
+    ch.queue_declare(q.as_str().into(), QueueDeclareOptions { durable: true, ..Default::default() }, args)
+        .await
+        .map_err(|e| classify(&q, e))?;
+    ch.queue_bind(
+        q.as_str().into(),
+        names.work_exchange().into(),
+        route.as_str().into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .map_err(amqp(format!("binding of {q}")))?;
+    bind_queue(ch, names, &route).await.map_err(amqp(format!("delay binding of {q}")))?;
+    Ok(route)
+}
+
 /// Ready-message and consumer counts of a queue, by passive declare (no plugin needed).
 /// Uses its own channel because a missing queue closes the channel with 404.
 pub async fn depth(conn: &Connection, queue: &str) -> Result<(u32, u32), lapin::Error> {

@@ -153,10 +153,19 @@ pub(crate) async fn handle<S: KeyStore, O: Outbox, A: AckSink>(
     core: &Core,
     store: &S,
     outbox: &O,
-    incoming: Incoming,
+    mut incoming: Incoming,
     ticket: Ticket<A>,
 ) {
     let started = Instant::now();
+    if incoming.queue.is_empty() {
+        // From this worker's own queue (a broadcast copy): it belongs to the queue its
+        // envelope names; if it has none, to the worker's first queue.
+        incoming.queue = Envelope::decode(&incoming.data)
+            .map(|e| e.queue)
+            .ok()
+            .or_else(|| core.config.worker.queues.first().cloned())
+            .unwrap_or_else(|| chime_shared::config::DEFAULT_QUEUE.to_string());
+    }
     let max = core.config.amqp.max_message_bytes;
     let unknown = || telemetry::UNKNOWN_JOB_LABEL.to_string();
     let (label, verdict, span) = if incoming.data.len() > max {

@@ -333,6 +333,28 @@ impl Worker {
                 channels.push(Route { queue: q.clone(), route, level, ch, acks: AckBatcher::spawn() });
             }
         }
+        // Broadcast jobs: this worker's own queue, where the copies for it arrive.
+        let broadcast =
+            self.core.config.jobs.iter().any(|j| j.broadcast && self.queues.iter().any(|q| q == j.queue()));
+        if broadcast {
+            let ch = match conn.create_channel().await {
+                Ok(c) => c,
+                Err(e) => return lost(e),
+            };
+            let route = topology::declare_worker_queue(&ch, &self.core.names, &self.core.worker_id).await?;
+            let prefetch = self.prefetch.first().copied().unwrap_or(8);
+            if let Err(e) = ch.basic_qos(prefetch, BasicQosOptions::default()).await {
+                return lost(e);
+            }
+            // Its deliveries belong to the queue their envelope names (set when decoded).
+            channels.push(Route {
+                queue: String::new(),
+                route,
+                level: Priority::Normal,
+                ch,
+                acks: AckBatcher::spawn(),
+            });
+        }
         let outbox = BrokerOutbox {
             channels: publish,
             names: self.core.names.clone(),
@@ -358,7 +380,7 @@ impl Worker {
             // By level: the next delivery taken is the most urgent one waiting.
             let mut streams: [SelectAll<_>; 3] = [SelectAll::new(), SelectAll::new(), SelectAll::new()];
             for r in &channels {
-                if paused.contains(&r.queue) {
+                if !r.queue.is_empty() && paused.contains(&r.queue) {
                     continue;
                 }
                 match self.consume(&r.ch, &r.route).await {
@@ -455,6 +477,11 @@ impl Worker {
                 // acks (they would be redelivered).
                 for r in &channels {
                     r.acks.flush().await;
+                    if r.queue.is_empty() {
+                        // This worker's own queue: nobody else will consume it.
+                        let opts = lapin::options::QueueDeleteOptions::default();
+                        let _ = r.ch.queue_delete(self.core.names.work_queue(&r.route).into(), opts).await;
+                    }
                     let _ = r.ch.close(200, "shutdown".into()).await;
                 }
                 outbox.channels.close().await;

@@ -369,10 +369,10 @@ mod tests {
     #[test]
     fn unknown_fields_are_accepted_and_kept() {
         let mut v: serde_json::Value = serde_json::from_slice(&sample().encode()).unwrap();
-        v["priority"] = "high".into();
-        v["shard"] = serde_json::json!({"index": 2, "of": 4});
+        v["tenant"] = "acme".into();
+        v["trace"] = serde_json::json!({"id": 2, "sampled": true});
         let e = Envelope::decode(&serde_json::to_vec(&v).unwrap()).unwrap();
-        assert_eq!(e.extra["priority"], "high");
+        assert_eq!(e.extra["tenant"], "acme");
         let again: serde_json::Value = serde_json::from_slice(&e.encode()).unwrap();
         assert_eq!(again, v, "a republished envelope carries the fields it did not know");
     }

@@ -186,3 +186,93 @@ async fn shards_workers_takes_the_count_of_live_workers_on_the_queue() {
         other => panic!("expected a group, got {other:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broadcast_runs_each_slot_once_on_every_live_worker_and_never_earlier_slots() {
+    let env = TestEnv::new("broadcast");
+    let ledger = env.dir.join("ledger");
+    let jobs = "[ticker]\nlease = \"2s\"\n\
+                [[jobs]]\nname = \"refresh\"\nhandler = \"exec\"\nschedule = \"* * * * * *\"\nbroadcast = true\n\
+                pass_env = [\"LEDGER\", \"TAG\"]\n\
+                command = [\"sh\", \"-c\", \"echo \\\"$CHIME_SLOT $TAG $CHIME_GROUP\\\" >> \\\"$LEDGER\\\"\"]\n";
+    let text = env.config_text("quorum", "", "", jobs);
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let worker = |tag: &str| {
+        Child::worker_env(&env.dir, &path, tag, &[("LEDGER", ledger.to_str().unwrap()), ("TAG", tag)])
+    };
+    let names = env.names();
+    let conn = chime_shared::redis_conn::RedisConn::connect(&config.redis).await.unwrap();
+    let live = |n: usize| {
+        let (conn, names) = (conn.clone(), names.clone());
+        async move {
+            wait_until(&format!("{n} live workers"), Duration::from_secs(30), || {
+                let (mut c, names) = (conn.clone(), names.clone());
+                async move {
+                    let beats = chime_shared::control::workers(&mut c, &names).await.unwrap_or_default();
+                    group::consumers_of(&beats, "default", None).len() == n
+                }
+            })
+            .await;
+        }
+    };
+    let (_a, _b) = (worker("a"), worker("b"));
+    live(2).await;
+    let ticker = Child::ticker(&env.dir, &path, &[], "t");
+    let runs = || -> Vec<(String, String)> {
+        crate::common::ledger(&ledger)
+            .iter()
+            .filter_map(|l| {
+                let mut f = l.split_whitespace();
+                Some((f.next()?.to_string(), f.next()?.to_string()))
+            })
+            .collect()
+    };
+    wait_until("three slots on both workers", Duration::from_secs(60), || async {
+        let r = runs();
+        ["a", "b"].iter().all(|t| r.iter().filter(|(_, w)| w == t).count() >= 3)
+    })
+    .await;
+    // A worker that joins later runs the slots from its start on, never an earlier one.
+    let joined = chrono::Utc::now();
+    let _c = worker("c");
+    live(3).await;
+    wait_until("two slots on the late worker", Duration::from_secs(60), || async {
+        runs().iter().filter(|(_, w)| w == "c").count() >= 2
+    })
+    .await;
+    drop(ticker);
+    let r = runs();
+    for (slot, _) in r.iter().filter(|(_, w)| w == "c") {
+        let slot: chrono::DateTime<chrono::Utc> = slot.parse().unwrap();
+        assert!(
+            slot >= joined - chrono::Duration::seconds(1),
+            "worker c ran slot {slot}, before it joined at {joined}"
+        );
+    }
+    // Each slot once per worker.
+    let mut counts: std::collections::BTreeMap<(String, String), usize> = Default::default();
+    for run in &r {
+        *counts.entry(run.clone()).or_default() += 1;
+    }
+    assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+    let slots: std::collections::BTreeSet<&String> = r.iter().map(|(s, _)| s).collect();
+    let (first, last) = (slots.iter().next().unwrap(), slots.iter().next_back().unwrap());
+    for s in slots.iter().filter(|s| *s != first && *s != last) {
+        for w in ["a", "b"] {
+            assert!(
+                counts.contains_key(&((*s).clone(), w.to_string())),
+                "slot {s} did not run on {w}: {counts:?}"
+            );
+        }
+    }
+    // inspect shows the slot's copies, one per worker, done.
+    let some = slots.iter().nth(1).unwrap();
+    let (code, out, err) = chime(&path, &["inspect", "--job", "refresh", "--slot", some], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("fan-out   broadcast to 2 workers") && out.contains("complete"), "{out}");
+    // Ad hoc: one copy per live worker, now three.
+    let (code, out, err) = chime(&path, &["enqueue", "refresh", "--wait", "--wait-timeout", "60s"], None);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.lines().filter(|l| l.starts_with("worker ") && l.ends_with(": done")).count(), 3, "{out}");
+}

@@ -280,6 +280,11 @@ impl Ticker {
                 None => Ok(()),
             });
             if let Err(e) = verdict {
+                // A broadcast copy for a worker whose queue is gone: the worker is gone too.
+                if route.starts_with('@') && matches!(e, Some(amqp::AmqpError::Returned { .. })) {
+                    info!(job = %jobs[ready[*r].i].name, slot = %ready[*r].slot, route = %route, "broadcast: that worker is gone; its copy is dropped");
+                    continue;
+                }
                 if let Some(e) = e {
                     warn!(job = %jobs[ready[*r].i].name, slot = %ready[*r].slot, error = %e, "slot not confirmed; will retry");
                     if e.is_transient() {
