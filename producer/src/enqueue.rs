@@ -355,7 +355,14 @@ impl EnqueueClient {
     pub async fn enqueue(&self, req: impl IntoRequest) -> Result<Enqueued, EnqueueError> {
         let p = self.prepare(&req.into_request()?)?;
         self.check_queue(&p).await?;
-        let members = self.fan_out(std::slice::from_ref(&p)).await?;
+        self.enqueue_prepared(&p).await
+    }
+
+    /// Publishes one prepared job — as itself, or fanned out to its shards or live workers —
+    /// and waits for every confirm. A broadcast copy whose worker is gone is dropped; no live
+    /// worker at all is [`EnqueueError::NoWorkers`].
+    pub async fn enqueue_prepared(&self, p: &Prepared) -> Result<Enqueued, EnqueueError> {
+        let members = self.fan_out(std::slice::from_ref(p)).await?;
         if members.len() == 1 && members[0].envelope.key == p.envelope.key {
             self.publish(&p.envelope, p.delay).await?;
             return Ok(enqueued(&p.envelope));

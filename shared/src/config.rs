@@ -479,6 +479,17 @@ pub enum Overlap {
     BufferOne,
 }
 
+impl Overlap {
+    /// `allow`, `skip` or `buffer_one`, as the config spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Overlap::Allow => "allow",
+            Overlap::Skip => "skip",
+            Overlap::BufferOne => "buffer_one",
+        }
+    }
+}
+
 /// How many copies of each slot (or ad-hoc enqueue) a sharded job fans out to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(untagged)]

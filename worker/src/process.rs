@@ -207,7 +207,9 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         warn!(plan = ?plan, "no handler for this job on this worker");
         return Verdict::settled(plan, env, None, None);
     };
-    if let (Some(slot), Some(deadline)) = (env.slot, spec.deadline) {
+    // A backfilled slot is past on purpose: its deadline runs from the backfill.
+    let due_at = if env.backfill { Some(env.enqueued_at) } else { env.slot };
+    if let (Some(slot), Some(deadline)) = (due_at, spec.deadline) {
         let late = (Utc::now() - slot).to_std().unwrap_or(Duration::ZERO);
         if late > deadline {
             warn!(%slot, late_ms = late.as_millis() as u64, "slot picked up past its deadline; skipped as expired");

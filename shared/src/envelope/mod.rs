@@ -89,6 +89,10 @@ pub struct Envelope {
     /// Delivery order when a backlog exists; `None` is normal.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<crate::config::Priority>,
+    /// Published by `chime backfill` for a past slot: a job's `deadline` counts from
+    /// `enqueued_at` (the backfill), not from the slot, which is past on purpose.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub backfill: bool,
     /// Fields of newer releases, passed through unchanged.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -211,6 +215,7 @@ impl Envelope {
             shards: None,
             target: None,
             priority: None,
+            backfill: false,
             extra: serde_json::Map::new(),
         }
     }

@@ -246,8 +246,9 @@ pub async fn rolling_deploy() -> Outcome {
             20,
             Source::Adhoc,
         );
-        env.extra.insert("priority".into(), "high".into());
-        env.extra.insert("shard".into(), serde_json::json!({"index": 1, "of": 2}));
+        // Fields of a release these workers do not know (not chime's own: those have meanings).
+        env.extra.insert("tenant".into(), "acme".into());
+        env.extra.insert("trace".into(), serde_json::json!({"id": 1, "sampled": true}));
         env
     };
     let mut done = HashSet::new();

@@ -1,6 +1,7 @@
 //! chime's integration tests: one binary, real RabbitMQ and Redis, a prefix per test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod backfill;
 mod broker_restart;
 mod cli;
 mod common;

@@ -1,6 +1,7 @@
 //! The `chime` command line, one module per command group; `main` only calls
 //! [`main_exit_code`].
 
+mod backfill;
 mod dlq;
 mod enqueue;
 mod failure;
@@ -77,6 +78,9 @@ pub enum Command {
     /// Undo `chime pause`
     #[command(subcommand)]
     Resume(steer::ResumeTarget),
+    /// Publish a scheduled job's past slots again, with their own keys (slots already done
+    /// are absorbed as duplicates); `--dry-run` lists them
+    Backfill(backfill::BackfillArgs),
     /// Run a job now, ad hoc, with its configured payload (a new key)
     Run {
         /// Job name
@@ -139,6 +143,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Workers { json } => steer::workers(config, json).await,
         Command::Pause(target) => steer::pause(config, target, &chime_shared::control::operator()).await,
         Command::Resume(target) => steer::resume(config, target).await,
+        Command::Backfill(args) => backfill::run(config, args).await,
         Command::Run { job, json } => steer::run_now(config, job, json).await,
         Command::Web(args) => web::run(config, args).await,
     };
