@@ -391,23 +391,37 @@ impl Child {
         Self::spawn("chime", dir, config, &all, &format!("ticker-{tag}"))
     }
 
-    /// Spawns `chime tick` with its wall clock `offset` away from the real one (libfaketime
-    /// preloaded into the process itself — the `faketime` wrapper forks, so killing it would
-    /// leave the ticker running; the monotonic clock is left alone, as a skewed NTP client
-    /// would).
+    /// Spawns `chime tick` with its wall clock `offset` away from the real one (see
+    /// [`Child::with_clock`]).
     pub fn skewed_ticker(dir: &Path, config: &Path, offset: &str, tag: &str) -> Self {
-        let lib = [
-            "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
-            "/usr/lib/faketime/libfaketimeMT.so.1",
-        ]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
-        .unwrap_or_else(|| {
-            panic!("libfaketime is needed for the clock-skew scenario (scripts/services installs faketime)")
-        });
-        let mut cmd = tokio::process::Command::new(bin("chime"));
+        Self::with_clock("chime", dir, config, &["tick"], offset, &format!("ticker-{tag}"), &[])
+    }
+
+    /// Spawns `program --config CONFIG args…` with its wall clock `offset` (libfaketime's
+    /// `FAKETIME`, e.g. `+3s` or `-3456000`) away from the real one: libfaketime is preloaded
+    /// into the process itself — the `faketime` wrapper forks, so killing it would leave the
+    /// program running; the monotonic clock is left alone, as a skewed NTP client would.
+    /// Children it starts (an `exec` job) inherit the clock.
+    pub fn with_clock(
+        program: &str,
+        dir: &Path,
+        config: &Path,
+        args: &[&str],
+        offset: &str,
+        tag: &str,
+        envs: &[(&str, &str)],
+    ) -> Self {
+        let lib =
+            ["/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1", "/usr/lib/faketime/libfaketimeMT.so.1"]
+                .into_iter()
+                .find(|p| Path::new(p).exists())
+                .unwrap_or_else(|| {
+                    panic!("libfaketime is needed for faked clocks (scripts/services installs faketime)")
+                });
+        let mut cmd = tokio::process::Command::new(bin(program));
         cmd.env("LD_PRELOAD", lib).env("FAKETIME", offset).env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
-        Self::run(cmd, dir, config, &["tick"], &format!("ticker-{tag}"))
+        cmd.envs(envs.iter().copied());
+        Self::run(cmd, dir, config, args, tag)
     }
 
     fn spawn(program: &str, dir: &Path, config: &Path, args: &[&str], tag: &str) -> Self {
