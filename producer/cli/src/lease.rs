@@ -195,21 +195,33 @@ impl TickerStore {
     }
 
     /// Every job's `missed` and `paused` counts.
-    pub async fn counts(&self) -> Result<HashMap<String, (u64, u64)>, redis::RedisError> {
+    pub async fn counts(&self) -> Result<HashMap<String, SlotCounts>, redis::RedisError> {
         let mut c = self.conn.clone();
         let raw: HashMap<String, u64> =
             redis::cmd("HGETALL").arg(&self.counts_key).query_async(&mut c).await?;
-        let mut out: HashMap<String, (u64, u64)> = HashMap::new();
+        let mut out: HashMap<String, SlotCounts> = HashMap::new();
         for (field, n) in raw {
             if let Some((job, what)) = field.rsplit_once(':') {
                 let e = out.entry(job.to_string()).or_default();
                 match what {
-                    "missed" => e.0 += n,
-                    "paused" => e.1 += n,
+                    "missed" => e.missed += n,
+                    "paused" => e.paused += n,
+                    "overlapped" => e.overlapped += n,
                     _ => {}
                 }
             }
         }
         Ok(out)
     }
+}
+
+/// Slots of a job the ticker handled without publishing, since the prefix began.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlotCounts {
+    /// Outside the catch-up window, or dropped by the catch-up policy.
+    pub missed: u64,
+    /// Due while the schedule was paused.
+    pub paused: u64,
+    /// Skipped by the overlap policy (the previous run was still in progress).
+    pub overlapped: u64,
 }

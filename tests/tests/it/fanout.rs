@@ -96,6 +96,15 @@ async fn a_sharded_schedule_runs_every_shard_of_every_slot_once() {
     assert_eq!(code, 0);
     assert!(out.contains("0 of 4 done; 4 not started"), "{out}");
     assert_eq!(out.matches("missing: not started").count(), 4, "{out}");
+    // The dashboard's key page shows the same: the run's members, each one missing.
+    let (web, base) = crate::web::start_web(&env, &path, &[], &[]).await;
+    let page = reqwest::get(format!("{base}/keys/{}", done.key)).await.unwrap().text().await.unwrap();
+    assert!(page.contains("id=\"group-state\"") && page.contains("0 of 4 done; 4 not started"), "{page}");
+    assert!(page.contains("4 shards") && page.contains("shard 3"), "{page}");
+    assert_eq!(page.matches("missing: not started").count(), 4, "{page}");
+    for m in &done.members {
+        assert!(page.contains(&format!("/keys/{m}")), "a link to member {m}: {page}");
+    }
     // The same key again: the same four members (absorbed as duplicates once run).
     let again = client.enqueue(EnqueueRequest::new("adhoc-split").key("run-2")).await.unwrap();
     assert_eq!(again.members, done.members);
@@ -112,6 +121,12 @@ async fn a_sharded_schedule_runs_every_shard_of_every_slot_once() {
     let adhoc =
         seen.lock().unwrap().iter().filter(|(j, slot, _)| j == "adhoc-split" && slot == "adhoc").count();
     assert_eq!(adhoc, 8, "4 for run-1, 4 for run-2, none twice");
+    let page = reqwest::get(format!("{base}/keys/{}", done.key)).await.unwrap().text().await.unwrap();
+    assert!(
+        page.contains("complete: every member is done") && !page.contains("missing: not started"),
+        "{page}"
+    );
+    drop(web);
     worker.stop().await;
 }
 

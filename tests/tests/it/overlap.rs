@@ -106,5 +106,17 @@ async fn skip_and_buffer_one_never_overlap_runs_and_account_for_every_slot() {
     let skipped = found["runs"].as_array().unwrap();
     assert!(skipped.len() >= 4, "{out}");
     assert!(skipped.iter().all(|e| e["reason"] == "overlap"), "{out}");
+    // …and counted on the dashboard's schedules page (the Overlapped column).
+    let counts = store.counts().await.unwrap();
+    assert!(counts["skipper"].overlapped >= 4, "{counts:?}");
+    let (web, base) = crate::web::start_web(&env, &path, &[], &[]).await;
+    let page = reqwest::get(format!("{base}/schedules")).await.unwrap().text().await.unwrap();
+    assert!(page.contains("<th>Overlapped</th>"), "{page}");
+    assert!(
+        page.contains(&format!("<td class=\"n\">{}</td>", counts["skipper"].overlapped)),
+        "skipper's overlapped count {}: {page}",
+        counts["skipper"].overlapped
+    );
+    drop(web);
     worker.stop().await;
 }

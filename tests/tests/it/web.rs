@@ -20,7 +20,12 @@ fn jobs(dir: &Path) -> String {
 }
 
 /// Starts `chime web` on a spare loopback port with `args` and `envs`; waits for `/livez`.
-async fn start_web(env: &TestEnv, config: &Path, args: &[&str], envs: &[(&str, &str)]) -> (Child, String) {
+pub(crate) async fn start_web(
+    env: &TestEnv,
+    config: &Path,
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> (Child, String) {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let mut cmd = tokio::process::Command::new(bin("chime"));

@@ -245,6 +245,66 @@ pub async fn inspect(config: Config, args: InspectArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+/// A fanned-out run's members, each with its state and record, and what the run adds up to
+/// (shared by `chime inspect` and the dashboard's key page).
+pub struct GroupView {
+    pub members: Vec<chime_shared::group::Member>,
+    /// State and finish time of each member's key (`None`: no record — not started).
+    pub states: Vec<Option<(String, Option<DateTime<Utc>>)>>,
+    pub records: Vec<KeyRecord>,
+    pub done: usize,
+    pub missing: usize,
+}
+
+impl GroupView {
+    pub async fn read(
+        reader: &HistoryReader,
+        group: &chime_shared::group::GroupRecord,
+    ) -> redis::RedisResult<Self> {
+        let members = group.fan.members(group.base);
+        let keys: Vec<String> = members.iter().map(|m| m.key.to_string()).collect();
+        let states = reader.states(&keys).await?;
+        let mut records = Vec::new();
+        for k in &keys {
+            records.push(reader.record(k).await?);
+        }
+        let done = states.iter().filter(|s| s.as_ref().is_some_and(|(s, _)| s == "done")).count();
+        let missing = states.iter().filter(|s| s.is_none()).count();
+        Ok(Self { members, states, records, done, missing })
+    }
+
+    /// `complete: every member is done`, or how many are done and not started.
+    pub fn summary(&self) -> String {
+        if self.done == self.members.len() {
+            "complete: every member is done".to_string()
+        } else {
+            format!(
+                "{} of {} done; {} not started (queued, or lost)",
+                self.done,
+                self.members.len(),
+                self.missing
+            )
+        }
+    }
+
+    /// `shard 2`, `worker host:pid`.
+    pub fn label(m: &chime_shared::group::Member) -> String {
+        match (&m.shard, &m.target) {
+            (Some(i), _) => format!("shard {i}"),
+            (_, Some(w)) => format!("worker {w}"),
+            _ => String::new(),
+        }
+    }
+
+    /// `shards: 3`, `broadcast to 2 workers`.
+    pub fn fan(group: &chime_shared::group::GroupRecord) -> String {
+        match &group.fan {
+            chime_shared::group::Fan::Shards(n) => format!("{n} shards"),
+            chime_shared::group::Fan::Broadcast(w) => format!("broadcast to {} workers", w.len()),
+        }
+    }
+}
+
 /// A fanned-out run: its members, each with its state (a member without a record has not
 /// started: queued, or lost).
 async fn print_group(
@@ -252,23 +312,16 @@ async fn print_group(
     group: &chime_shared::group::GroupRecord,
     json: bool,
 ) -> Result<(), Failure> {
-    let members = group.fan.members(group.base);
-    let keys: Vec<String> = members.iter().map(|m| m.key.to_string()).collect();
-    let states = reader.states(&keys).await.map_err(runtime)?;
-    let mut records = Vec::new();
-    for k in &keys {
-        records.push(reader.record(k).await.map_err(runtime)?);
-    }
-    let done = states.iter().filter(|s| s.as_ref().is_some_and(|(s, _)| s == "done")).count();
-    let missing = states.iter().filter(|s| s.is_none()).count();
+    let view = GroupView::read(reader, group).await.map_err(runtime)?;
     if json {
-        let rows: Vec<serde_json::Value> = members
+        let rows: Vec<serde_json::Value> = view
+            .members
             .iter()
-            .zip(&records)
+            .zip(&view.records)
             .map(|(m, r)| serde_json::json!({"member": m, "record": r}))
             .collect();
         let out = serde_json::json!({"key": group.base, "group": group, "members": rows,
-            "complete": done == members.len()});
+            "complete": view.done == view.members.len()});
         println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
         return Ok(());
     }
@@ -277,29 +330,16 @@ async fn print_group(
     if let Some(slot) = group.slot {
         println!("slot      {} UTC", at(slot));
     }
-    match &group.fan {
-        chime_shared::group::Fan::Shards(n) => println!("fan-out   {n} shards"),
-        chime_shared::group::Fan::Broadcast(w) => println!("fan-out   broadcast to {} workers", w.len()),
-    }
-    let complete = if done == members.len() {
-        "complete: every member is done".to_string()
-    } else {
-        format!("{done} of {} done; {missing} not started (queued, or lost)", members.len())
-    };
-    println!("state     {complete}");
+    println!("fan-out   {}", GroupView::fan(group));
+    println!("state     {}", view.summary());
     let mut t = crate::cli::table::new(["MEMBER", "KEY", "STATE", "FINISHED (UTC)", "RESULT"], &[]);
-    for ((m, s), r) in members.iter().zip(&states).zip(&records) {
-        let who = match (&m.shard, &m.target) {
-            (Some(i), _) => format!("shard {i}"),
-            (_, Some(w)) => format!("worker {w}"),
-            _ => String::new(),
-        };
+    for ((m, s), r) in view.members.iter().zip(&view.states).zip(&view.records) {
         let (state, finished) = match s {
             Some((state, t)) => (state.clone(), t.map(at).unwrap_or_default()),
             None => ("missing: not started".to_string(), String::new()),
         };
         let result = r.result.as_ref().map(|v| cut(&v.to_string(), 60)).unwrap_or_default();
-        t.add_row([who, m.key.to_string(), state, finished, result]);
+        t.add_row([GroupView::label(m), m.key.to_string(), state, finished, result]);
     }
     crate::cli::table::print(&t);
     Ok(())

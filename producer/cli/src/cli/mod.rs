@@ -5,7 +5,7 @@ mod backfill;
 mod dlq;
 mod enqueue;
 mod failure;
-mod history;
+pub(crate) mod history;
 mod ops;
 mod steer;
 mod table;

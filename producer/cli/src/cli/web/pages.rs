@@ -303,7 +303,7 @@ async fn schedules_body(web: &Web) -> anyhow::Result<String> {
     let f = Frame { prefix: &web.config.prefix, read_only: web.read_only, csrf: &web.csrf, notice: None };
     let mut rows = Vec::new();
     for (i, j) in jobs.iter().enumerate() {
-        let (missed, paused) = counts.get(&j.name).copied().unwrap_or((0, 0));
+        let n = counts.get(&j.name).copied().unwrap_or_default();
         let next = j.schedule.next_after(now);
         let outcome = match (&last[i], &states[i]) {
             (None, _) => "-".to_string(),
@@ -344,8 +344,9 @@ async fn schedules_body(web: &Web) -> anyhow::Result<String> {
             next.map(at).unwrap_or_else(|| "-".into()),
             last[i].map(at).unwrap_or_else(|| "-".into()),
             outcome,
-            missed.to_string(),
-            paused.to_string(),
+            n.missed.to_string(),
+            n.paused.to_string(),
+            n.overlapped.to_string(),
             paused_cell(&flags[i], now),
             format!("{toggle} {run}"),
         ]);
@@ -361,10 +362,11 @@ async fn schedules_body(web: &Web) -> anyhow::Result<String> {
             "Last outcome",
             "Missed",
             "Paused slots",
+            "Overlapped",
             "State",
             "",
         ],
-        &["Missed", "Paused slots"],
+        &["Missed", "Paused slots", "Overlapped"],
         &rows,
     ) + "<p class=\"muted\">Resuming here does not catch paused slots up; \
         <code>chime resume schedule JOB --catch-up</code> does.</p>")
@@ -522,7 +524,15 @@ pub async fn key(
         Ok(r) => r,
         Err(e) => return failed(&web, "Key", e),
     };
-    let mut body = record_html(&key, &record);
+    let mut body = match chime_shared::group::read(&mut web.reader.connection(), &web.names, key).await {
+        Ok(Some(group)) => match group_html(&web, &group).await {
+            Ok(html) => html,
+            Err(e) => return failed(&web, "Key", e),
+        },
+        Ok(None) => String::new(),
+        Err(e) => return failed(&web, "Key", e),
+    };
+    body.push_str(&record_html(&key, &record));
     body.push_str("<h2>Runs</h2>");
     if record.runs.is_empty() {
         body.push_str("<p>No runs recorded (history off, or the record expired).</p>");
@@ -555,6 +565,44 @@ pub async fn key(
         let _ = write!(body, "<p class=\"muted\">{}</p>", notes.join("; "));
     }
     Html(page(&frame(&web, &notice), &format!("Key {key}"), "", None, &body)).into_response()
+}
+
+/// A fanned-out run (sharded or broadcast): its members, a missing one marked.
+async fn group_html(web: &Web, group: &chime_shared::group::GroupRecord) -> redis::RedisResult<String> {
+    use crate::cli::history::GroupView;
+    let view = GroupView::read(&web.reader, group).await?;
+    let mut out = String::from("<h2>Fan-out</h2><dl id=\"group\">");
+    let _ = write!(out, "<dt>Job</dt><dd>{} on queue {}</dd>", esc(&group.job), esc(&group.queue));
+    if let Some(slot) = group.slot {
+        let _ = write!(out, "<dt>Slot</dt><dd>{} UTC</dd>", at(slot));
+    }
+    let _ = write!(out, "<dt>Fan-out</dt><dd>{}</dd>", esc(&GroupView::fan(group)));
+    let complete = view.done == view.members.len();
+    let _ = write!(
+        out,
+        "<dt>State</dt><dd><b id=\"group-state\" class=\"{}\">{}</b></dd></dl>",
+        if complete { "ok" } else { "warn" },
+        esc(&view.summary())
+    );
+    let rows: Vec<Vec<String>> = view
+        .members
+        .iter()
+        .zip(&view.states)
+        .zip(&view.records)
+        .map(|((m, s), r)| {
+            let (state, finished) = match s {
+                Some((state, t)) => (esc(state), t.map(at).unwrap_or_default()),
+                None => ("<b class=\"warn missing\">missing: not started</b>".to_string(), String::new()),
+            };
+            let result = r.result.as_ref().map(|v| esc(&cut(&v.to_string(), 60))).unwrap_or_default();
+            vec![esc(&GroupView::label(m)), key_link(&m.key.to_string()), state, finished, result]
+        })
+        .collect();
+    out.push_str(&table("members", &["Member", "Key", "State", "Finished (UTC)", "Result"], &[], &rows));
+    out.push_str(
+        "<p class=\"muted\">The key below is the whole run's: its members have keys of their own.</p>",
+    );
+    Ok(out)
 }
 
 fn record_html(key: &Uuid, r: &KeyRecord) -> String {
