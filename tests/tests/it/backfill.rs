@@ -111,7 +111,7 @@ async fn backfill_runs_each_past_slot_once_across_a_dst_night() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("published 19 of 19 slots"), "{out}");
     assert!(out.contains("16 had no record and will run"), "{out}");
-    assert!(out.contains("3 were already done: the workers absorb them as duplicates"), "{out}");
+    assert!(out.contains("3 were already done: absorbed by the workers as duplicates"), "{out}");
     wait_until("every slot done", Duration::from_secs(60), || done(19)).await;
     wait_until("three duplicates absorbed", Duration::from_secs(30), || async { worker.duplicates() >= 3 })
         .await;

@@ -171,23 +171,30 @@ pub async fn run(config: Config, args: BackfillArgs) -> Result<(), Failure> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary).unwrap_or_default());
     } else {
+        let n = |k: usize, one: &str, many: &str| format!("{k} {}", if k == 1 { one } else { many });
         println!(
-            "backfill {}: published {published} of {} slots from {} to {} in {elapsed:.1} s",
+            "backfill {}: published {published} of {} from {} to {} in {elapsed:.1} s",
             job.name,
-            slots.len(),
+            n(slots.len(), "slot", "slots"),
             utc(from),
             utc(to)
         );
         let fresh = published - done - dead - busy;
-        println!("  {fresh} had no record and will run");
+        println!("  {} no record and will run", n(fresh, "had", "had"));
         if done > 0 {
-            println!("  {done} were already done: the workers absorb them as duplicates");
+            println!("  {} already done: absorbed by the workers as duplicates", n(done, "was", "were"));
         }
         if dead > 0 {
-            println!("  {dead} are dead: their keys stay dead (`chime dlq replay` runs a dead letter again)");
+            println!(
+                "  {} dead: dead keys stay dead (`chime dlq replay` runs a dead letter again)",
+                n(dead, "is", "are")
+            );
         }
         if busy > 0 {
-            println!("  {busy} are in progress or partly done: only what has not finished runs");
+            println!(
+                "  {} in progress or partly done: only what has not finished runs",
+                n(busy, "is", "are")
+            );
         }
     }
     if let Some((slot, e)) = failure {
