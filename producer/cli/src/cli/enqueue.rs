@@ -1,7 +1,7 @@
 //! `chime enqueue`: one job, or a batch of JSON lines, each confirmed by the broker.
 
 use anyhow::Context as _;
-use chime_producer::{EnqueueClient, EnqueueError, EnqueueRequest, parse_batch_line, prepare};
+use chime_producer::{EnqueueClient, EnqueueError, EnqueueRequest, Prepared, parse_batch_line, prepare};
 use chime_shared::config::Config;
 use chime_shared::history::HistoryReader;
 use clap::Args;
@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use super::failure::{Failure, from_enqueue, runtime, usage};
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct EnqueueArgs {
     /// Job name, as in the config's [[jobs]]
     pub job: String,
@@ -318,11 +318,14 @@ struct BatchFile {
 
 impl BatchFile {
     fn reader(&self) -> Result<Box<dyn BufRead>, Failure> {
-        let f = std::fs::File::open(&self.path)
-            .with_context(|| format!("opening {}", self.path.display()))
-            .map_err(usage)?;
-        Ok(Box::new(std::io::BufReader::with_capacity(1 << 16, f)))
+        open_batch(&self.path)
     }
+}
+
+fn open_batch(path: &std::path::Path) -> Result<Box<dyn BufRead>, Failure> {
+    let f =
+        std::fs::File::open(path).with_context(|| format!("opening {}", path.display())).map_err(usage)?;
+    Ok(Box::new(std::io::BufReader::with_capacity(1 << 16, f)))
 }
 
 impl Drop for BatchFile {
@@ -485,23 +488,54 @@ async fn enqueue_batch(
             .await
             .map_err(|e| usage(anyhow::anyhow!("{source} line {line}: queue: {e}")))?;
     }
-    // Pass 2: publish, PUBLISH_CHUNK jobs at a time.
+    // Pass 2: publish, PUBLISH_CHUNK jobs at a time. The next chunk is read and prepared on a
+    // thread of its own while the current one is published: a chunk's confirms are all
+    // awaited before the next is sent, and the broker would otherwise idle while the next one
+    // was parsed. At most two chunks are held at once.
     let fans_out = config.job(&args.job).is_some_and(|j| j.shards.is_some() || j.broadcast);
     let started = Instant::now();
-    let mut requests =
-        Requests { reader: file.reader()?, spool: None, source, limit, args, timing: (delay, at), line: 0 };
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<Prepared>, Failure>>(1);
+    let (path, owned_args, owned_source, cfg) =
+        (file.path.clone(), args.clone(), source.to_string(), config.clone());
+    let preparer = tokio::task::spawn_blocking(move || {
+        let reader = match open_batch(&path) {
+            Ok(r) => r,
+            Err(f) => {
+                let _ = tx.blocking_send(Err(f));
+                return;
+            }
+        };
+        let source = owned_source.as_str();
+        let mut requests =
+            Requests { reader, spool: None, source, limit, args: &owned_args, timing: (delay, at), line: 0 };
+        loop {
+            let mut chunk = Vec::with_capacity(PUBLISH_CHUNK.min(total));
+            while chunk.len() < PUBLISH_CHUNK {
+                // Validated in pass 1: this fails only if the file changed meanwhile.
+                let next = requests.next().and_then(|r| match r {
+                    Some((i, req)) => prepare(&cfg, &req)
+                        .map(Some)
+                        .map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}"))),
+                    None => Ok(None),
+                });
+                match next {
+                    Ok(Some(p)) => chunk.push(p),
+                    Ok(None) => break,
+                    Err(f) => {
+                        let _ = tx.blocking_send(Err(f));
+                        return;
+                    }
+                }
+            }
+            // Empty: the end. A send error: the publisher stopped.
+            if chunk.is_empty() || tx.blocking_send(Ok(chunk)).is_err() {
+                return;
+            }
+        }
+    });
     let (mut confirmed, mut error) = (0usize, None);
-    let mut chunk = Vec::with_capacity(PUBLISH_CHUNK.min(total));
-    loop {
-        chunk.clear();
-        while chunk.len() < PUBLISH_CHUNK {
-            let Some((i, req)) = requests.next()? else { break };
-            // Validated in pass 1: this fails only if the file changed meanwhile.
-            chunk.push(prepare(&config, &req).map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?);
-        }
-        if chunk.is_empty() {
-            break;
-        }
+    while let Some(chunk) = rx.recv().await {
+        let chunk = chunk?;
         // A sharded or broadcast job's line is several messages: counted as such.
         let messages = if fans_out {
             let members = client.fan_out(&chunk).await.map_err(from_enqueue)?;
@@ -517,6 +551,8 @@ async fn enqueue_batch(
             break;
         }
     }
+    drop(rx);
+    let _ = preparer.await;
     warn_settled(settled.first.as_ref(), settled.count);
     let secs = started.elapsed().as_secs_f64();
     if args.json {

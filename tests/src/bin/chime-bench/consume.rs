@@ -60,7 +60,8 @@ pub async fn raw_consume(
             match mode {
                 RawRedis::Scripts => {
                     let owner = format!("raw/{i}");
-                    let (state, fence, _): (String, u64, u64) = chime_shared::idempotency::claim_script()
+                    // The reply's length varies with the state (a claim adds the checkpoint).
+                    let reply: Vec<redis::Value> = chime_shared::idempotency::claim_script()
                         .key(&key)
                         .arg(&owner)
                         .arg(LEASE_MS)
@@ -68,6 +69,8 @@ pub async fn raw_consume(
                         .invoke_async(&mut r)
                         .await
                         .unwrap();
+                    let state: String = redis::from_redis_value(reply[0].clone()).unwrap();
+                    let fence: u64 = redis::from_redis_value(reply[1].clone()).unwrap();
                     assert_eq!(state, "claimed");
                     let ok: i64 = chime_shared::idempotency::finish_script()
                         .key(&key)
