@@ -645,15 +645,20 @@ mod tests {
         async fn receipt(_: JobContext, job: SendWelcome) -> Result<Receipt, JobError> {
             Ok(Receipt { sent_to: job.user_id })
         }
+        /// Runs `send_welcome` as registered in `registry` and returns its context.
+        async fn call(registry: Registry) -> JobContext {
+            let c = ctx();
+            registry
+                .get("send_welcome")
+                .unwrap()
+                .call(c.clone(), serde_json::json!({"user_id": 9}))
+                .await
+                .unwrap();
+            c
+        }
         let mut registry = Registry::new();
         registry.job(receipt);
-        let c = ctx();
-        registry
-            .get("send_welcome")
-            .unwrap()
-            .call(c.clone(), serde_json::json!({"user_id": 9}))
-            .await
-            .unwrap();
+        let c = call(registry).await;
         let kept = c.run.result.lock().unwrap().take();
         assert_eq!(kept, Some(Ok(serde_json::json!({"sent_to": 9}))));
 
@@ -662,13 +667,7 @@ mod tests {
         }
         let mut registry = Registry::new();
         registry.job(nothing);
-        let c = ctx();
-        registry
-            .get("send_welcome")
-            .unwrap()
-            .call(c.clone(), serde_json::json!({"user_id": 9}))
-            .await
-            .unwrap();
+        let c = call(registry).await;
         assert!(c.run.result.lock().unwrap().is_none(), "() is no result");
         // Outside a worker there is nowhere to save a checkpoint: an error, not a panic.
         assert!(c.checkpoint(&1).await.is_err());
