@@ -592,6 +592,9 @@ pub struct JobConfig {
     /// Runs of this job at once in one worker process (default: 8 for `exec`, otherwise
     /// `worker.concurrency`): heavy handlers bounded, light ones run wide.
     pub concurrency: Option<usize>,
+    /// Runs of this job at once across every worker sharing the prefix (slots leased in
+    /// Redis; a dead worker's slot lapses after `redis.lease`).
+    pub global_concurrency: Option<usize>,
     /// A scheduled job's slot whose previous run is still in progress (default `allow`).
     pub overlap: Overlap,
     /// Fan each slot (or ad-hoc enqueue) out to this many messages, one per shard.
@@ -685,6 +688,8 @@ struct RawJobConfig {
     #[serde(default)]
     concurrency: Option<usize>,
     #[serde(default)]
+    global_concurrency: Option<usize>,
+    #[serde(default)]
     overlap: Option<Overlap>,
     #[serde(default)]
     shards: Option<Shards>,
@@ -717,8 +722,10 @@ impl RawJobConfig {
         let key = |field: &str| format!("{at} ({}).{field}", raw.name);
         let only =
             |field: &str, handler: &str| format!("{}: only valid with handler \"{handler}\"", key(field));
-        if raw.concurrency.is_some_and(|n| !(1..=10_000).contains(&n)) {
-            return Err(format!("{}: must be between 1 and 10000", key("concurrency")));
+        for (field, n) in [("concurrency", raw.concurrency), ("global_concurrency", raw.global_concurrency)] {
+            if n.is_some_and(|n| !(1..=10_000).contains(&n)) {
+                return Err(format!("{}: must be between 1 and 10000", key(field)));
+            }
         }
         if raw.overlap.is_some_and(|o| o != Overlap::Allow) && raw.schedule.is_none() {
             return Err(format!(
@@ -791,6 +798,7 @@ impl RawJobConfig {
             deadline: raw.deadline,
             jitter: raw.jitter,
             concurrency: raw.concurrency,
+            global_concurrency: raw.global_concurrency,
             overlap: raw.overlap.unwrap_or_default(),
             shards: raw.shards,
             broadcast: raw.broadcast.unwrap_or(false),

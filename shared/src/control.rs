@@ -156,7 +156,9 @@ pub async fn beat<C: ConnectionLike + Send>(
     beat: &WorkerBeat,
 ) -> redis::RedisResult<()> {
     let ttl = u64::try_from(BEAT_TTL.as_millis()).unwrap_or(15_000);
-    let until = Utc::now().timestamp_millis() + i64::try_from(ttl).unwrap_or(15_000);
+    // Index scores are Redis time, as the readers' cut-off is: no worker's or reader's clock
+    // decides who is live.
+    let until = redis_ms(conn).await? + i64::try_from(ttl).unwrap_or(15_000);
     redis::pipe()
         .cmd("SET")
         .arg(names.worker(&beat.id))
@@ -171,6 +173,12 @@ pub async fn beat<C: ConnectionLike + Send>(
         .ignore()
         .query_async(conn)
         .await
+}
+
+/// Redis `TIME` in milliseconds.
+async fn redis_ms<C: ConnectionLike + Send>(conn: &mut C) -> redis::RedisResult<i64> {
+    let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
+    Ok(secs * 1000 + micros / 1000)
 }
 
 /// Removes a worker's heartbeat (on a clean shutdown).
@@ -192,13 +200,14 @@ pub async fn unregister<C: ConnectionLike + Send>(
 }
 
 /// Every live worker of the prefix, by id: the index, then the heartbeats that have not
-/// expired. Index entries a minute past their heartbeat's expiry are dropped.
+/// expired. Index entries a minute past their heartbeat's expiry (by Redis time, as the
+/// beats write them) are dropped.
 pub async fn workers<C: ConnectionLike + Send>(
     conn: &mut C,
     names: &Names,
 ) -> redis::RedisResult<Vec<WorkerBeat>> {
     let index = names.workers_index();
-    let stale = Utc::now().timestamp_millis() - 60_000;
+    let stale = redis_ms(conn).await? - 60_000;
     let (ids,): (Vec<String>,) = redis::pipe()
         .cmd("ZREMRANGEBYSCORE")
         .arg(&index)

@@ -482,12 +482,17 @@ impl IdemStore {
         self.lease
     }
 
-    fn ms(d: Duration) -> u64 {
+    pub(crate) fn ms(d: Duration) -> u64 {
         u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
     }
 
+    /// The key names of this store's prefix.
+    pub(crate) fn names(&self) -> &Names {
+        &self.names
+    }
+
     /// Queues `cmd` on the batching task without waiting for (or reading) its reply.
-    fn send(&self, cmd: Cmd) {
+    pub(crate) fn send(&self, cmd: Cmd) {
         let (reply, _) = oneshot::channel();
         let _ = self.batcher().send(Op { cmd, reply });
     }
@@ -498,7 +503,7 @@ impl IdemStore {
     }
 
     /// Sends one script call through the batching task and waits for its reply.
-    async fn call<T: redis::FromRedisValue>(&self, cmd: Cmd) -> Result<T, IdemError> {
+    pub(crate) async fn call<T: redis::FromRedisValue>(&self, cmd: Cmd) -> Result<T, IdemError> {
         let tx = self.batcher();
         let (reply, answer) = oneshot::channel();
         tx.send(Op { cmd, reply }).map_err(|_| IdemError::Protocol("redis batcher stopped".into()))?;
@@ -511,7 +516,11 @@ impl IdemStore {
         let mut cmd = evalsha(&CLAIM, self.names.idem_key(key));
         cmd.arg(owner).arg(Self::ms(self.lease)).arg(Self::ms(self.retention));
         let reply: Vec<Value> = self.call(cmd).await?;
-        let text = |i: usize| reply.get(i).and_then(|v| redis::from_redis_value::<String>(v.clone()).ok());
+        // A missing field is Nil: no conversion (a failed one formats an error message).
+        let text = |i: usize| match reply.get(i) {
+            None | Some(Value::Nil) => None,
+            Some(v) => redis::from_redis_value::<String>(v.clone()).ok(),
+        };
         let num =
             |i: usize| reply.get(i).and_then(|v| redis::from_redis_value::<u64>(v.clone()).ok()).unwrap_or(0);
         let (fence, third) = (num(1), num(2));
@@ -645,7 +654,7 @@ impl IdemStore {
 }
 
 /// `EVALSHA <script> 1 <key>`; the caller adds the arguments.
-fn evalsha(script: &Script, key: String) -> Cmd {
+pub(crate) fn evalsha(script: &Script, key: String) -> Cmd {
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(script.get_hash()).arg(1).arg(key);
     cmd
@@ -805,7 +814,8 @@ async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
         if again_replies.is_empty() {
             return;
         }
-        for script in [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*RUNLOG, &*XADDS, &*CHECKPOINT] {
+        let ours = [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*RUNLOG, &*XADDS, &*CHECKPOINT];
+        for script in ours.into_iter().chain(crate::limit::scripts()) {
             if let Err(e) = script.prepare_invoke().load_async(conn).await {
                 return fail_all(again_replies, || IdemError::Redis(e.clone()));
             }

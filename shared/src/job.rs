@@ -55,6 +55,8 @@ pub struct JobOptions {
     pub backoff: Option<BackoffConfig>,
     /// Runs at once in one worker process (default `worker.concurrency`).
     pub concurrency: Option<usize>,
+    /// Runs at once across every worker sharing the prefix (default: no such limit).
+    pub global_concurrency: Option<usize>,
 }
 
 impl JobOptions {
@@ -67,6 +69,13 @@ impl JobOptions {
     /// light ones as wide as `worker.concurrency`).
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = Some(n.max(1));
+        self
+    }
+    /// Runs at most `n` of this job at once across every worker sharing the prefix (a rate
+    /// limit for a downstream service; slots are leased in Redis, so a dead worker's slot
+    /// lapses after `redis.lease`).
+    pub fn global_concurrency(mut self, n: usize) -> Self {
+        self.global_concurrency = Some(n.max(1));
         self
     }
     /// Stops the handler after `timeout` (its cancellation token fires first).
@@ -104,6 +113,7 @@ impl JobOptions {
             max_attempts: c.max_attempts.or(self.max_attempts),
             backoff: c.backoff.clone().or_else(|| self.backoff.clone()),
             concurrency: c.concurrency.or(self.concurrency),
+            global_concurrency: c.global_concurrency.or(self.global_concurrency),
         }
     }
 }

@@ -37,6 +37,7 @@ pub mod health;
 pub mod history;
 pub mod idempotency;
 pub mod job;
+pub mod limit;
 pub mod names;
 pub mod redis_conn;
 pub mod schedule;

@@ -100,6 +100,10 @@ impl Names {
     pub fn overlap(&self, job: &str) -> String {
         format!("{}:overlap:{job}", self.prefix)
     }
+    /// Redis sorted set of a job's global concurrency slots: owner token → lease end (ms).
+    pub fn limit(&self, job: &str) -> String {
+        format!("{}:limit:{job}", self.prefix)
+    }
     /// Redis hash of a fanned-out run (sharded or broadcast): its members' keys.
     pub fn group(&self, base_key: &str) -> String {
         format!("{}:group:{base_key}", self.prefix)

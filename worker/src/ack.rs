@@ -1,10 +1,10 @@
 //! Batched acknowledgements for one consume channel.
 //!
 //! [`AckLedger`] is the pure state machine: it is told which delivery tags arrived and how each
-//! was settled, and answers with the frames to send ([`Wire`]). [`AckBatcher`] runs it in a task
-//! and sends those frames through the deliveries' ackers; [`Ticket`] is a delivery's handle on
-//! it, which requeues the delivery if it is dropped unsettled (a panic anywhere in the
-//! delivery's task, a task aborted).
+//! was settled, and answers with the frames to send ([`Wire`]). [`AckBatcher`] keeps it behind a
+//! lock and sends those frames through the deliveries' ackers, from the task that settles a
+//! delivery; [`Ticket`] is a delivery's handle on it, which requeues the delivery if it is
+//! dropped unsettled (a panic anywhere in the delivery's task, a task aborted).
 //!
 //! The invariant, checked by property tests below: **a `multiple=true` ack never covers a
 //! delivery that is not settled by ack**, whether it is still being processed, was requeued,
@@ -21,9 +21,11 @@
 
 use futures_util::future::BoxFuture;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::Notify;
 use tracing::warn;
 
 /// How long a settled delivery may wait for the ones below it.
@@ -117,6 +119,11 @@ impl AckLedger {
             .collect()
     }
 
+    /// Settled deliveries are held back (waiting for slower ones below them).
+    pub fn holds(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// Everything settled goes on the wire now.
     pub fn flush(&mut self) -> Vec<Wire> {
         let mut out = self.ack_prefix();
@@ -131,168 +138,197 @@ impl AckLedger {
     }
 }
 
-/// Sends acks and requeues for one delivery (lapin's `Acker`; a recorder in tests).
-pub(crate) trait AckSink: Send + 'static {
-    fn ack(&self, multiple: bool) -> BoxFuture<'_, Result<(), String>>;
-    fn requeue(&self) -> BoxFuture<'_, Result<(), String>>;
+/// Sends acks and requeues of one channel (a lapin `Channel`; a recorder in tests). The frame
+/// must be queued for the wire by the returned future's *first poll*: [`AckBatcher`] polls it
+/// once while it holds the channel's ledger, so frames reach the wire in the order the ledger
+/// decided them. lapin's `Channel::basic_ack`/`basic_nack` queue their frame before their first
+/// await; its `Acker` does not (it hands the command to a task that spawns one task per frame,
+/// which can reorder a multiple ack before the single ack it covers: the broker then closes
+/// the channel, "unknown delivery tag").
+pub(crate) trait AckSink: Send + Sync + 'static {
+    fn ack(&self, tag: u64, multiple: bool) -> BoxFuture<'static, Result<(), String>>;
+    fn requeue(&self, tag: u64) -> BoxFuture<'static, Result<(), String>>;
 }
 
-impl AckSink for lapin::Acker {
-    fn ack(&self, multiple: bool) -> BoxFuture<'_, Result<(), String>> {
+impl AckSink for Arc<lapin::Channel> {
+    fn ack(&self, tag: u64, multiple: bool) -> BoxFuture<'static, Result<(), String>> {
+        let ch = self.clone();
+        Box::pin(
+            async move { ch.basic_ack(tag, BasicAckOptions { multiple }).await.map_err(|e| e.to_string()) },
+        )
+    }
+    fn requeue(&self, tag: u64) -> BoxFuture<'static, Result<(), String>> {
+        let ch = self.clone();
         Box::pin(async move {
-            lapin::Acker::ack(self, BasicAckOptions { multiple }).await.map(drop).map_err(|e| e.to_string())
+            let opts = BasicNackOptions { requeue: true, ..Default::default() };
+            ch.basic_nack(tag, opts).await.map_err(|e| e.to_string())
         })
     }
-    fn requeue(&self) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async move {
-            self.nack(BasicNackOptions { requeue: true, ..Default::default() })
-                .await
-                .map(drop)
-                .map_err(|e| e.to_string())
-        })
+}
+
+/// A frame handed to the sink (queued), not yet known to be written.
+type Sending = BoxFuture<'static, Result<(), String>>;
+
+/// One channel's ledger and its sink.
+struct Book<A: AckSink> {
+    ledger: AckLedger,
+    sink: A,
+    /// Wakes the hold timer: a delivery is held, or the book is gone.
+    held: Arc<Notify>,
+}
+
+impl<A: AckSink> Book<A> {
+    /// Hands the frames to the sink in order; each is queued for the wire before this returns
+    /// (see [`AckSink`]).
+    fn send(&mut self, wire: Vec<Wire>) -> Vec<Sending> {
+        let mut sending = Vec::new();
+        for w in wire {
+            let mut frame = match w {
+                Wire::Ack { tag, multiple } => self.sink.ack(tag, multiple),
+                Wire::Requeue { tag } => self.sink.requeue(tag),
+            };
+            let mut cx = Context::from_waker(Waker::noop());
+            match frame.as_mut().poll(&mut cx) {
+                Poll::Ready(result) => report(result),
+                Poll::Pending => sending.push(frame),
+            }
+        }
+        sending
     }
 }
 
-enum Msg<A> {
-    Delivered(u64),
-    Ack(u64, A),
-    Requeue(u64, A),
-    Flush(oneshot::Sender<()>),
+impl<A: AckSink> Drop for Book<A> {
+    /// The channel's last handle is gone: whatever is settled goes out (best effort; a
+    /// graceful stop has flushed already).
+    fn drop(&mut self) {
+        let wire = self.ledger.flush();
+        drop(self.send(wire));
+        self.held.notify_one();
+    }
 }
 
-/// Handle on a channel's ack task (cheap to clone).
-pub(crate) struct AckBatcher<A: AckSink = lapin::Acker> {
-    tx: mpsc::UnboundedSender<Msg<A>>,
+fn report(result: Result<(), String>) {
+    if let Err(e) = result {
+        warn!(error = %e, "ack or requeue failed; the broker redelivers when the channel closes");
+    }
+}
+
+/// Waits until the frames are written (or failed).
+async fn written(sending: Vec<Sending>) {
+    for frame in sending {
+        report(frame.await);
+    }
+}
+
+/// One consume channel's acks (cheap to clone). The delivery tasks settle through it
+/// themselves: the ledger is behind a lock, and whoever settles a delivery queues the frames
+/// that settling makes possible, so no task sits between a job and the wire (a task of its own
+/// that forwarded every ack, one at a time, cost the worker three context switches per job). A
+/// task sends the acks held back by slower deliveries after [`HOLD`] (it sleeps while none is).
+pub(crate) struct AckBatcher<A: AckSink = Arc<lapin::Channel>> {
+    book: Arc<Mutex<Book<A>>>,
 }
 
 impl<A: AckSink> Clone for AckBatcher<A> {
     fn clone(&self) -> Self {
-        Self { tx: self.tx.clone() }
+        Self { book: self.book.clone() }
     }
 }
 
 impl<A: AckSink> AckBatcher<A> {
-    pub fn spawn() -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(rx));
-        Self { tx }
+    /// The acks of the channel `sink` sends on.
+    pub fn spawn(sink: A) -> Self {
+        let held = Arc::new(Notify::new());
+        let book = Arc::new(Mutex::new(Book { ledger: AckLedger::default(), sink, held: held.clone() }));
+        tokio::spawn(hold_timer(Arc::downgrade(&book), held));
+        Self { book }
     }
 
-    /// Registers a delivery as it arrives and returns the ticket that settles it.
-    pub fn delivered(&self, tag: u64, acker: A) -> Ticket<A> {
-        let _ = self.tx.send(Msg::Delivered(tag));
-        Ticket { tag, acker: Some(acker), batcher: self.clone() }
+    /// Applies `step` to the ledger and queues the frames it yields, under the lock; wakes
+    /// the hold timer when a settled delivery is left held.
+    fn settle(&self, step: impl FnOnce(&mut AckLedger) -> Vec<Wire>) -> Vec<Sending> {
+        let mut book = self.book.lock().unwrap_or_else(|p| p.into_inner());
+        let wire = step(&mut book.ledger);
+        if book.ledger.holds() {
+            // Stores a permit when the timer is not waiting: no wake-up while it sleeps.
+            book.held.notify_one();
+        }
+        book.send(wire)
     }
 
-    /// Sends every pending ack; returns once they are handed to the channel.
+    /// Registers a delivery as it arrives (in channel order) and returns the ticket that
+    /// settles it.
+    pub fn delivered(&self, tag: u64) -> Ticket<A> {
+        self.book.lock().unwrap_or_else(|p| p.into_inner()).ledger.delivered(tag);
+        Ticket { tag, open: true, batcher: self.clone() }
+    }
+
+    /// Sends every pending ack; returns once they are written.
     pub async fn flush(&self) {
-        let (tx, rx) = oneshot::channel();
-        if self.tx.send(Msg::Flush(tx)).is_ok() {
-            let _ = rx.await;
+        let sending = self.settle(AckLedger::flush);
+        written(sending).await;
+    }
+}
+
+/// Sends the acks held back for [`HOLD`]: sleeps until a delivery is held, then ticks every
+/// `HOLD` while any is. Ends with the channel's handles.
+async fn hold_timer<A: AckSink>(book: Weak<Mutex<Book<A>>>, held: Arc<Notify>) {
+    loop {
+        held.notified().await;
+        loop {
+            tokio::time::sleep(HOLD).await;
+            let Some(book) = book.upgrade() else { return };
+            let (sending, holds) = {
+                let mut b = book.lock().unwrap_or_else(|p| p.into_inner());
+                let wire = b.ledger.tick(Instant::now());
+                (b.send(wire), b.ledger.holds())
+            };
+            drop(book);
+            written(sending).await;
+            if !holds {
+                break;
+            }
         }
     }
 }
 
 /// One delivery's right to be settled, exactly once. Dropped unsettled (a panic in the
 /// delivery's task, an aborted task), it requeues the delivery.
-pub(crate) struct Ticket<A: AckSink = lapin::Acker> {
+pub(crate) struct Ticket<A: AckSink = Arc<lapin::Channel>> {
     tag: u64,
-    acker: Option<A>,
+    open: bool,
     batcher: AckBatcher<A>,
 }
 
 impl<A: AckSink> Ticket<A> {
-    /// The outcome is durable: ack (batched).
-    pub fn ack(mut self) {
-        if let Some(a) = self.acker.take() {
-            let _ = self.batcher.tx.send(Msg::Ack(self.tag, a));
-        }
+    /// The outcome is durable: ack (batched). Returns once the frames this ack released are
+    /// written; a held ack goes out with a later one, or after [`HOLD`].
+    pub async fn ack(mut self) {
+        self.open = false;
+        let tag = self.tag;
+        let sending = self.batcher.settle(|l| l.ack(tag, Instant::now()));
+        written(sending).await;
     }
 
     /// Nothing was decided: back to the queue (sent at once).
-    pub fn requeue(mut self) {
-        if let Some(a) = self.acker.take() {
-            let _ = self.batcher.tx.send(Msg::Requeue(self.tag, a));
-        }
+    pub async fn requeue(mut self) {
+        let sending = self.requeue_now();
+        written(sending).await;
+    }
+
+    fn requeue_now(&mut self) -> Vec<Sending> {
+        self.open = false;
+        let tag = self.tag;
+        self.batcher.settle(|l| l.requeue(tag))
     }
 }
 
 impl<A: AckSink> Drop for Ticket<A> {
     fn drop(&mut self) {
-        if let Some(a) = self.acker.take() {
+        if self.open {
             warn!(tag = self.tag, "delivery dropped unsettled (a panic outside the handler?); requeueing");
-            let _ = self.batcher.tx.send(Msg::Requeue(self.tag, a));
-        }
-    }
-}
-
-async fn run<A: AckSink>(mut rx: mpsc::UnboundedReceiver<Msg<A>>) {
-    let mut ledger = AckLedger::default();
-    let mut ackers: HashMap<u64, A> = HashMap::new();
-    let mut tick = tokio::time::interval(HOLD);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        let msg = tokio::select! {
-            msg = rx.recv() => msg,
-            _ = tick.tick() => {
-                let wire = ledger.tick(Instant::now());
-                send(&mut ackers, wire).await;
-                continue;
-            }
-        };
-        let Some(msg) = msg else {
-            let wire = ledger.flush();
-            send(&mut ackers, wire).await;
-            return;
-        };
-        // Apply what arrived together before touching the wire.
-        let mut wire = Vec::new();
-        let mut flushed = Vec::new();
-        let mut apply = |msg: Msg<A>, wire: &mut Vec<Wire>| match msg {
-            Msg::Delivered(tag) => ledger.delivered(tag),
-            Msg::Ack(tag, a) => {
-                ackers.insert(tag, a);
-                wire.extend(ledger.ack(tag, Instant::now()));
-            }
-            Msg::Requeue(tag, a) => {
-                ackers.insert(tag, a);
-                wire.extend(ledger.requeue(tag));
-            }
-            Msg::Flush(done) => {
-                wire.extend(ledger.flush());
-                flushed.push(done);
-            }
-        };
-        apply(msg, &mut wire);
-        while let Ok(more) = rx.try_recv() {
-            apply(more, &mut wire);
-        }
-        send(&mut ackers, wire).await;
-        for done in flushed {
-            let _ = done.send(());
-        }
-    }
-}
-
-/// Sends the frames in order. A multiple ack goes through the acker of its top tag, and the
-/// ackers of the tags it covers are dropped (they are settled by it).
-async fn send<A: AckSink>(ackers: &mut HashMap<u64, A>, wire: Vec<Wire>) {
-    for w in wire {
-        let result = match w {
-            Wire::Ack { tag, multiple } => {
-                let Some(a) = ackers.remove(&tag) else { continue };
-                if multiple {
-                    ackers.retain(|t, _| *t > tag);
-                }
-                a.ack(multiple).await
-            }
-            Wire::Requeue { tag } => match ackers.remove(&tag) {
-                Some(a) => a.requeue().await,
-                None => continue,
-            },
-        };
-        if let Err(e) = result {
-            warn!(error = %e, "ack or requeue failed; the broker redelivers when the channel closes");
+            // Queued now; nobody is left to wait for the write.
+            drop(self.requeue_now());
         }
     }
 }

@@ -11,7 +11,8 @@
 use backon::Retryable;
 use chime_shared::envelope::{Envelope, header_str, put_header};
 use chime_shared::history::{self, Outcome, RunEvent};
-use chime_shared::idempotency::{Claim, DeadInfo, Final, Recorded, Renewal};
+use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, Recorded, Renewal};
+use chime_shared::limit::SlotTake;
 use chime_shared::telemetry::{self, outcome};
 use chrono::{DateTime, Utc};
 use futures_util::FutureExt;
@@ -77,23 +78,122 @@ async fn job_permit(
     if let Ok(p) = limit.clone().try_acquire_owned() {
         return Some(p);
     }
-    let worker_wide = slot.take().map(|p| {
-        let sem = p.semaphore().clone();
-        drop(p);
-        sem
-    });
+    let worker_wide = give_back(slot);
     let permit = tokio::select! {
         p = limit.clone().acquire_owned() => p.ok()?,
         _ = core.intake_stopped.cancelled() => return None,
     };
-    if let Some(sem) = worker_wide {
-        let again = tokio::select! {
-            p = sem.acquire_owned() => p.ok()?,
-            _ = core.intake_stopped.cancelled() => return None,
-        };
-        slot.put(again);
+    take_again(core, slot, worker_wide).await.then_some(permit)
+}
+
+/// A global slot (`jobs[].global_concurrency`) this run holds; freed when dropped.
+struct GlobalSlot<'a, S: KeyStore> {
+    store: &'a S,
+    spec: Arc<JobSpec>,
+    job: String,
+    owner: String,
+}
+
+impl<S: KeyStore> Drop for GlobalSlot<'_, S> {
+    fn drop(&mut self) {
+        self.store.free_slot(&self.job, &self.owner);
+        // A delivery of this job waiting in this process asks again at once (the free is
+        // ahead of its ask in the same Redis pipeline order).
+        self.spec.global_freed.notify_one();
     }
-    Some(permit)
+}
+
+/// Shortest and longest pause between two asks for a global slot while all are held.
+const SLOT_POLL: (Duration, Duration) = (Duration::from_millis(10), Duration::from_millis(500));
+
+/// Takes one of the job's global slots, waiting while every one is held: one delivery per job
+/// and process asks Redis (the others queue behind it), again at once when a run of this
+/// process frees one, else after a pause that doubles from 10 ms to 500 ms (never past the
+/// moment the first held slot lapses). While it waits the delivery gives its worker-wide
+/// slot back, as [`job_permit`] does. `Ok(None)`: intake stopped meanwhile (requeue).
+async fn global_slot<'a, S: KeyStore>(
+    core: &Core,
+    store: &'a S,
+    spec: &Arc<JobSpec>,
+    job: &str,
+    owner: &str,
+    limit: usize,
+    slot: &WorkerSlot,
+) -> Result<Option<GlobalSlot<'a, S>>, IdemError> {
+    let turn = match spec.global_turn.try_lock() {
+        Ok(turn) => turn,
+        Err(_) => {
+            let worker_wide = give_back(slot);
+            let turn = tokio::select! {
+                t = spec.global_turn.lock() => t,
+                _ = core.intake_stopped.cancelled() => return Ok(None),
+            };
+            if !take_again(core, slot, worker_wide).await {
+                return Ok(None);
+            }
+            turn
+        }
+    };
+    let mut pause = SLOT_POLL.0;
+    let mut worker_wide = None;
+    loop {
+        let lapses_in = match store.take_slot(job, owner, limit).await? {
+            SlotTake::Taken => break,
+            SlotTake::Full { lapses_in } => lapses_in,
+        };
+        if worker_wide.is_none() {
+            worker_wide = Some(give_back(slot));
+        }
+        let wait = pause.min(lapses_in + Duration::from_millis(1));
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => pause = (pause * 2).min(SLOT_POLL.1),
+            _ = spec.global_freed.notified() => pause = SLOT_POLL.0,
+            _ = core.intake_stopped.cancelled() => return Ok(None),
+        }
+    }
+    drop(turn);
+    // Held from here: dropped (freed) if intake stops before the worker-wide slot is back.
+    let taken = GlobalSlot { store, spec: spec.clone(), job: job.to_string(), owner: owner.to_string() };
+    if let Some(sem) = worker_wide
+        && !take_again(core, slot, sem).await
+    {
+        return Ok(None);
+    }
+    Ok(Some(taken))
+}
+
+/// Hands the delivery's worker-wide slot back while it waits; the semaphore to take it again.
+fn give_back(slot: &WorkerSlot) -> Option<Arc<tokio::sync::Semaphore>> {
+    slot.take().map(|p| {
+        let sem = p.semaphore().clone();
+        drop(p);
+        sem
+    })
+}
+
+/// Takes the worker-wide slot given back by [`give_back`] again; `false` if intake stopped.
+async fn take_again(core: &Core, slot: &WorkerSlot, sem: Option<Arc<tokio::sync::Semaphore>>) -> bool {
+    let Some(sem) = sem else { return true };
+    tokio::select! {
+        p = sem.acquire_owned() => match p {
+            Ok(p) => {
+                slot.put(p);
+                true
+            }
+            Err(_) => false,
+        },
+        _ = core.intake_stopped.cancelled() => false,
+    }
+}
+
+/// Logs why a global slot could not be asked for (and reports Redis as failed).
+fn slot_error(core: &Core, e: &IdemError) {
+    if e.is_bad_record() {
+        warn!(error = %e, "the job's global slots in Redis are unreadable; dead-lettering this delivery");
+    } else {
+        warn!(error = %e, "redis unreachable: requeueing without a decision");
+        core.redis_failed();
+    }
 }
 
 /// The claim a plan is carried out under.
@@ -216,7 +316,7 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
             return Verdict::settled(Plan::Ack(Settled::Expired), env, None, Some(spec));
         }
     }
-    // Held until the run is settled (dropped with the verdict's scope below).
+    // Held until the run is over (dropped at the end of this function).
     let _job_permit = match &spec.limit {
         Some(limit) => match job_permit(core, limit, &incoming.slot).await {
             Some(p) => Some(p),
@@ -224,8 +324,20 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         },
         None => None,
     };
-    let key = env.key.to_string();
     let owner = core.owner_token();
+    let _global_slot = match spec.global {
+        Some(limit) => match global_slot(core, store, &spec, &env.job, &owner, limit, &incoming.slot).await {
+            Ok(Some(slot)) => Some(slot),
+            Ok(None) => return Verdict::settled(Plan::Requeue, env, None, Some(spec)),
+            Err(e) => {
+                slot_error(core, &e);
+                let plan = decision::on_claim(Err(&e)).err().unwrap_or(Plan::Requeue);
+                return Verdict::settled(plan, env, None, Some(spec));
+            }
+        },
+        None => None,
+    };
+    let key = env.key.to_string();
     let claim = store.claim(&key, &owner).await;
     match &claim {
         Err(e) if e.is_bad_record() => {
@@ -358,7 +470,7 @@ async fn run_handler<S: KeyStore>(
     // the checkpoints it saves, under this claim.
     let mut renewals = std::pin::pin!(async {
         tokio::select! {
-            _ = renew_lease(core, store, key, owner, fence) => {}
+            _ = renew_lease(core, store, key, owner, fence, spec.global.map(|n| (env.job.as_str(), n))) => {}
             _ = save_checkpoints(core, store, key, owner, save_rx) => std::future::pending().await,
         }
     });
@@ -444,11 +556,36 @@ async fn save_checkpoints<S: KeyStore>(
 
 /// Renews the lease every third of it; returns only when another owner holds the key. A
 /// record Redis lost is claimed again (new fence) and the job keeps running.
-async fn renew_lease<S: KeyStore>(core: &Core, store: &S, key: &str, owner: &str, fence: &AtomicU64) {
+///
+/// A run holding a global slot (`global`: job and limit) renews it with the lease. A slot that
+/// lapsed meanwhile (Redis lost it, or the worker stalled past the lease) is taken again if
+/// one is free; if none is, the run goes on over the limit, and says so.
+async fn renew_lease<S: KeyStore>(
+    core: &Core,
+    store: &S,
+    key: &str,
+    owner: &str,
+    fence: &AtomicU64,
+    global: Option<(&str, usize)>,
+) {
     let lease = store.lease();
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + lease / 3, lease / 3);
+    let mut over_limit = false;
     loop {
         tick.tick().await;
+        if let Some((job, limit)) = global {
+            match store.take_slot(job, owner, limit).await {
+                Ok(SlotTake::Taken) => over_limit = false,
+                Ok(SlotTake::Full { .. }) if !over_limit => {
+                    over_limit = true;
+                    warn!(
+                        limit,
+                        "this run's global slot lapsed and every slot is taken: it runs over the limit"
+                    );
+                }
+                Ok(SlotTake::Full { .. }) | Err(_) => {}
+            }
+        }
         match store.renew(key, owner).await {
             Ok(Renewal::Renewed) => {}
             Ok(Renewal::Recreated { fence: new }) => {
@@ -524,21 +661,21 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                     record(Outcome::LostLease, None, run_error);
                 }
             }
-            ticket.ack();
+            ticket.ack().await;
         }
         Plan::Requeue => {
             Stats::bump(&stats.requeued);
-            ticket.requeue();
+            ticket.requeue().await;
         }
         Plan::RecordDone => {
-            let Some(h) = held else { return ticket.requeue() };
+            let Some(h) = held else { return ticket.requeue().await };
             let done = event(Outcome::Succeeded, None, None);
             if let Some(logged) = record_until_done(core, store, &h, done.as_ref()).await {
                 Stats::bump(&stats.succeeded);
                 completed(outcome::SUCCEEDED);
                 record_event(done, logged);
                 info!("job succeeded");
-                ticket.ack();
+                ticket.ack().await;
             } else {
                 error!(
                     "drain deadline passed before `done` could be recorded; requeueing (the job may run again)"
@@ -549,11 +686,11 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                     None,
                     Some("succeeded, but `done` could not be recorded before the drain deadline"),
                 );
-                ticket.requeue();
+                ticket.requeue().await;
             }
         }
         Plan::Retry { delay } => {
-            let (Some(env), Some(h)) = (env.as_ref(), held) else { return ticket.requeue() };
+            let (Some(env), Some(h)) = (env.as_ref(), held) else { return ticket.requeue().await };
             let mut next = env.clone();
             next.attempt += 1;
             next.id = Uuid::now_v7();
@@ -570,17 +707,17 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                     Stats::bump(&stats.retried);
                     completed(outcome::RETRIED);
                     record_event(retried, logged(freed));
-                    ticket.ack();
+                    ticket.ack().await;
                 }
                 Err(e) => {
                     error!(error = %e, "cannot publish the retry; requeueing");
                     Stats::bump(&stats.requeued);
-                    ticket.requeue();
+                    ticket.requeue().await;
                 }
             }
         }
         Plan::Redelay { delay, why } => {
-            let Some(env) = env else { return ticket.requeue() };
+            let Some(env) = env else { return ticket.requeue().await };
             let mut headers = FieldTable::default();
             if let Redelay::UnknownJob(since) = why {
                 put_header(&mut headers, UNKNOWN_SINCE, &since.to_rfc3339());
@@ -589,12 +726,12 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                 Ok(()) => {
                     debug!(?delay, ?why, "copy sent round again");
                     Stats::bump(&stats.redelayed);
-                    ticket.ack();
+                    ticket.ack().await;
                 }
                 Err(e) => {
                     error!(error = %e, "cannot send the copy round again; requeueing");
                     Stats::bump(&stats.requeued);
-                    ticket.requeue();
+                    ticket.requeue().await;
                 }
             }
         }
@@ -612,7 +749,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                     );
                     Stats::bump(&stats.lost_lease);
                     record(Outcome::LostLease, None, run_error);
-                    return ticket.ack();
+                    return ticket.ack().await;
                 }
             }
             let props = dead_letter_properties(core, incoming, &dead);
@@ -631,13 +768,13 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                     Stats::bump(&stats.dead_lettered);
                     completed(outcome::DEAD_LETTERED);
                     record_event(died, logged(recorded));
-                    ticket.ack();
+                    ticket.ack().await;
                 }
                 Err(e) => {
                     // The key stays `dying` (or unrecorded): the redelivered copy dead-letters again.
                     error!(error = %e, "cannot publish to the DLQ; requeueing");
                     Stats::bump(&stats.requeued);
-                    ticket.requeue();
+                    ticket.requeue().await;
                 }
             }
         }
@@ -653,7 +790,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
             info!("job stopped by the drain deadline; requeued");
             Stats::bump(&stats.requeued);
             record_event(stopped, logged(freed));
-            ticket.requeue();
+            ticket.requeue().await;
         }
     }
 }

@@ -200,7 +200,20 @@ impl Worker {
 
     /// Runs until `shutdown` is cancelled, then drains. Returns an error only for problems
     /// a restart cannot fix (a queue declared with other arguments).
-    pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+    ///
+    /// The worker runs as a task of the current runtime, whatever polls this future: the
+    /// intake spawns a task per delivery, and from a runtime thread that task starts on the
+    /// same thread without waking another one.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+        match tokio::spawn(self.run_on_runtime(shutdown)).await {
+            Ok(result) => result,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // The runtime is shutting down.
+            Err(_) => Ok(()),
+        }
+    }
+
+    async fn run_on_runtime(mut self, shutdown: CancellationToken) -> Result<(), WorkerError> {
         let tracker = TaskTracker::new();
         let semaphore = Arc::new(Semaphore::new(self.concurrency));
         metrics::gauge!(chime_shared::telemetry::WORKER_CONCURRENCY).set(self.concurrency as f64);
@@ -330,7 +343,8 @@ impl Worker {
                 if let Err(e) = ch.basic_qos(prefetch, BasicQosOptions::default()).await {
                     return lost(e);
                 }
-                channels.push(Route { queue: q.clone(), route, level, ch, acks: AckBatcher::spawn() });
+                let acks = AckBatcher::spawn(Arc::new(ch.clone()));
+                channels.push(Route { queue: q.clone(), route, level, ch, acks });
             }
         }
         // Broadcast jobs: this worker's own queue, where the copies for it arrive.
@@ -351,8 +365,8 @@ impl Worker {
                 queue: String::new(),
                 route,
                 level: Priority::Normal,
+                acks: AckBatcher::spawn(Arc::new(ch.clone())),
                 ch,
-                acks: AckBatcher::spawn(),
             });
         }
         let outbox = BrokerOutbox {
@@ -435,7 +449,7 @@ impl Worker {
                 };
                 match next {
                     Some((queue, route, acks, Ok(delivery))) => {
-                        let ticket = acks.delivered(delivery.delivery_tag, delivery.acker);
+                        let ticket = acks.delivered(delivery.delivery_tag);
                         let (core, store, outbox) = (self.core.clone(), self.store.clone(), outbox.clone());
                         let incoming = Incoming {
                             queue,
@@ -444,9 +458,11 @@ impl Worker {
                             properties: delivery.properties,
                             slot: process::WorkerSlot::new(permit),
                         };
-                        tracker.spawn(async move {
+                        // Boxed: the delivery's future is large, and a task moves what it
+                        // holds (into its cell, and again to drop it) once per job.
+                        tracker.spawn(Box::pin(async move {
                             process::handle(&core, &store, &outbox, incoming, ticket).await;
-                        });
+                        }));
                     }
                     Some((_, route, _, Err(e))) => break Pause::Lost(format!("consumer of {route}: {e}")),
                     None => break Pause::Lost("consumers ended (cancelled by the broker?)".into()),
@@ -463,7 +479,7 @@ impl Worker {
             let requeue = async {
                 for level in &mut streams {
                     while let Some((_, _, acks, Ok(d))) = level.next().await {
-                        acks.delivered(d.delivery_tag, d.acker).requeue();
+                        acks.delivered(d.delivery_tag).requeue().await;
                     }
                 }
             };
@@ -515,7 +531,7 @@ struct Route {
     route: String,
     level: Priority,
     ch: Channel,
-    acks: AckBatcher<lapin::Acker>,
+    acks: AckBatcher,
 }
 
 /// Index of a level in the intake's streams, most urgent first.

@@ -29,6 +29,13 @@ pub(crate) struct JobSpec {
     pub limit: Option<Arc<tokio::sync::Semaphore>>,
     /// The number behind `limit`.
     pub max_running: Option<usize>,
+    /// Runs at once across every worker (`jobs[].global_concurrency`): slots leased in Redis.
+    pub global: Option<usize>,
+    /// Held by the one delivery of this job in this process that asks Redis for a global
+    /// slot; the others wait for it in turn (one poller per job and process, in arrival order).
+    pub global_turn: tokio::sync::Mutex<()>,
+    /// A run of this job in this process freed its global slot.
+    pub global_freed: tokio::sync::Notify,
     /// Metric handles of this job, registered on first use (after the recorder is installed).
     metrics: OnceLock<JobMetrics>,
 }
@@ -40,10 +47,28 @@ impl JobSpec {
         backoff: BackoffConfig,
         deadline: Option<Duration>,
         limit: Option<usize>,
+        global: Option<usize>,
     ) -> Self {
-        let max_running = limit.map(|n| n.max(1));
+        // This process never runs more than the global limit either: the local limit is the
+        // lower of the two (it also bounds the queue's default prefetch).
+        let max_running = match (limit, global) {
+            (Some(l), Some(g)) => Some(l.min(g)),
+            (l, g) => l.or(g),
+        }
+        .map(|n| n.max(1));
         let limit = max_running.map(|n| Arc::new(tokio::sync::Semaphore::new(n)));
-        Self { handler, timeout, backoff, deadline, limit, max_running, metrics: OnceLock::new() }
+        Self {
+            handler,
+            timeout,
+            backoff,
+            deadline,
+            limit,
+            max_running,
+            global: global.map(|n| n.max(1)),
+            global_turn: tokio::sync::Mutex::new(()),
+            global_freed: tokio::sync::Notify::new(),
+            metrics: OnceLock::new(),
+        }
     }
 
     /// The handles of the per-job series updated on every delivery (looked up once, not per job).
@@ -152,7 +177,14 @@ pub(crate) fn resolve_jobs(
                 });
                 jobs.insert(
                     job.name.clone(),
-                    Arc::new(JobSpec::new(handler, timeout, backoff, job.deadline, limit)),
+                    Arc::new(JobSpec::new(
+                        handler,
+                        timeout,
+                        backoff,
+                        job.deadline,
+                        limit,
+                        options.global_concurrency,
+                    )),
                 );
             }
             None if queues.iter().any(|q| q == job.queue()) => {
@@ -175,7 +207,14 @@ pub(crate) fn resolve_jobs(
             let options = registry.options(name).cloned().unwrap_or_default();
             let timeout = options.timeout.unwrap_or(config.worker.default_timeout);
             let backoff = options.backoff.clone().unwrap_or_default();
-            let spec = JobSpec::new(handler.clone(), timeout, backoff, None, options.concurrency);
+            let spec = JobSpec::new(
+                handler.clone(),
+                timeout,
+                backoff,
+                None,
+                options.concurrency,
+                options.global_concurrency,
+            );
             jobs.insert(name.to_string(), Arc::new(spec));
         }
     }

@@ -9,6 +9,7 @@ use chime_shared::delay;
 use chime_shared::envelope::Envelope;
 use chime_shared::history::RunEvent;
 use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, IdemStore, Recorded, Renewal};
+use chime_shared::limit::SlotTake;
 use chime_shared::topology::Names;
 use lapin::BasicProperties;
 use lapin::types::FieldTable;
@@ -48,6 +49,15 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
         fence: u64,
         dead: &DeadInfo,
     ) -> impl Future<Output = Result<Recorded, IdemError>> + Send;
+    /// Takes (or renews) one of `limit` slots of `job` for `owner` (`global_concurrency`).
+    fn take_slot(
+        &self,
+        job: &str,
+        owner: &str,
+        limit: usize,
+    ) -> impl Future<Output = Result<SlotTake, IdemError>> + Send;
+    /// Frees `owner`'s slot of `job` (best-effort, nobody waits).
+    fn free_slot(&self, job: &str, owner: &str);
     /// Whether settled runs are recorded in the history.
     fn records_history(&self) -> bool;
     /// Records a settled run (best-effort; nobody waits); `logged`: `finish` already put it
@@ -56,6 +66,17 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
 }
 
 impl KeyStore for IdemStore {
+    fn take_slot(
+        &self,
+        job: &str,
+        owner: &str,
+        limit: usize,
+    ) -> impl Future<Output = Result<SlotTake, IdemError>> + Send {
+        IdemStore::take_slot(self, job, owner, limit)
+    }
+    fn free_slot(&self, job: &str, owner: &str) {
+        IdemStore::free_slot(self, job, owner)
+    }
     fn records_history(&self) -> bool {
         IdemStore::records_history(self)
     }

@@ -64,6 +64,11 @@ async fn thousand_jobs_over_three_workers_run_exactly_once() {
     assert!((0..1000).all(|n| ledger.get(n) == 1));
     assert_eq!(per_worker.iter().sum::<u64>(), 1000);
     assert!(per_worker.iter().all(|n| *n > 0), "every worker took work: {per_worker:?}");
+    // Each key came once: an ack frame the broker refused (one sent out of the ledger's order,
+    // a multiple ack over a tag already acked) would close the channel and redeliver what was
+    // done but unacked, and the redeliveries would count as duplicates.
+    let duplicates: u64 = workers.iter().map(|w| w.duplicates()).sum();
+    assert_eq!(duplicates, 0, "no delivery came twice");
     for w in workers {
         w.stop().await;
     }

@@ -4,7 +4,7 @@ use axum::Router;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use chime_producer::{EnqueueClient, EnqueueRequest};
-use chime_worker::{JobError, Registry, raw_handler_fn};
+use chime_worker::{JobContext, JobError, Registry, raw_handler_fn};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -272,5 +272,115 @@ async fn a_job_concurrency_limit_bounds_heavy_runs_and_light_jobs_pass_them() {
     assert_eq!(peak.load(Ordering::SeqCst), 2, "at most 2 heavy runs at once, and 2 were reached");
     let left = light_all_done_while_heavy_left.load(Ordering::SeqCst);
     assert!(left >= 6, "the light jobs finished while {left} heavy runs were still to finish");
+    worker.stop().await;
+}
+
+/// `jobs[].global_concurrency` bounds a job across worker processes sharing the prefix: two
+/// workers, each allowed 4 jobs at once, run 16 slow jobs limited to 2 globally; never more
+/// than 2 run at once, 2 are reached, and every slot is freed at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_concurrency_limit_holds_across_workers() {
+    let env = TestEnv::new("globalconc");
+    let config = env.config(
+        "quorum",
+        "",
+        "",
+        "[[jobs]]\nname = \"scarce\"\nhandler = \"scarce\"\nglobal_concurrency = 2\n",
+    );
+    let (now, peak, done) =
+        (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let registry = || {
+        let (n, p, d) = (now.clone(), peak.clone(), done.clone());
+        let mut reg = Registry::new();
+        reg.register(
+            "scarce",
+            raw_handler_fn(move |_ctx: JobContext, _| {
+                let (n, p, d) = (n.clone(), p.clone(), d.clone());
+                async move {
+                    let running = n.fetch_add(1, Ordering::SeqCst) + 1;
+                    p.fetch_max(running, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                    n.fetch_sub(1, Ordering::SeqCst);
+                    d.fetch_add(1, Ordering::SeqCst);
+                    Ok(())
+                }
+            }),
+        );
+        reg
+    };
+    let a = Running::start(config.clone(), registry(), 4).await;
+    let b = Running::start(config.clone(), registry(), 4).await;
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let reqs: Vec<_> = (0..16).map(|i| EnqueueRequest::new("scarce").key(format!("s{i}"))).collect();
+    assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, 16);
+    let d = &done;
+    wait_until("16 runs done", Duration::from_secs(60), || async { d.load(Ordering::SeqCst) == 16 }).await;
+    assert_eq!(peak.load(Ordering::SeqCst), 2, "at most 2 at once across both workers, and 2 reached");
+    assert!(
+        a.succeeded() > 0 && b.succeeded() > 0,
+        "both workers ran some: {} and {}",
+        a.succeeded(),
+        b.succeeded()
+    );
+    let r = connect_redis(&env.redis_url).await;
+    let limit_key = env.names().limit("scarce");
+    wait_until("every slot freed", Duration::from_secs(10), || {
+        let (mut r, k) = (r.clone(), limit_key.clone());
+        async move { redis::cmd("ZCARD").arg(&k).query_async::<u64>(&mut r).await.unwrap() == 0 }
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+}
+
+/// A slot held by a worker that died (never freed) lapses after its lease: with a limit of 1
+/// and such a slot lapsing 2 s from now, the job starts only after it lapsed, then runs once.
+#[tokio::test]
+async fn a_dead_workers_global_slot_lapses() {
+    let env = TestEnv::new("globallapse");
+    let config = env.config(
+        "quorum",
+        "",
+        "",
+        "[[jobs]]\nname = \"solo\"\nhandler = \"solo\"\nglobal_concurrency = 1\n",
+    );
+    let mut r = connect_redis(&env.redis_url).await;
+    let limit_key = env.names().limit("solo");
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut r).await.unwrap();
+    let lapses_at_ms = secs * 1000 + micros / 1000 + 2000;
+    let _: () = redis::cmd("ZADD")
+        .arg(&limit_key)
+        .arg(lapses_at_ms)
+        .arg("dead-worker/run")
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    let started = Arc::new(Mutex::new(Vec::new()));
+    let mut reg = Registry::new();
+    let (s, url) = (started.clone(), env.redis_url.clone());
+    reg.register(
+        "solo",
+        raw_handler_fn(move |_ctx: JobContext, _| {
+            let (s, url) = (s.clone(), url.clone());
+            async move {
+                let mut r = connect_redis(&url).await;
+                let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut r).await.unwrap();
+                s.lock().unwrap().push(secs * 1000 + micros / 1000);
+                Ok(())
+            }
+        }),
+    );
+    let worker = Running::start(config.clone(), reg, 4).await;
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    client.enqueue(EnqueueRequest::new("solo").key("one")).await.unwrap();
+    let w = &worker;
+    wait_until("the job ran", Duration::from_secs(30), || async { w.succeeded() == 1 }).await;
+    let starts = started.lock().unwrap().clone();
+    assert_eq!(starts.len(), 1, "{starts:?}");
+    assert!(
+        starts[0] >= lapses_at_ms,
+        "started at {} ms, before the dead slot lapsed at {lapses_at_ms}",
+        starts[0]
+    );
     worker.stop().await;
 }

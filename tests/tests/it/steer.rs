@@ -485,3 +485,43 @@ async fn history_pages_continue_inside_entries_without_gaps_or_repeats() {
     let threes: Vec<String> = (0..21).rev().filter(|n| n % 3 == 0).map(|n| format!("k{n}")).collect();
     assert_eq!(page_through(Some("three"), 3).await, threes, "filtered, 3 at a time");
 }
+
+/// Liveness is judged by Redis time, not by the clocks of the worker and the reader: a worker
+/// whose clock is two minutes behind is listed by a `chime workers` on a correct clock (the
+/// index used to be pruned by the reader's clock against scores written by the worker's).
+#[tokio::test]
+async fn a_worker_with_a_skewed_clock_is_still_listed() {
+    let env = TestEnv::new("workers-skew");
+    let path =
+        env.write_config(&env.config_text("classic", "", "", "[[jobs]]\nname = \"n\"\nhandler = \"noop\"\n"));
+    let worker = Child::with_clock("chime-worker", &env.dir, &path, &[], "-120", "worker-behind", &[]);
+    let pid = worker.pid();
+    let p = path.clone();
+    wait_until("the worker two minutes behind is listed", Duration::from_secs(30), || {
+        let (_, out, _) = chime(&p, &["workers", "--json"], None);
+        async move {
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+            v.as_array().is_some_and(|ws| ws.iter().any(|w| w["pid"] == pid))
+        }
+    })
+    .await;
+    // Listed for longer than the one-minute grace the index gives: not pruned as stale.
+    let mut r = connect_redis(&env.redis_url).await;
+    let (_, score): (String, f64) = redis::cmd("ZRANGE")
+        .arg(env.names().workers_index())
+        .arg(0)
+        .arg(0)
+        .arg("WITHSCORES")
+        .query_async::<Vec<(String, f64)>>(&mut r)
+        .await
+        .unwrap()
+        .into_iter()
+        .next()
+        .expect("the worker is in the index");
+    let (secs, _micros): (i64, i64) = redis::cmd("TIME").query_async(&mut r).await.unwrap();
+    let ahead = score / 1000.0 - secs as f64;
+    assert!(
+        (0.0..=20.0).contains(&ahead),
+        "the index entry expires {ahead:.1} s from Redis's now (its TTL), by Redis time"
+    );
+}

@@ -186,18 +186,24 @@ fn requeues_go_out_at_once_and_unblock_the_prefix() {
     assert!(!l.is_open(1));
 }
 
-/// Records what a delivery's acker was asked to do.
+/// Records what the channel was asked to send, by tag.
 #[derive(Clone, Default)]
-struct Recorder(Arc<Mutex<Vec<(u64, &'static str)>>>, u64);
+struct Recorder(Arc<Mutex<Vec<(u64, &'static str)>>>);
 
 impl AckSink for Recorder {
-    fn ack(&self, multiple: bool) -> BoxFuture<'_, Result<(), String>> {
-        self.0.lock().unwrap().push((self.1, if multiple { "ack-multiple" } else { "ack" }));
-        Box::pin(async { Ok(()) })
+    fn ack(&self, tag: u64, multiple: bool) -> BoxFuture<'static, Result<(), String>> {
+        let log = self.0.clone();
+        Box::pin(async move {
+            log.lock().unwrap().push((tag, if multiple { "ack-multiple" } else { "ack" }));
+            Ok(())
+        })
     }
-    fn requeue(&self) -> BoxFuture<'_, Result<(), String>> {
-        self.0.lock().unwrap().push((self.1, "requeue"));
-        Box::pin(async { Ok(()) })
+    fn requeue(&self, tag: u64) -> BoxFuture<'static, Result<(), String>> {
+        let log = self.0.clone();
+        Box::pin(async move {
+            log.lock().unwrap().push((tag, "requeue"));
+            Ok(())
+        })
     }
 }
 
@@ -216,8 +222,8 @@ async fn wait_for(log: &Recorder, n: usize) -> Vec<(u64, &'static str)> {
 #[tokio::test]
 async fn a_panic_anywhere_in_a_delivery_task_requeues_it() {
     let log = Recorder::default();
-    let batcher: AckBatcher<Recorder> = AckBatcher::spawn();
-    let ticket = batcher.delivered(1, Recorder(log.0.clone(), 1));
+    let batcher = AckBatcher::spawn(log.clone());
+    let ticket = batcher.delivered(1);
     let task = tokio::spawn(async move {
         let _ticket = ticket;
         panic!("a bug outside the handler");
@@ -229,13 +235,13 @@ async fn a_panic_anywhere_in_a_delivery_task_requeues_it() {
 #[tokio::test]
 async fn tickets_settle_once_through_the_batcher() {
     let log = Recorder::default();
-    let batcher: AckBatcher<Recorder> = AckBatcher::spawn();
-    let tickets: Vec<_> = (1..=3).map(|t| batcher.delivered(t, Recorder(log.0.clone(), t))).collect();
+    let batcher = AckBatcher::spawn(log.clone());
+    let tickets: Vec<_> = (1..=3).map(|t| batcher.delivered(t)).collect();
     let mut it = tickets.into_iter();
     let (a, b, c) = (it.next().unwrap(), it.next().unwrap(), it.next().unwrap());
-    b.ack();
-    c.requeue();
-    a.ack();
+    b.ack().await;
+    c.requeue().await;
+    a.ack().await;
     batcher.flush().await;
     let seen = wait_for(&log, 2).await;
     assert!(seen.contains(&(3, "requeue")), "{seen:?}");

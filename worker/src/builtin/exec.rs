@@ -49,8 +49,42 @@ impl ExecHandler {
     /// `command` is argv; exit codes in `permanent_exit_codes` dead-letter at once; `env` is
     /// the program's whole environment (chime's own variables are added per run).
     pub fn new(command: Vec<String>, permanent_exit_codes: Vec<i32>, env: Vec<(String, String)>) -> Self {
+        static SWEPT: std::sync::Once = std::sync::Once::new();
+        SWEPT.call_once(|| {
+            sweep_orphaned_run_files(&std::env::temp_dir());
+        });
         Self { command, permanent: permanent_exit_codes, env }
     }
+}
+
+/// Removes the run files (`chime-<pid>-<key>-….checkpoint` and `.result`) that workers which
+/// died mid-run left in `dir`: a SIGKILLed worker never drops its [`RunFiles`]. A file is
+/// left when its pid is alive (or when this system has no `/proc` to tell); returns how many
+/// were removed. Runs once per process, when the first `exec` handler is built.
+pub(crate) fn sweep_orphaned_run_files(dir: &std::path::Path) -> usize {
+    if !std::path::Path::new("/proc/self").exists() {
+        return 0;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !(name.ends_with(".checkpoint") || name.ends_with(".result")) {
+            continue;
+        }
+        let Some(pid) = name.strip_prefix("chime-").and_then(|rest| rest.split('-').next()) else { continue };
+        let Ok(pid) = pid.parse::<u32>() else { continue };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            && std::fs::remove_file(entry.path()).is_ok()
+        {
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        tracing::info!(removed, dir = %dir.display(), "removed run files of exec jobs whose worker had died");
+    }
+    removed
 }
 
 /// Variables every program gets from the worker's environment, when set there.
@@ -270,5 +304,38 @@ async fn run(
         }
         Some(code) => Err(JobError::transient(format!("exit code {code}{detail}"))),
         None => Err(JobError::transient(format!("killed by a signal{detail}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Files of a dead worker go; those of a live one (this process), and files that only look
+    /// alike, stay.
+    #[test]
+    fn run_files_of_dead_workers_are_swept() {
+        let dir = std::env::temp_dir().join(format!("chime-sweep-test-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let me = std::process::id();
+        // Above any pid_max Linux allows (2^22): never alive.
+        let dead = 999_999_999u32;
+        let files = [
+            (format!("chime-{dead}-key-1-abc.checkpoint"), false),
+            (format!("chime-{dead}-key-1-abc.result"), false),
+            (format!("chime-{me}-key-1-def.checkpoint"), true),
+            (format!("chime-{me}-key-1-def.result"), true),
+            (format!("chime-{dead}-notes.txt"), true),
+            ("chime-x-key.result".to_string(), true),
+            ("other.checkpoint".to_string(), true),
+        ];
+        for (name, _) in &files {
+            std::fs::write(dir.join(name), b"").unwrap();
+        }
+        assert_eq!(sweep_orphaned_run_files(&dir), 2);
+        for (name, stays) in &files {
+            assert_eq!(dir.join(name).exists(), *stays, "{name}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -45,6 +45,10 @@ struct FakeStore {
     events: Mutex<Vec<RunEvent>>,
     /// Runs a successful `finish` put in a key's record.
     logged: Mutex<Vec<RunEvent>>,
+    /// Global slots held, by job.
+    slots: Mutex<HashMap<String, Vec<String>>>,
+    /// `take_slot` calls.
+    slot_asks: AtomicUsize,
 }
 
 impl FakeStore {
@@ -76,6 +80,26 @@ impl FakeStore {
 }
 
 impl KeyStore for FakeStore {
+    async fn take_slot(&self, job: &str, owner: &str, limit: usize) -> Result<SlotTake, IdemError> {
+        self.slot_asks.fetch_add(1, Ordering::SeqCst);
+        if self.down.load(Ordering::SeqCst) {
+            return Err(Self::err());
+        }
+        let mut slots = self.slots.lock().unwrap();
+        let held = slots.entry(job.to_string()).or_default();
+        if held.iter().any(|o| o == owner) || held.len() < limit {
+            if !held.iter().any(|o| o == owner) {
+                held.push(owner.to_string());
+            }
+            return Ok(SlotTake::Taken);
+        }
+        Ok(SlotTake::Full { lapses_in: Duration::from_secs(30) })
+    }
+    fn free_slot(&self, job: &str, owner: &str) {
+        if let Some(held) = self.slots.lock().unwrap().get_mut(job) {
+            held.retain(|o| o != owner);
+        }
+    }
     fn records_history(&self) -> bool {
         true
     }
@@ -326,11 +350,11 @@ impl Outbox for FakeOutbox {
 struct Settles(Arc<Mutex<Vec<&'static str>>>);
 
 impl AckSink for Settles {
-    fn ack(&self, _multiple: bool) -> BoxFuture<'_, Result<(), String>> {
+    fn ack(&self, _tag: u64, _multiple: bool) -> BoxFuture<'static, Result<(), String>> {
         self.0.lock().unwrap().push("ack");
         Box::pin(async { Ok(()) })
     }
-    fn requeue(&self) -> BoxFuture<'_, Result<(), String>> {
+    fn requeue(&self, _tag: u64) -> BoxFuture<'static, Result<(), String>> {
         self.0.lock().unwrap().push("requeue");
         Box::pin(async { Ok(()) })
     }
@@ -370,6 +394,7 @@ fn harness() -> Harness {
                 [[jobs]]\nname = \"patient\"\nhandler = \"patient\"\ntimeout = \"60s\"\n\
                 [[jobs]]\nname = \"stubborn\"\nhandler = \"stubborn\"\ntimeout = \"60s\"\n\
                 [[jobs]]\nname = \"resumable\"\nhandler = \"resumable\"\n\
+                [[jobs]]\nname = \"limited\"\nhandler = \"job\"\nglobal_concurrency = 1\n\
                 [results]\nmax_bytes = 64\n";
     let config = Config::from_toml_str(text).unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
@@ -491,8 +516,8 @@ impl Harness {
     /// Handles one delivery; returns how it was settled.
     async fn deliver(&self, incoming: Incoming) -> Vec<&'static str> {
         let settles = Settles::default();
-        let batcher: AckBatcher<Settles> = AckBatcher::spawn();
-        let ticket = batcher.delivered(1, settles.clone());
+        let batcher = AckBatcher::spawn(settles.clone());
+        let ticket = batcher.delivered(1);
         handle(&self.core, &self.store, &self.outbox, incoming, ticket).await;
         batcher.flush().await;
         settles.0.lock().unwrap().clone()
@@ -641,8 +666,8 @@ async fn done_that_cannot_be_recorded_keeps_the_delivery_unacked_until_the_drain
     let env = envelope("job", "ok", 1, 3);
     h.store.finish_down.store(true, Ordering::SeqCst);
     let settles = Settles::default();
-    let batcher: AckBatcher<Settles> = AckBatcher::spawn();
-    let ticket = batcher.delivered(1, settles.clone());
+    let batcher = AckBatcher::spawn(settles.clone());
+    let ticket = batcher.delivered(1);
     let h = Arc::new(h);
     let task = {
         let h = h.clone();
@@ -851,4 +876,57 @@ async fn a_retry_resumes_from_the_last_checkpoint_and_a_success_keeps_its_result
     assert_eq!(h.store.state(&key), Some("done"));
     let kept = h.store.result_of(&key).unwrap();
     assert!(kept.starts_with("eresult of 102 bytes exceeds results.max_bytes (64)"), "{kept}");
+}
+
+/// A run of a job with `global_concurrency` takes a slot before its claim and frees it when
+/// the run is over.
+#[tokio::test]
+async fn a_globally_limited_run_holds_a_slot_while_it_runs() {
+    let h = harness();
+    let env = envelope("limited", "ok", 1, 3);
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert_eq!(h.store.state(&env.key.to_string()), Some("done"));
+    assert_eq!(h.store.slot_asks.load(Ordering::SeqCst), 1);
+    assert!(h.store.slots.lock().unwrap()["limited"].is_empty(), "the slot is freed");
+}
+
+/// While every global slot is held elsewhere, the delivery waits (asking again), unsettled and
+/// without running; once one is freed it runs.
+#[tokio::test]
+async fn a_globally_limited_delivery_waits_for_a_free_slot() {
+    let h = Arc::new(harness());
+    h.store.slots.lock().unwrap().insert("limited".into(), vec!["another worker".into()]);
+    let env = envelope("limited", "ok", 1, 3);
+    let task = {
+        let (h, env) = (h.clone(), env.clone());
+        tokio::spawn(async move { h.deliver(incoming(&env)).await })
+    };
+    let s = &h.store;
+    wait_until_true("asked for a slot three times", || s.slot_asks.load(Ordering::SeqCst) >= 3).await;
+    assert!(!task.is_finished() && h.runs.load(Ordering::SeqCst) == 0, "no run without a slot");
+    assert_eq!(h.store.state(&env.key.to_string()), None, "not even claimed");
+    h.store.free_slot("limited", "another worker");
+    assert_eq!(task.await.unwrap(), ["ack"]);
+    assert_eq!(h.runs.load(Ordering::SeqCst), 1);
+}
+
+/// Redis unreachable when the slot is asked for: requeued without a decision, and the worker
+/// told Redis failed.
+#[tokio::test]
+async fn a_slot_that_cannot_be_asked_for_requeues() {
+    let h = harness();
+    h.core.redis_ok.send_replace(true);
+    h.store.down.store(true, Ordering::SeqCst);
+    let env = envelope("limited", "ok", 1, 3);
+    assert_eq!(h.deliver(incoming(&env)).await, ["requeue"]);
+    assert_eq!(h.runs.load(Ordering::SeqCst), 0);
+    assert!(!*h.core.redis_ok.borrow(), "the worker pauses intake");
+}
+
+async fn wait_until_true(what: &str, pred: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !pred() {
+        assert!(std::time::Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }

@@ -35,7 +35,7 @@ pub async fn raw_consume(
     redis_url: &str,
     prefix: &str,
     mode: RawRedis,
-) -> (f64, [f64; 3]) {
+) -> (f64, [f64; 3], [f64; 2]) {
     let ch = conn.create_channel().await.unwrap();
     ch.basic_qos(u16::try_from(concurrency * 2).unwrap(), BasicQosOptions::default()).await.unwrap();
     let mut consumer = ch
@@ -47,6 +47,7 @@ pub async fn raw_consume(
     let sem = Arc::new(tokio::sync::Semaphore::new(concurrency));
     let all_done = Arc::new(tokio::sync::Notify::new());
     let cpu = CpuWindow::start(vec![std::process::id()]);
+    let wakeups = Wakeups::start(&[std::process::id()]);
     let start = Instant::now();
     let mut i = 0u64;
     let run = uuid::Uuid::new_v4().simple().to_string();
@@ -116,8 +117,9 @@ pub async fn raw_consume(
         .expect("raw consumer did not finish (a task failed?)");
     let rate = n as f64 / start.elapsed().as_secs_f64();
     let cpu = cpu.per_message(n);
+    let wakeups = wakeups.per_message(n);
     let _ = ch.close(200, "".into()).await;
-    (rate, cpu)
+    (rate, cpu, wakeups)
 }
 
 pub async fn completed(ports: &[u16]) -> u64 {
@@ -141,6 +143,8 @@ pub struct Drain {
     rate: f64,
     rss_peak: u64,
     cpu: [f64; 3],
+    /// The workers' system calls and context switches per job.
+    wakeups: [f64; 2],
 }
 
 /// Every run of one drain configuration.
@@ -150,6 +154,7 @@ pub struct Drains {
     /// Each run's rate over the raw consumer's rate of the same round.
     ratios: Vec<f64>,
     cpus: Vec<[f64; 3]>,
+    wakeups: Vec<[f64; 2]>,
     rss_peak: u64,
 }
 
@@ -169,7 +174,7 @@ pub async fn chime_drain(
     procs: usize,
     dup: bool,
 ) -> Drain {
-    chime_drain_worker(env, queue_type, client, n, procs, dup, "", &bench_worker_section()).await
+    chime_drain_worker(env, queue_type, client, n, procs, dup, "", &bench_worker_section(), true).await
 }
 
 /// The worker section every drain uses unless it measures the worker's settings.
@@ -178,7 +183,8 @@ pub fn bench_worker_section() -> String {
     format!("concurrency = 32\nprefetch = 64\nthreads = {threads}")
 }
 
-/// [`chime_drain`] with `extra` config sections (`[history]`, …) and this `[worker]` section.
+/// [`chime_drain`] with `extra` config sections (`[history]`, …) and this `[worker]` section;
+/// `quiet`: `RUST_LOG=warn`, else the workers log as shipped (`info`: a line per job).
 #[allow(clippy::too_many_arguments)]
 pub async fn chime_drain_worker(
     env: &TestEnv,
@@ -189,6 +195,7 @@ pub async fn chime_drain_worker(
     dup: bool,
     extra: &str,
     worker: &str,
+    quiet: bool,
 ) -> Drain {
     if let Some(client) = client {
         let batch = envelopes(n, dup);
@@ -205,11 +212,18 @@ pub async fn chime_drain_worker(
     let mut children = Vec::new();
     for p in &ports {
         let mut c = tokio::process::Command::new(bin_path("chime-worker"));
-        c.arg("--config").arg(&path).args(["--listen", &format!("127.0.0.1:{p}")]).env("RUST_LOG", "warn");
+        c.arg("--config").arg(&path).args(["--listen", &format!("127.0.0.1:{p}")]);
+        if quiet {
+            c.env("RUST_LOG", "warn");
+        } else {
+            c.env_remove("RUST_LOG");
+        }
         c.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).kill_on_drop(true);
         children.push(c.spawn().unwrap());
     }
     let pids: Vec<u32> = children.iter().filter_map(|c| c.id()).collect();
+    // From the start: attaching perf takes a moment, in which ready workers would drain.
+    let wakeups = Wakeups::start(&pids);
     // Started = every process consumes (its /readyz answers 200).
     wait_until("workers consuming", Duration::from_secs(30), || {
         let ports = ports.clone();
@@ -243,11 +257,12 @@ pub async fn chime_drain_worker(
     let timed = n as u64 - before;
     let rate = timed as f64 / start.elapsed().as_secs_f64();
     let cpu = cpu.per_message(timed);
+    let wakeups = wakeups.per_message(n as u64);
     for c in &mut children {
         let _ = c.start_kill();
         let _ = c.wait().await;
     }
-    Drain { rate, rss_peak: peak, cpu }
+    Drain { rate, rss_peak: peak, cpu, wakeups }
 }
 
 /// `consume` (and `duplicates`): raw consumers and 1/2/4 chime-worker processes, interleaved;
@@ -268,19 +283,22 @@ pub async fn scenario(c: &Ctx) -> Option<f64> {
     // figures measured a minute apart; the ratio printed is the median of the per-run ratios.
     let mut raw = Vec::new();
     let mut raw_cpu = Vec::new();
+    let mut raw_wakeups = Vec::new();
     let mut sets = Vec::new();
     let mut sets_cpu = Vec::new();
+    let mut sets_wakeups = Vec::new();
     let mut chime: Vec<Drains> = o.procs.iter().map(|_| Drains::default()).collect();
     for r in 0..o.runs {
-        for (mode, rates, cpus, what) in [
-            (RawRedis::Scripts, &mut raw, &mut raw_cpu, "chime's two scripts"),
-            (RawRedis::Sets, &mut sets, &mut sets_cpu, "two SETs"),
+        for (mode, rates, cpus, wakeups, what) in [
+            (RawRedis::Scripts, &mut raw, &mut raw_cpu, &mut raw_wakeups, "chime's two scripts"),
+            (RawRedis::Sets, &mut sets, &mut sets_cpu, &mut sets_wakeups, "two SETs"),
         ] {
             progress(&format!("consume: raw consumer with {what}, run {}/{} ({n} messages)", r + 1, o.runs));
             assert_eq!(client.publish_batch(&envelopes(n, false)).await.confirmed, n);
-            let (rate, cpu) = raw_consume(conn, &q, n as u64, 32, &env.redis_url, &env.prefix, mode).await;
+            let (rate, cpu, w) = raw_consume(conn, &q, n as u64, 32, &env.redis_url, &env.prefix, mode).await;
             rates.push(rate);
             cpus.push(cpu);
+            wakeups.push(w);
         }
         for (i, &procs) in o.procs.iter().enumerate() {
             progress(&format!(
@@ -293,6 +311,7 @@ pub async fn scenario(c: &Ctx) -> Option<f64> {
             c.rates.push(d.rate);
             c.ratios.push(d.rate / raw[r]);
             c.cpus.push(d.cpu);
+            c.wakeups.push(d.wakeups);
             c.rss_peak = c.rss_peak.max(d.rss_peak);
         }
     }
@@ -300,24 +319,27 @@ pub async fn scenario(c: &Ctx) -> Option<f64> {
     let sets_ratio = median(sets.iter().zip(&raw).map(|(s, r)| s / r).collect());
     let raw_rate = median(raw);
     println!(
-        "consume  raw: ack + chime's 2 scripts {raw_rate:>7.0} msg/s   (32 in flight, one multiplexed Redis connection)   {}",
-        cpu_text(median3(&raw_cpu))
+        "consume  raw: ack + chime's 2 scripts {raw_rate:>7.0} msg/s   (32 in flight, one multiplexed Redis connection)   {}; {}",
+        cpu_text(median3(&raw_cpu)),
+        wakeup_text(&raw_wakeups)
     );
     println!(
-        "consume  raw: ack + 2 plain SETs     {:>8.0} msg/s   {sets_ratio:.2}x raw   {}",
+        "consume  raw: ack + 2 plain SETs     {:>8.0} msg/s   {sets_ratio:.2}x raw   {}; {}",
         median(sets),
-        cpu_text(median3(&sets_cpu))
+        cpu_text(median3(&sets_cpu)),
+        wakeup_text(&sets_wakeups)
     );
     for (i, procs) in o.procs.iter().enumerate() {
-        let Drains { rates, ratios, cpus, rss_peak: rss } = &chime[i];
+        let Drains { rates, ratios, cpus, wakeups, rss_peak: rss } = &chime[i];
         let rate = median(rates.clone());
         if *procs == 1 {
             saturated = Some(rate);
         }
         println!(
-            "consume  {procs} chime-worker process(es)  {rate:>9.0} jobs/s  {:.2}x raw   {}   RSS peak {} KiB",
+            "consume  {procs} chime-worker process(es)  {rate:>9.0} jobs/s  {:.2}x raw   {}; {}   RSS peak {} KiB",
             median(ratios.clone()),
             cpu_text(median3(cpus)),
+            wakeup_text(wakeups),
             rss
         );
     }
@@ -334,8 +356,10 @@ pub async fn scenario(c: &Ctx) -> Option<f64> {
     saturated
 }
 
-/// Opt-in `defaults`: one worker with the default `[worker]` settings against the same worker
-/// tuned (concurrency 32, 100, 200, 400; prefetch = concurrency), no-op jobs.
+/// `defaults`: one worker with the default `[worker]` settings against the same worker tuned
+/// (concurrency 32, 100, 200, 400; prefetch = concurrency), no-op jobs, all with
+/// `RUST_LOG=warn`; and the defaults once more with the shipped log level (`info`: one line
+/// per job, to /dev/null here).
 pub async fn defaults(c: &Ctx) {
     let o = &c.o;
     let qt = c.o.queue_type.clone();
@@ -345,6 +369,7 @@ pub async fn defaults(c: &Ctx) {
     let n = 100_000;
     let settings = [
         ("defaults", ""),
+        ("defaults, info logs", ""),
         ("concurrency 32", "concurrency = 32"),
         ("concurrency 100", "concurrency = 100"),
         ("concurrency 200", "concurrency = 200"),
@@ -357,15 +382,17 @@ pub async fn defaults(c: &Ctx) {
         for k in 0..settings.len() {
             let i = (k + r) % settings.len();
             progress(&format!("defaults: {}, run {}/{} ({n} jobs)", settings[i].0, r + 1, o.runs));
-            let d = chime_drain_worker(&env, &qt, Some(&client), n, 1, false, "", settings[i].1).await;
+            let (name, worker) = settings[i];
+            let quiet = name != "defaults, info logs";
+            let d = chime_drain_worker(&env, &qt, Some(&client), n, 1, false, "", worker, quiet).await;
             rates[i].push(d.rate);
         }
     }
     progress("");
     let medians: Vec<f64> = rates.into_iter().map(median).collect();
-    let best = medians[1..].iter().cloned().fold(0.0, f64::max);
+    let best = medians[2..].iter().cloned().fold(0.0, f64::max);
     for ((name, _), m) in settings.iter().zip(&medians) {
-        println!("defaults {name:<16} {m:>9.0} jobs/s   {:.2}x best tuned", m / best);
+        println!("defaults {name:<20} {m:>9.0} jobs/s   {:.2}x best tuned", m / best);
     }
 }
 
@@ -395,8 +422,18 @@ pub async fn history(c: &Ctx) {
             ));
             let extra = if with { "" } else { "[history]\nenabled = false\n" };
             pair[usize::from(with)] = Some(
-                chime_drain_worker(&env, &qt, Some(&client), n, 1, false, extra, &bench_worker_section())
-                    .await,
+                chime_drain_worker(
+                    &env,
+                    &qt,
+                    Some(&client),
+                    n,
+                    1,
+                    false,
+                    extra,
+                    &bench_worker_section(),
+                    true,
+                )
+                .await,
             );
         }
         let (a, b) = (pair[0].take().unwrap(), pair[1].take().unwrap());

@@ -77,6 +77,21 @@ pub async fn main() {
         latency::worker_main(&args[2]).await;
         return;
     }
+    // The raw consumer on its own, for profiling beside a chime-worker:
+    // chime-bench raw-consume QUEUE N [sets]
+    if args.get(1).map(String::as_str) == Some("raw-consume") {
+        let conn = connect_amqp().await;
+        let mode = if args.get(4).is_some_and(|m| m == "sets") {
+            consume::RawRedis::Sets
+        } else {
+            consume::RawRedis::Scripts
+        };
+        let n: u64 = args[3].parse().unwrap();
+        let (rate, cpu, w) =
+            consume::raw_consume(&conn, &args[2], n, 32, &chime_tests::redis_url(), "bench-raw", mode).await;
+        println!("{rate:.0} msg/s  {}  {w:?}", measure::cpu_text(cpu));
+        return;
+    }
     let o = <Opts as clap::Parser>::parse();
     println!("chime-bench: queue type {}, {} run(s) of ~{}s each, medians", o.queue_type, o.runs, o.seconds);
     let conn = connect_amqp().await;

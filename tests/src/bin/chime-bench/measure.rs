@@ -10,7 +10,7 @@ pub fn progress(what: &str) {
 }
 
 pub fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
@@ -135,6 +135,48 @@ impl Syscalls {
         let _ = std::fs::remove_file(&self.out);
         text.lines().find(|l| l.contains("raw_syscalls:sys_enter"))?.split(',').next()?.trim().parse().ok()
     }
+}
+
+/// Context switches (voluntary and not) of every thread a process has now.
+pub fn ctx_switches(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("status")).ok())
+        .flat_map(|s| {
+            s.lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
+
+/// System calls and context switches of consumer processes over a window (what a job costs
+/// in wake-ups, beside its CPU time).
+pub struct Wakeups {
+    syscalls: Vec<Syscalls>,
+    pids: Vec<u32>,
+    switches: u64,
+}
+
+impl Wakeups {
+    pub fn start(pids: &[u32]) -> Self {
+        let syscalls = pids.iter().map(|p| Syscalls::start(*p)).collect();
+        Self { syscalls, pids: pids.to_vec(), switches: pids.iter().map(|p| ctx_switches(*p)).sum() }
+    }
+    /// `[syscalls, context switches]` per message (syscalls NaN without perf).
+    pub fn per_message(self, n: u64) -> [f64; 2] {
+        let switches = self.pids.iter().map(|p| ctx_switches(*p)).sum::<u64>().saturating_sub(self.switches);
+        let calls: Option<u64> = self.syscalls.into_iter().map(Syscalls::stop).sum();
+        let n = n as f64;
+        [calls.map(|c| c as f64 / n).unwrap_or(f64::NAN), switches as f64 / n]
+    }
+}
+
+/// Medians of [`Wakeups`] figures, as the consume lines print them.
+pub fn wakeup_text(v: &[[f64; 2]]) -> String {
+    let m = |i: usize| median(v.iter().map(|w| w[i]).collect());
+    format!("consumer {:.2} syscalls, {:.2} context switches per msg", m(0), m(1))
 }
 
 /// CPU (user and system, µs) and system calls per message of one process over a window.
