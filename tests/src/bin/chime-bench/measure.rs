@@ -106,6 +106,13 @@ pub struct Syscalls {
 
 impl Syscalls {
     pub fn start(pid: u32) -> Self {
+        let s = Self::spawn(pid);
+        s.wait_attached();
+        s
+    }
+
+    /// Starts `perf stat` on `pid` without waiting for it to attach.
+    fn spawn(pid: u32) -> Self {
         let out =
             std::env::temp_dir().join(format!("chime-bench-perf-{pid}-{}", uuid::Uuid::new_v4().simple()));
         let perf = std::process::Command::new("perf")
@@ -116,15 +123,18 @@ impl Syscalls {
             .stderr(std::process::Stdio::null())
             .spawn()
             .ok();
-        // perf writes its header once it is attached.
+        Self { perf, out }
+    }
+
+    /// Waits (up to 5 s) until perf has attached: it writes its header then.
+    fn wait_attached(&self) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while perf.is_some()
+        while self.perf.is_some()
             && std::time::Instant::now() < deadline
-            && !std::fs::read_to_string(&out).is_ok_and(|s| s.contains("started on"))
+            && !std::fs::read_to_string(&self.out).is_ok_and(|s| s.contains("started on"))
         {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
-        Self { perf, out }
     }
 
     pub fn stop(mut self) -> Option<u64> {
@@ -161,7 +171,9 @@ pub struct Wakeups {
 
 impl Wakeups {
     pub fn start(pids: &[u32]) -> Self {
-        let syscalls = pids.iter().map(|p| Syscalls::start(*p)).collect();
+        // Every perf attaches at once (one after the other took seconds with 4 workers).
+        let syscalls: Vec<Syscalls> = pids.iter().map(|p| Syscalls::spawn(*p)).collect();
+        syscalls.iter().for_each(Syscalls::wait_attached);
         Self { syscalls, pids: pids.to_vec(), switches: pids.iter().map(|p| ctx_switches(*p)).sum() }
     }
     /// `[syscalls, context switches]` per message (syscalls NaN without perf).
