@@ -174,7 +174,8 @@ pub async fn chime_drain(
     procs: usize,
     dup: bool,
 ) -> Drain {
-    chime_drain_worker(env, queue_type, client, n, procs, dup, "", &bench_worker_section(), true).await
+    let bin = bin_path("chime-worker");
+    chime_drain_worker(env, queue_type, client, n, procs, dup, "", &bench_worker_section(), true, &bin).await
 }
 
 /// The worker section every drain uses unless it measures the worker's settings.
@@ -196,6 +197,7 @@ pub async fn chime_drain_worker(
     extra: &str,
     worker: &str,
     quiet: bool,
+    bin: &std::path::Path,
 ) -> Drain {
     if let Some(client) = client {
         let batch = envelopes(n, dup);
@@ -211,7 +213,7 @@ pub async fn chime_drain_worker(
     let ports: Vec<u16> = (0..procs).map(|_| free_port()).collect();
     let mut children = Vec::new();
     for p in &ports {
-        let mut c = tokio::process::Command::new(bin_path("chime-worker"));
+        let mut c = tokio::process::Command::new(bin);
         c.arg("--config").arg(&path).args(["--listen", &format!("127.0.0.1:{p}")]);
         if quiet {
             c.env("RUST_LOG", "warn");
@@ -256,7 +258,9 @@ pub async fn chime_drain_worker(
     }
     let timed = n as u64 - before;
     if before * 10 > n as u64 {
-        eprintln!("\nchime-bench: {before} of {n} jobs were done before the timed window began; the rate is of the rest");
+        eprintln!(
+            "\nchime-bench: {before} of {n} jobs were done before the timed window began; the rate is of the rest"
+        );
     }
     let rate = timed as f64 / start.elapsed().as_secs_f64();
     let cpu = cpu.per_message(timed);
@@ -291,6 +295,9 @@ pub async fn scenario(c: &Ctx) -> Option<f64> {
     let mut sets_cpu = Vec::new();
     let mut sets_wakeups = Vec::new();
     let mut chime: Vec<Drains> = o.procs.iter().map(|_| Drains::default()).collect();
+    // Another chime-worker binary (an earlier build), drained beside this one in each round.
+    let before = std::env::var_os("BENCH_WORKER_BEFORE").map(std::path::PathBuf::from);
+    let mut before_drains = Drains::default();
     for r in 0..o.runs {
         for (mode, rates, cpus, wakeups, what) in [
             (RawRedis::Scripts, &mut raw, &mut raw_cpu, &mut raw_wakeups, "chime's two scripts"),
@@ -317,6 +324,18 @@ pub async fn scenario(c: &Ctx) -> Option<f64> {
             c.wakeups.push(d.wakeups);
             c.rss_peak = c.rss_peak.max(d.rss_peak);
         }
+        if let Some(bin) = &before {
+            progress(&format!("consume: 1 BENCH_WORKER_BEFORE process, run {}/{} ({n} jobs)", r + 1, o.runs));
+            assert_eq!(client.publish_batch(&envelopes(n, false)).await.confirmed, n);
+            let section = bench_worker_section();
+            let d = chime_drain_worker(&env, &qt, None, n, 1, false, "", &section, true, bin).await;
+            let b = &mut before_drains;
+            b.rates.push(d.rate);
+            b.ratios.push(d.rate / raw[r]);
+            b.cpus.push(d.cpu);
+            b.wakeups.push(d.wakeups);
+            b.rss_peak = b.rss_peak.max(d.rss_peak);
+        }
     }
     progress("");
     let sets_ratio = median(sets.iter().zip(&raw).map(|(s, r)| s / r).collect());
@@ -340,6 +359,17 @@ pub async fn scenario(c: &Ctx) -> Option<f64> {
         }
         println!(
             "consume  {procs} chime-worker process(es)  {rate:>9.0} jobs/s  {:.2}x raw   {}; {}   RSS peak {} KiB",
+            median(ratios.clone()),
+            cpu_text(median3(cpus)),
+            wakeup_text(wakeups),
+            rss
+        );
+    }
+    if before.is_some() {
+        let Drains { rates, ratios, cpus, wakeups, rss_peak: rss } = &before_drains;
+        println!(
+            "consume  1 BENCH_WORKER_BEFORE process  {:>8.0} jobs/s  {:.2}x raw   {}; {}   RSS peak {} KiB",
+            median(rates.clone()),
             median(ratios.clone()),
             cpu_text(median3(cpus)),
             wakeup_text(wakeups),
@@ -387,7 +417,8 @@ pub async fn defaults(c: &Ctx) {
             progress(&format!("defaults: {}, run {}/{} ({n} jobs)", settings[i].0, r + 1, o.runs));
             let (name, worker) = settings[i];
             let quiet = name != "defaults, info logs";
-            let d = chime_drain_worker(&env, &qt, Some(&client), n, 1, false, "", worker, quiet).await;
+            let bin = bin_path("chime-worker");
+            let d = chime_drain_worker(&env, &qt, Some(&client), n, 1, false, "", worker, quiet, &bin).await;
             rates[i].push(d.rate);
         }
     }
@@ -435,6 +466,7 @@ pub async fn history(c: &Ctx) {
                     extra,
                     &bench_worker_section(),
                     true,
+                    &bin_path("chime-worker"),
                 )
                 .await,
             );

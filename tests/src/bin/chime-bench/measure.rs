@@ -170,16 +170,22 @@ pub struct Wakeups {
 }
 
 impl Wakeups {
+    /// Counts system calls only with `BENCH_SYSCALLS=1`: attaching perf to a busy process can
+    /// take seconds, in which ready workers drain a good part of their backlog, and a traced
+    /// process runs slower (context switches cost nothing to count).
     pub fn start(pids: &[u32]) -> Self {
+        let trace = std::env::var("BENCH_SYSCALLS").is_ok_and(|v| v == "1");
         // Every perf attaches at once (one after the other took seconds with 4 workers).
-        let syscalls: Vec<Syscalls> = pids.iter().map(|p| Syscalls::spawn(*p)).collect();
+        let syscalls: Vec<Syscalls> =
+            if trace { pids.iter().map(|p| Syscalls::spawn(*p)).collect() } else { Vec::new() };
         syscalls.iter().for_each(Syscalls::wait_attached);
         Self { syscalls, pids: pids.to_vec(), switches: pids.iter().map(|p| ctx_switches(*p)).sum() }
     }
     /// `[syscalls, context switches]` per message (syscalls NaN without perf).
     pub fn per_message(self, n: u64) -> [f64; 2] {
         let switches = self.pids.iter().map(|p| ctx_switches(*p)).sum::<u64>().saturating_sub(self.switches);
-        let calls: Option<u64> = self.syscalls.into_iter().map(Syscalls::stop).sum();
+        let calls: Option<u64> =
+            if self.syscalls.is_empty() { None } else { self.syscalls.into_iter().map(Syscalls::stop).sum() };
         let n = n as f64;
         [calls.map(|c| c as f64 / n).unwrap_or(f64::NAN), switches as f64 / n]
     }
@@ -188,7 +194,11 @@ impl Wakeups {
 /// Medians of [`Wakeups`] figures, as the consume lines print them.
 pub fn wakeup_text(v: &[[f64; 2]]) -> String {
     let m = |i: usize| median(v.iter().map(|w| w[i]).collect());
-    format!("consumer {:.2} syscalls, {:.2} context switches per msg", m(0), m(1))
+    if m(0).is_nan() {
+        format!("consumer {:.2} context switches per msg", m(1))
+    } else {
+        format!("consumer {:.2} syscalls, {:.2} context switches per msg", m(0), m(1))
+    }
 }
 
 /// CPU (user and system, µs) and system calls per message of one process over a window.
