@@ -87,8 +87,10 @@ pub async fn main() {
             consume::RawRedis::Scripts
         };
         let n: u64 = args[3].parse().unwrap();
+        // Its keys live under a prefix of its own, removed at the end.
+        let env = chime_tests::TestEnv::new("bench-raw");
         let (rate, cpu, w) =
-            consume::raw_consume(&conn, &args[2], n, 32, &chime_tests::redis_url(), "bench-raw", mode).await;
+            consume::raw_consume(&conn, &args[2], n, 32, &env.redis_url, &env.prefix, mode).await;
         println!("{rate:.0} msg/s  {}  {w:?}", measure::cpu_text(cpu));
         return;
     }
