@@ -205,19 +205,20 @@ async fn a_long_job_does_not_hold_back_the_acks_of_finished_ones() {
 
 /// `jobs[].concurrency` bounds one job in a worker process while others run wide: 12 runs of
 /// a slow job limited to 2 never overlap by more than 2, and 60 light jobs on another queue
-/// all finish while the slow ones are still running, though the worker runs only 4 jobs at
-/// once and the slow queue's prefetch is 4: a run waiting for its job's limit gives its
-/// worker-wide slot back.
+/// all finish while the first two slow runs are still running (they wait for the last light
+/// job), though the worker runs only 4 jobs at once and the slow queue's prefetch is 4: a run
+/// waiting for its job's limit gives its worker-wide slot back. Were it kept, the light jobs
+/// would get no slot and the slow runs would give up waiting for them.
 #[tokio::test]
 async fn a_job_concurrency_limit_bounds_heavy_runs_and_light_jobs_pass_them() {
     use chime_worker::{JobContext, Registry, raw_handler_fn};
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let mut env = TestEnv::new("jobconc");
     env.queues.push("slow".into());
     let config = env.config(
         "quorum",
         "",
-        "",
+        "prefetch = 4",
         "[[jobs]]\nname = \"heavy\"\nhandler = \"heavy\"\nqueue = \"slow\"\nconcurrency = 2\n\
          [[jobs]]\nname = \"light\"\nhandler = \"light\"\n",
     );
@@ -227,51 +228,72 @@ async fn a_job_concurrency_limit_bounds_heavy_runs_and_light_jobs_pass_them() {
         Arc::new(AtomicUsize::new(0)),
         Arc::new(AtomicUsize::new(0)),
     );
-    let light_all_done_while_heavy_left = Arc::new(AtomicUsize::new(usize::MAX));
+    // Set by the last light job; heavy runs wait for it (up to a deadline) before finishing.
+    let (lights_done, lights_seen) = tokio::sync::watch::channel(false);
+    let starved = Arc::new(AtomicBool::new(false));
     let mut reg = Registry::new();
-    let (n, p, h) = (now.clone(), peak.clone(), heavy_done.clone());
+    let (n, p, h, s) = (now.clone(), peak.clone(), heavy_done.clone(), starved.clone());
     reg.register(
         "heavy",
         raw_handler_fn(move |_ctx: JobContext, _| {
-            let (n, p, h) = (n.clone(), p.clone(), h.clone());
+            let (n, p, h, s, mut seen) = (n.clone(), p.clone(), h.clone(), s.clone(), lights_seen.clone());
             async move {
                 let running = n.fetch_add(1, Ordering::SeqCst) + 1;
                 p.fetch_max(running, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(300)).await;
+                if !s.load(Ordering::SeqCst)
+                    && tokio::time::timeout(Duration::from_secs(20), seen.wait_for(|done| *done))
+                        .await
+                        .is_err()
+                {
+                    s.store(true, Ordering::SeqCst);
+                }
+                // Long enough for the next runs to pile up against the limit.
+                tokio::time::sleep(Duration::from_millis(50)).await;
                 n.fetch_sub(1, Ordering::SeqCst);
                 h.fetch_add(1, Ordering::SeqCst);
                 Ok(())
             }
         }),
     );
-    let (l, h2, mark) = (light_done.clone(), heavy_done.clone(), light_all_done_while_heavy_left.clone());
+    let l = light_done.clone();
+    let lights_done = Arc::new(lights_done);
     reg.register(
         "light",
         raw_handler_fn(move |_ctx: JobContext, _| {
-            let (l, h2, mark) = (l.clone(), h2.clone(), mark.clone());
+            let (l, done) = (l.clone(), lights_done.clone());
             async move {
                 if l.fetch_add(1, Ordering::SeqCst) + 1 == 60 {
-                    mark.store(12 - h2.load(Ordering::SeqCst), Ordering::SeqCst);
+                    done.send_replace(true);
                 }
                 Ok(())
             }
         }),
     );
     let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
-    // Heavy first: they fill the front of the queue.
-    let mut reqs: Vec<_> = (0..12).map(|i| EnqueueRequest::new("heavy").key(format!("h{i}"))).collect();
-    reqs.extend((0..60).map(|i| EnqueueRequest::new("light").key(format!("l{i}"))));
-    assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, 72);
+    // Heavy first, alone: two run, two more are taken in and wait for the limit (the
+    // prefetch is set to 4; left to its default it would be the limit's 2). Only then the light ones, which need those two waiting runs'
+    // worker-wide slots.
+    let heavy: Vec<_> = (0..12).map(|i| EnqueueRequest::new("heavy").key(format!("h{i}"))).collect();
+    assert_eq!(client.enqueue_batch(&heavy).await.unwrap().confirmed, 12);
     let worker = Running::start(config, reg, 4).await;
+    let running = &now;
+    wait_until("two heavy runs running", Duration::from_secs(30), || async {
+        running.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    let light: Vec<_> = (0..60).map(|i| EnqueueRequest::new("light").key(format!("l{i}"))).collect();
+    assert_eq!(client.enqueue_batch(&light).await.unwrap().confirmed, 60);
     let hd = &heavy_done;
-    wait_until("every heavy run finished", Duration::from_secs(30), || async {
+    wait_until("every heavy run finished", Duration::from_secs(60), || async {
         hd.load(Ordering::SeqCst) == 12
     })
     .await;
     assert_eq!(light_done.load(Ordering::SeqCst), 60);
     assert_eq!(peak.load(Ordering::SeqCst), 2, "at most 2 heavy runs at once, and 2 were reached");
-    let left = light_all_done_while_heavy_left.load(Ordering::SeqCst);
-    assert!(left >= 6, "the light jobs finished while {left} heavy runs were still to finish");
+    assert!(
+        !starved.load(Ordering::SeqCst),
+        "heavy runs waited 20 s and the light jobs did not finish: runs waiting for the limit kept the worker's slots"
+    );
     worker.stop().await;
 }
 
