@@ -406,3 +406,49 @@ async fn a_dead_workers_global_slot_lapses() {
     );
     worker.stop().await;
 }
+
+/// A run longer than the lease keeps its global slot: it is renewed with the run's lease. With
+/// `redis.lease` 1 s and a limit of 1, two runs of 3 s on two workers never overlap (had the
+/// slot lapsed after 1 s, the second would start beside the first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_slot_outlives_the_lease_while_its_run_goes_on() {
+    let env = TestEnv::new("globallong");
+    let config = env.config(
+        "quorum",
+        "lease = \"1s\"",
+        "",
+        "[[jobs]]\nname = \"long\"\nhandler = \"long\"\nglobal_concurrency = 1\n",
+    );
+    let (now, peak, done) =
+        (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let registry = || {
+        let (n, p, d) = (now.clone(), peak.clone(), done.clone());
+        let mut reg = Registry::new();
+        reg.register(
+            "long",
+            raw_handler_fn(move |_ctx: JobContext, _| {
+                let (n, p, d) = (n.clone(), p.clone(), d.clone());
+                async move {
+                    let running = n.fetch_add(1, Ordering::SeqCst) + 1;
+                    p.fetch_max(running, Ordering::SeqCst);
+                    // The job's own length: three leases.
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    n.fetch_sub(1, Ordering::SeqCst);
+                    d.fetch_add(1, Ordering::SeqCst);
+                    Ok(())
+                }
+            }),
+        );
+        reg
+    };
+    let a = Running::start(config.clone(), registry(), 4).await;
+    let b = Running::start(config.clone(), registry(), 4).await;
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let reqs: Vec<_> = (0..2).map(|i| EnqueueRequest::new("long").key(format!("l{i}"))).collect();
+    assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, 2);
+    let d = &done;
+    wait_until("both runs done", Duration::from_secs(60), || async { d.load(Ordering::SeqCst) == 2 }).await;
+    assert_eq!(peak.load(Ordering::SeqCst), 1, "the second run started while the first still held its slot");
+    a.stop().await;
+    b.stop().await;
+}
