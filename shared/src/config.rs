@@ -835,6 +835,43 @@ pub fn valid_name(name: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
+/// The dotted key (`worker.concurrency`, `jobs[2].global_concurrency`) of the `key = value`
+/// line holding byte `offset` of `text`, when that line is one: a parse error is named by key,
+/// without quoting the line (its value may hold a password).
+fn key_at(text: &str, offset: usize) -> Option<String> {
+    let bare = |k: &str| !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c));
+    let offset = offset.min(text.len());
+    let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let end = text[offset..].find('\n').map_or(text.len(), |i| offset + i);
+    let key = text[start..end].split_once('=')?.0.trim();
+    if !bare(key) {
+        return None;
+    }
+    // The table the line belongs to: the last header above it, with its index for arrays.
+    let mut table = String::new();
+    let mut counts: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for l in text[..start].lines().map(|l| l.split('#').next().unwrap_or("").trim()) {
+        if let Some(name) = l.strip_prefix("[[").and_then(|r| r.strip_suffix("]]")).map(str::trim) {
+            if bare(name) {
+                let n = counts.entry(name).or_insert(0);
+                table = format!("{name}[{n}]");
+                *n += 1;
+            }
+        } else if let Some(name) = l.strip_prefix('[').and_then(|r| r.strip_suffix(']')).map(str::trim)
+            && bare(name)
+        {
+            table = match name.split_once('.') {
+                // A sub-table of an array's last element (`[jobs.backoff]`).
+                Some((head, rest)) if counts.get(head).is_some_and(|n| *n > 0) => {
+                    format!("{head}[{}].{rest}", counts[head] - 1)
+                }
+                _ => name.to_string(),
+            };
+        }
+    }
+    Some(if table.is_empty() { key.to_string() } else { format!("{table}.{key}") })
+}
+
 impl Config {
     /// Resolves the path (`--config` > `$CHIME_CONFIG` > `./chime.toml`), reads, parses,
     /// applies environment overrides and validates.
@@ -872,7 +909,10 @@ impl Config {
                 let before = &text[..span.start.min(text.len())];
                 let line = before.matches('\n').count() + 1;
                 let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-                format!("line {line}, column {column}: ")
+                match key_at(text, span.start) {
+                    Some(key) => format!("{key} (line {line}, column {column}): "),
+                    None => format!("line {line}, column {column}: "),
+                }
             });
             ConfigError::Parse {
                 path: origin.to_string(),
@@ -1407,6 +1447,29 @@ mod tests {
             err("[amqp]\nqueue_type = \"classic\"\nquorum_replicas = 3\n").contains("amqp.quorum_replicas")
         );
         assert!(err("[worker]\nthreads = 5000\n").contains("worker.threads"));
+        for (line, key) in [
+            ("concurrency = 0", "jobs[0] (a).concurrency: must be between 1 and 10000"),
+            ("global_concurrency = 0", "jobs[0] (a).global_concurrency: must be between 1 and 10000"),
+            ("global_concurrency = 10001", "jobs[0] (a).global_concurrency: must be between 1 and 10000"),
+            ("global_concurrency = -1", "jobs[0].global_concurrency (line 4, column 22): invalid value"),
+            ("concurrency = \"lots\"", "jobs[0].concurrency (line 4, column 15)"),
+        ] {
+            let e = err(&format!("[[jobs]]\nname='a'\nhandler='noop'\n{line}\n"));
+            assert!(e.contains(key), "{line}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_type_is_named_by_its_key() {
+        let text = "prefix = 'p'\n[worker]\nconcurrency = 8\n[[jobs]]\nname='a'\nhandler='noop'\n\
+                    [[jobs]]\nname='b'\nhandler='noop'\n[jobs.backoff]\ninitial = 5\n";
+        let e = err(text);
+        assert!(e.contains("jobs[1].backoff.initial (line 11, column 11)"), "{e}");
+        let e = err("[redis]\nurl = 'redis://u:secret@h/0'\nlease = 3\n");
+        assert!(e.contains("redis.lease (line 3"), "{e}");
+        assert!(!e.contains("secret"), "{e}");
+        assert!(err("[worker]\nconcurrency = -1\n").contains("worker.concurrency (line 2"));
+        assert_eq!(key_at("[[jobs]]\nurls = [\n 'a=b',\n]\n", 20), None, "an array's element is no key");
     }
 
     #[test]
