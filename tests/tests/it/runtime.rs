@@ -452,3 +452,61 @@ async fn a_global_slot_outlives_the_lease_while_its_run_goes_on() {
     a.stop().await;
     b.stop().await;
 }
+
+/// Redis loses a job's slot set while a run holds a slot (a restart without persistence, a
+/// failover to a replica that lagged): the run's next renewal takes its slot again, so the
+/// limit counts it, and frees it when the run ends.
+#[tokio::test]
+async fn a_slot_redis_lost_is_taken_again_by_the_running_run() {
+    let env = TestEnv::new("globallost");
+    let config = env.config(
+        "quorum",
+        "lease = \"1s\"",
+        "",
+        "[[jobs]]\nname = \"held\"\nhandler = \"held\"\nglobal_concurrency = 1\n",
+    );
+    let running = Arc::new(AtomicUsize::new(0));
+    let (release, released) = tokio::sync::watch::channel(false);
+    let mut reg = Registry::new();
+    let r = running.clone();
+    reg.register(
+        "held",
+        raw_handler_fn(move |_ctx: JobContext, _| {
+            let (r, mut released) = (r.clone(), released.clone());
+            async move {
+                r.fetch_add(1, Ordering::SeqCst);
+                // Runs until the test releases it.
+                let _ = tokio::time::timeout(Duration::from_secs(30), released.wait_for(|v| *v)).await;
+                r.fetch_sub(1, Ordering::SeqCst);
+                Ok(())
+            }
+        }),
+    );
+    let worker = Running::start(config.clone(), reg, 4).await;
+    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    client.enqueue(EnqueueRequest::new("held").key("one")).await.unwrap();
+    let run = &running;
+    wait_until("the run started", Duration::from_secs(30), || async { run.load(Ordering::SeqCst) == 1 })
+        .await;
+    let r = connect_redis(&env.redis_url).await;
+    let key = env.names().limit("held");
+    let zcard = |mut r: redis::aio::MultiplexedConnection, k: String| async move {
+        redis::cmd("ZCARD").arg(&k).query_async::<u64>(&mut r).await.unwrap()
+    };
+    assert_eq!(zcard(r.clone(), key.clone()).await, 1, "the run holds a slot");
+    let _: () = redis::cmd("DEL").arg(&key).query_async(&mut r.clone()).await.unwrap();
+    wait_until("the running run took its slot again", Duration::from_secs(10), || {
+        let (r, k) = (r.clone(), key.clone());
+        async move { zcard(r, k).await == 1 }
+    })
+    .await;
+    assert_eq!(running.load(Ordering::SeqCst), 1, "still running when the slot was taken again");
+    release.send_replace(true);
+    wait_until("the job succeeded", Duration::from_secs(30), || async { worker.succeeded() == 1 }).await;
+    wait_until("its slot freed", Duration::from_secs(10), || {
+        let (r, k) = (r.clone(), key.clone());
+        async move { zcard(r, k).await == 0 }
+    })
+    .await;
+    worker.stop().await;
+}
