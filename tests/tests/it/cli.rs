@@ -81,7 +81,7 @@ async fn enqueue_confirms_and_bad_input_publishes_nothing() {
 /// `enqueue --batch -` reads standard input once to validate every line (spooling it to a
 /// temporary file) and publishes from the spool in chunks: a bad last line of 25,000 publishes
 /// nothing; the good batch arrives whole, each key once, across chunk boundaries; the spool
-/// is removed.
+/// is removed both times (the command's `TMPDIR` is the test's own: other tests spool too).
 #[tokio::test]
 async fn a_large_batch_on_stdin_is_validated_whole_then_published_in_chunks() {
     let env = TestEnv::new("bigbatch");
@@ -90,27 +90,25 @@ async fn a_large_batch_on_stdin_is_validated_whole_then_published_in_chunks() {
     // The topology exists before the first attempt, so "nothing published" is a depth of 0.
     let config = chime_shared::Config::from_toml_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     drop(chime_producer::EnqueueClient::connect(std::sync::Arc::new(config)).await.unwrap());
-    let spools = || {
-        std::fs::read_dir(std::env::temp_dir())
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().starts_with("chime-batch-"))
-            .count()
-    };
-    let before = spools();
+    let tmp = env.dir.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let envs = [("TMPDIR", tmp.as_os_str())];
+    let spools = || std::fs::read_dir(&tmp).unwrap().count();
     let good: String =
         (0..25_000).map(|i| format!("{{\"payload\":{{\"n\":{i}}},\"key\":\"k{i}\"}}\n")).collect();
     let bad = format!("{good}{{\"payload\":1,\"max_attempts\":0}}\n");
-    let (code, out, err) = chime(&path, &["enqueue", "count", "--batch", "-"], Some(&bad));
+    let (code, out, err) = chime_env(&path, &["enqueue", "count", "--batch", "-"], Some(&bad), &envs);
     assert_eq!(code, 2, "{out}{err}");
     assert!(err.contains("line 25001"), "{err}");
     assert_eq!(depth(&queue).await, 0, "nothing published");
-    let (code, out, err) = chime(&path, &["enqueue", "count", "--batch", "-", "--json"], Some(&good));
+    assert_eq!(spools(), 0, "the spool of a rejected batch is removed");
+    let (code, out, err) =
+        chime_env(&path, &["enqueue", "count", "--batch", "-", "--json"], Some(&good), &envs);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!((v["confirmed"].as_u64(), v["total"].as_u64()), (Some(25_000), Some(25_000)), "{out}");
     wait_depth(&queue, 25_000, std::time::Duration::from_secs(30)).await;
-    assert_eq!(spools(), before, "the spool of standard input is removed");
+    assert_eq!(spools(), 0, "the spool of standard input is removed");
 }
 
 /// `chime … | head`: the reader going away ends the command quietly (SIGPIPE), never with a

@@ -131,9 +131,20 @@ pub async fn idem_state(env: &TestEnv, key: &str) -> Option<String> {
 /// Runs `chime --config CONFIG args…` to completion, feeding `stdin` (closed when `None`);
 /// returns (exit code, stdout, stderr).
 pub fn chime(config: &std::path::Path, args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
+    chime_env(config, args, stdin, &[])
+}
+
+/// [`chime`] with more environment variables.
+pub fn chime_env(
+    config: &std::path::Path,
+    args: &[&str],
+    stdin: Option<&str>,
+    envs: &[(&str, &std::ffi::OsStr)],
+) -> (i32, String, String) {
     use std::io::Write;
     use std::process::{Command, Stdio};
     let mut child = Command::new(bin("chime"))
+        .envs(envs.iter().copied())
         .arg("--config")
         .arg(config)
         .args(args)
