@@ -297,6 +297,45 @@ async fn a_job_concurrency_limit_bounds_heavy_runs_and_light_jobs_pass_them() {
     worker.stop().await;
 }
 
+/// Runs of one job, counted as they start and end: how many run now, the most at once, done.
+#[derive(Default)]
+struct Overlap {
+    now: Arc<AtomicUsize>,
+    peak: Arc<AtomicUsize>,
+    done: Arc<AtomicUsize>,
+}
+
+impl Overlap {
+    /// A registry whose handler `job` runs for `run_for` (the job's own length), counted here.
+    fn registry(&self, job: &str, run_for: Duration) -> Registry {
+        let (n, p, d) = (self.now.clone(), self.peak.clone(), self.done.clone());
+        let mut reg = Registry::new();
+        reg.register(
+            job,
+            raw_handler_fn(move |_ctx: JobContext, _| {
+                let (n, p, d) = (n.clone(), p.clone(), d.clone());
+                async move {
+                    let running = n.fetch_add(1, Ordering::SeqCst) + 1;
+                    p.fetch_max(running, Ordering::SeqCst);
+                    tokio::time::sleep(run_for).await;
+                    n.fetch_sub(1, Ordering::SeqCst);
+                    d.fetch_add(1, Ordering::SeqCst);
+                    Ok(())
+                }
+            }),
+        );
+        reg
+    }
+
+    fn peak(&self) -> usize {
+        self.peak.load(Ordering::SeqCst)
+    }
+
+    fn done(&self) -> usize {
+        self.done.load(Ordering::SeqCst)
+    }
+}
+
 /// `jobs[].global_concurrency` bounds a job across worker processes sharing the prefix: two
 /// workers, each allowed 4 jobs at once, run 16 slow jobs limited to 2 globally; never more
 /// than 2 run at once, 2 are reached, and every slot is freed at the end.
@@ -309,35 +348,16 @@ async fn a_global_concurrency_limit_holds_across_workers() {
         "",
         "[[jobs]]\nname = \"scarce\"\nhandler = \"scarce\"\nglobal_concurrency = 2\n",
     );
-    let (now, peak, done) =
-        (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let registry = || {
-        let (n, p, d) = (now.clone(), peak.clone(), done.clone());
-        let mut reg = Registry::new();
-        reg.register(
-            "scarce",
-            raw_handler_fn(move |_ctx: JobContext, _| {
-                let (n, p, d) = (n.clone(), p.clone(), d.clone());
-                async move {
-                    let running = n.fetch_add(1, Ordering::SeqCst) + 1;
-                    p.fetch_max(running, Ordering::SeqCst);
-                    tokio::time::sleep(Duration::from_millis(150)).await;
-                    n.fetch_sub(1, Ordering::SeqCst);
-                    d.fetch_add(1, Ordering::SeqCst);
-                    Ok(())
-                }
-            }),
-        );
-        reg
-    };
+    let runs = Overlap::default();
+    let registry = || runs.registry("scarce", Duration::from_millis(150));
     let a = Running::start(config.clone(), registry(), 4).await;
     let b = Running::start(config.clone(), registry(), 4).await;
     let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
     let reqs: Vec<_> = (0..16).map(|i| EnqueueRequest::new("scarce").key(format!("s{i}"))).collect();
     assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, 16);
-    let d = &done;
-    wait_until("16 runs done", Duration::from_secs(60), || async { d.load(Ordering::SeqCst) == 16 }).await;
-    assert_eq!(peak.load(Ordering::SeqCst), 2, "at most 2 at once across both workers, and 2 reached");
+    let r = &runs;
+    wait_until("16 runs done", Duration::from_secs(60), || async { r.done() == 16 }).await;
+    assert_eq!(runs.peak(), 2, "at most 2 at once across both workers, and 2 reached");
     assert!(
         a.succeeded() > 0 && b.succeeded() > 0,
         "both workers ran some: {} and {}",
@@ -419,36 +439,17 @@ async fn a_global_slot_outlives_the_lease_while_its_run_goes_on() {
         "",
         "[[jobs]]\nname = \"long\"\nhandler = \"long\"\nglobal_concurrency = 1\n",
     );
-    let (now, peak, done) =
-        (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let registry = || {
-        let (n, p, d) = (now.clone(), peak.clone(), done.clone());
-        let mut reg = Registry::new();
-        reg.register(
-            "long",
-            raw_handler_fn(move |_ctx: JobContext, _| {
-                let (n, p, d) = (n.clone(), p.clone(), d.clone());
-                async move {
-                    let running = n.fetch_add(1, Ordering::SeqCst) + 1;
-                    p.fetch_max(running, Ordering::SeqCst);
-                    // The job's own length: three leases.
-                    tokio::time::sleep(Duration::from_secs(3)).await;
-                    n.fetch_sub(1, Ordering::SeqCst);
-                    d.fetch_add(1, Ordering::SeqCst);
-                    Ok(())
-                }
-            }),
-        );
-        reg
-    };
+    let runs = Overlap::default();
+    // The job's own length: three leases.
+    let registry = || runs.registry("long", Duration::from_secs(3));
     let a = Running::start(config.clone(), registry(), 4).await;
     let b = Running::start(config.clone(), registry(), 4).await;
     let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
     let reqs: Vec<_> = (0..2).map(|i| EnqueueRequest::new("long").key(format!("l{i}"))).collect();
     assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, 2);
-    let d = &done;
-    wait_until("both runs done", Duration::from_secs(60), || async { d.load(Ordering::SeqCst) == 2 }).await;
-    assert_eq!(peak.load(Ordering::SeqCst), 1, "the second run started while the first still held its slot");
+    let r = &runs;
+    wait_until("both runs done", Duration::from_secs(60), || async { r.done() == 2 }).await;
+    assert_eq!(runs.peak(), 1, "the second run started while the first still held its slot");
     a.stop().await;
     b.stop().await;
 }
