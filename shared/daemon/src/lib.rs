@@ -5,6 +5,7 @@
 
 #![warn(missing_docs)]
 
+pub mod connections;
 pub mod server;
 pub mod signals;
 pub mod telemetry;

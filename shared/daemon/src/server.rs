@@ -3,11 +3,13 @@
 //! Liveness checks nothing external (a broker outage must not get every replica restarted);
 //! readiness reports each named check and answers 503 when one fails.
 //!
-//! The server is small on purpose and bounded: at most [`MAX_CONNECTIONS`] at once (more are
-//! closed at once), request headers must arrive within [`HEADER_TIMEOUT`], and no connection
-//! lives longer than [`CONNECTION_LIFETIME`]. Half-open or idle connections cannot pile up and
-//! take the file descriptors that jobs need. Bind it to 127.0.0.1 unless a scraper elsewhere
-//! needs it (the daemons serve nothing unless `--listen` or `*.listen` is set).
+//! The server is small on purpose and bounded: at most [`MAX_CONNECTIONS`] at once and
+//! [`MAX_PER_CLIENT`] per client address, where a newcomer takes the place of the connection
+//! idle longest (so idle sockets can never lock probes out: see [`crate::connections`]);
+//! request headers must arrive within [`HEADER_TIMEOUT`], and no connection lives longer than
+//! [`CONNECTION_LIFETIME`]. Half-open or idle connections cannot pile up and take the file
+//! descriptors that jobs need. Bind it to 127.0.0.1 unless a scraper elsewhere needs it (the
+//! daemons serve nothing unless `--listen` or `*.listen` is set).
 
 use axum::Router;
 use axum::extract::State;
@@ -18,11 +20,11 @@ use chime_shared::health::Health;
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-/// Connections served at once; further ones are closed as soon as they are accepted.
-pub const MAX_CONNECTIONS: usize = 32;
+use crate::connections::{Conn, Lobby, Table};
+pub use crate::connections::{MAX_CONNECTIONS, MAX_PER_CLIENT};
+
 /// A client must send its request headers within this.
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// No connection, however active, lives longer than this.
@@ -65,21 +67,24 @@ pub async fn serve(
     serve_router(listener, app, token).await
 }
 
-/// Serves `app` on `listener` with the same bounds (connection cap, header timeout,
-/// connection lifetime) until `token` is cancelled.
+/// Serves `app` on `listener` with the same bounds (the connection table of
+/// [`crate::connections`], header timeout, connection lifetime) until `token` is cancelled.
+/// Handlers can read the client's address with `ConnectInfo<SocketAddr>`.
 pub async fn serve_router(
     listener: tokio::net::TcpListener,
     app: Router,
     token: CancellationToken,
 ) -> std::io::Result<()> {
-    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let table = Arc::new(Table::default());
+    let lobby = Arc::new(Lobby::default());
+    let app = app.layer(axum::middleware::from_fn(mark_busy));
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
             _ = token.cancelled() => return Ok(()),
         };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
             Err(e) => {
                 // Out of file descriptors, say: keep serving once some are back.
                 tracing::warn!(error = %e, "server cannot accept a connection");
@@ -87,20 +92,77 @@ pub async fn serve_router(
                 continue;
             }
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            drop(stream); // over the cap: closed at once
-            continue;
-        };
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        tokio::spawn(async move {
-            let connection = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-            let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
-            drop(permit);
-        });
+        if let Some(place) = table.admit(peer.ip(), talking(&stream)) {
+            serve_connection(stream, peer, place, &table, &app);
+        } else {
+            // The table is full and this client said nothing yet: wait a moment for its
+            // first bytes in the lobby (a request arriving makes it a talking newcomer).
+            let (table, lobby, app) = (table.clone(), lobby.clone(), app.clone());
+            let place = lobby.enter();
+            tokio::spawn(async move {
+                let spoke = tokio::select! {
+                    r = tokio::time::timeout(LOBBY_WAIT, stream.readable()) => matches!(r, Ok(Ok(()))),
+                    _ = place.cancelled() => false,
+                };
+                lobby.leave(&place);
+                if spoke && let Some(place) = table.admit(peer.ip(), talking(&stream)) {
+                    serve_connection(stream, peer, place, &table, &app);
+                }
+            });
+        }
+        // Let the new connection's task read its waiting request (and become busy, so not
+        // evictable) before more connections are accepted.
+        tokio::task::yield_now().await;
     }
+}
+
+/// How long a silent newcomer may wait in the lobby for its first bytes.
+const LOBBY_WAIT: Duration = Duration::from_secs(1);
+
+/// Serves one admitted connection until it ends, is evicted, or outlives its lifetime.
+fn serve_connection(
+    stream: tokio::net::TcpStream,
+    peer: std::net::SocketAddr,
+    (id, conn): (u64, Arc<Conn>),
+    table: &Arc<Table>,
+    app: &Router,
+) {
+    let app = app
+        .clone()
+        .layer(axum::Extension(conn.clone()))
+        .layer(axum::Extension(axum::extract::ConnectInfo(peer)));
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    let table = table.clone();
+    tokio::spawn(async move {
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(HEADER_TIMEOUT)
+            .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+        tokio::select! {
+            _ = tokio::time::timeout(CONNECTION_LIFETIME, connection) => {}
+            _ = conn.evicted.cancelled() => {}
+        }
+        table.remove(id);
+    });
+}
+
+/// Whether the client has sent something already (a probe sends its request right after
+/// connecting; an idle socket sends nothing).
+fn talking(stream: &tokio::net::TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    let mut buf = tokio::io::ReadBuf::new(&mut byte);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    matches!(stream.poll_peek(&mut cx, &mut buf), std::task::Poll::Ready(Ok(n)) if n > 0)
+}
+
+/// Marks the connection busy while a request is answered (a busy connection is never evicted).
+async fn mark_busy(
+    axum::Extension(conn): axum::Extension<Arc<Conn>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let _busy = conn.busy();
+    next.run(req).await
 }
 
 async fn readyz(State(s): State<AppState>) -> impl IntoResponse {

@@ -25,6 +25,7 @@ mod reliability;
 mod results;
 mod retries;
 mod runtime;
+mod security;
 mod steer;
 mod ticker;
 mod tls;

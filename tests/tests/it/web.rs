@@ -202,13 +202,45 @@ async fn the_dashboard_guards_its_actions_and_its_address() {
     let r = post(form(&csrf), vec![("sec-fetch-site", "cross-site".into())]).await.unwrap();
     assert_eq!(r.status(), 403);
     assert!(!paused().await, "a refused action changed nothing");
-    // The page's own form: done, and back to a path of the dashboard only.
-    let mut evil = form(&csrf);
-    evil[1].1 = "//evil.example/".into();
-    let r = post(evil, vec![("origin", base.clone())]).await.unwrap();
-    assert_eq!(r.status(), 303);
-    assert!(r.headers()["location"].to_str().unwrap().starts_with("/?msg=Paused"), "{:?}", r.headers());
+    // DNS rebinding: a page of attacker.example reaching this port under its own name is
+    // refused whatever it asks, and so is an origin that merely matches its own Host.
+    let port = base.rsplit(':').next().unwrap().to_string();
+    let rebound = format!("attacker.example:{port}");
+    let r = http.get(format!("{base}/")).bearer_auth(token).header("host", &rebound).send().await.unwrap();
+    assert_eq!(r.status(), 421, "a foreign Host reads nothing");
+    assert!(!r.text().await.unwrap().contains(&csrf), "no form token for a foreign Host");
+    let r = post(form(&csrf), vec![("host", rebound.clone()), ("origin", format!("http://{rebound}"))])
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 421);
+    let r = post(form(&csrf), vec![("origin", format!("http://{rebound}"))]).await.unwrap();
+    assert_eq!(r.status(), 403, "an origin that is not this dashboard");
+    assert!(!paused().await, "a refused action changed nothing");
+    // The page's own form: done, and back to a path of the dashboard only, whatever `back`
+    // says (`//evil`, or `/%09/evil`, which browsers read as `//evil`).
+    for back in ["//evil.example/", "/%09/evil.example", "/\\evil.example"] {
+        let mut evil = form(&csrf);
+        evil[1].1 = back.into();
+        let r = post(evil, vec![("origin", base.clone())]).await.unwrap();
+        assert_eq!(r.status(), 303);
+        let location = r.headers()["location"].to_str().unwrap();
+        assert!(location.starts_with("/?notice="), "{back}: {location}");
+    }
     assert!(paused().await);
+    // The notice is the one the action stored; a crafted one is never shown.
+    let shown = |location: String| {
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            let page = http.get(format!("{base}{location}")).bearer_auth(token).send().await.unwrap();
+            let page = page.text().await.unwrap();
+            page.split("id=\"notice\">").nth(1).and_then(|s| s.split("</div>").next()).map(str::to_string)
+        }
+    };
+    let r = post(form(&csrf), vec![]).await.unwrap();
+    let text = shown(r.headers()["location"].to_str().unwrap().to_string()).await.unwrap_or_default();
+    assert!(text.starts_with("Queue default was already paused by"), "{text}");
+    assert_eq!(shown("/?msg=Session%20expired%2C%20call%20us".into()).await, None);
+    assert_eq!(shown("/?notice=Session%20expired".into()).await, None);
     // An unknown queue is refused by name.
     let mut bad = form(&csrf);
     bad[3].1 = "nope".into();
@@ -223,26 +255,46 @@ async fn the_dashboard_guards_its_actions_and_its_address() {
             .form(&[("csrf", csrf.as_str()), ("back", "/schedules"), ("op", op), ("job", "payment-run")])
             .send()
     };
-    let notice = |r: reqwest::Response| r.headers()["location"].to_str().unwrap().to_string();
-    assert!(
-        notice(schedule("pause").await.unwrap())
-            .starts_with("/schedules?msg=Paused%20schedule%20payment-run")
-    );
-    assert!(notice(schedule("pause").await.unwrap()).contains("already%20paused"));
+    let notice = |r: reqwest::Response| {
+        let location = r.headers()["location"].to_str().unwrap().to_string();
+        assert!(location.starts_with("/schedules?notice="), "{location}");
+        async { shown(location).await.unwrap_or_default() }
+    };
+    assert!(notice(schedule("pause").await.unwrap()).await.starts_with("Paused schedule payment-run"));
+    assert!(notice(schedule("pause").await.unwrap()).await.contains("already paused"));
     let mut r = connect_redis(&env.redis_url).await;
     let set: bool = redis::cmd("EXISTS").arg(&schedule_flag).query_async(&mut r).await.unwrap();
     assert!(set, "the schedule's pause flag is in Redis");
-    assert!(notice(schedule("resume").await.unwrap()).starts_with("/schedules?msg=Resumed%20schedule"));
-    assert!(notice(schedule("resume").await.unwrap()).contains("was%20not%20paused"));
+    assert!(notice(schedule("resume").await.unwrap()).await.starts_with("Resumed schedule"));
+    assert!(notice(schedule("resume").await.unwrap()).await.contains("was not paused"));
     assert_eq!(schedule("explode").await.unwrap().status(), 400);
     // Run now: published with a key of its own, and waiting in the queue (no worker here).
-    let ran = notice(schedule("run").await.unwrap());
-    assert!(ran.starts_with("/schedules?msg=Triggered%20payment-run%20now"), "{ran}");
+    let ran = notice(schedule("run").await.unwrap()).await;
+    assert!(ran.starts_with("Triggered payment-run now"), "{ran}");
     wait_depth(&env.names().work_queue("default"), 1, Duration::from_secs(10)).await;
     let running = http.get(format!("{base}/running")).bearer_auth(token).send().await.unwrap();
     assert_eq!(running.status(), 200);
     assert!(running.text().await.unwrap().contains("0 job(s) running on 0 worker(s)"));
+    // Guessing is throttled: after 10 failures (one above) this client waits, even with the
+    // right token.
+    for _ in 0..9 {
+        let r = http.get(format!("{base}/")).bearer_auth("wrong-token-of-16chars").send().await.unwrap();
+        assert_eq!(r.status(), 401);
+    }
+    let r = http.get(format!("{base}/")).bearer_auth(token).send().await.unwrap();
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
     drop(web);
+    // A short basic-auth password is refused at start.
+    let short = [("CHIME_WEB_USER", "ops"), ("CHIME_WEB_PASSWORD", "hunter2")];
+    let (code, _, err) = chime_env(
+        &path,
+        &["web", "--listen", "127.0.0.1:0"],
+        None,
+        &short.map(|(k, v)| (k, std::ffi::OsStr::new(v))),
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("CHIME_WEB_PASSWORD must be at least 12 characters"), "{err}");
 
     // Read-only: no forms, every POST refused.
     let (web, base) = start_web(&env, &path, &["--read-only"], &[]).await;
@@ -270,7 +322,8 @@ async fn the_dashboard_guards_its_actions_and_its_address() {
         .unwrap();
     assert_eq!(r.status(), 303);
     let location = r.headers()["location"].to_str().unwrap().to_string();
-    assert!(location.contains("nothing%20done"), "a prefix names nothing: {location}");
+    let page = http.get(format!("{base}{location}")).send().await.unwrap().text().await.unwrap();
+    assert!(page.contains("nothing done"), "a prefix names nothing: {page}");
     let r = http.get(format!("{base}/keys/%3Cscript%3E")).send().await.unwrap();
     assert_eq!(r.status(), 404);
     let body = r.text().await.unwrap();

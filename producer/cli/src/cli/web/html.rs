@@ -69,7 +69,7 @@ pub struct Frame<'a> {
     pub read_only: bool,
     pub csrf: &'a str,
     /// A notice from the action that redirected here.
-    pub notice: Option<&'a str>,
+    pub notice: Option<String>,
 }
 
 const STYLE: &str = "body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#1d232a;background:#f6f7f9}\
@@ -103,6 +103,7 @@ pub fn page(frame: &Frame, title: &str, active: &str, refresh: Option<u32>, body
         refresh.map(|s| format!("<meta http-equiv=\"refresh\" content=\"{s}\">")).unwrap_or_default();
     let notice = frame
         .notice
+        .as_deref()
         .map(|n| format!("<div class=\"notice\" id=\"notice\">{}</div>", esc(n)))
         .unwrap_or_default();
     let mode = if frame.read_only { "<span class=\"muted\">read-only</span>" } else { "" };

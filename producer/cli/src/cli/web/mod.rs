@@ -9,11 +9,14 @@
 //! actions name one dead letter by its exact id.
 
 mod dlq_cache;
+mod hosts;
 mod html;
+mod logins;
+mod notices;
 mod pages;
 
 use axum::Router;
-use axum::extract::{Request, State};
+use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -45,7 +48,15 @@ pub struct WebArgs {
     /// Show everything, change nothing: no buttons, every POST refused
     #[arg(long)]
     pub read_only: bool,
+    /// Another host name the dashboard answers to (a reverse proxy's, a DNS name); repeat for
+    /// more. Requests naming any other `Host` are refused (DNS rebinding); the bound address,
+    /// `localhost`, `127.0.0.1` and `[::1]` are always allowed
+    #[arg(long = "allow-host", value_name = "NAME", env = "CHIME_WEB_HOSTS", value_delimiter = ',')]
+    pub allow_hosts: Vec<String>,
 }
+
+/// The shortest basic-auth password accepted.
+pub const MIN_PASSWORD: usize = 12;
 
 /// The credentials a request must carry (none: loopback only).
 #[derive(Clone, Default)]
@@ -71,6 +82,9 @@ impl Auth {
         };
         if bearer.as_ref().is_some_and(|t| t.len() < 16) {
             return Err("CHIME_WEB_TOKEN must be at least 16 characters".into());
+        }
+        if var("CHIME_WEB_PASSWORD").is_some_and(|p| p.chars().count() < MIN_PASSWORD) {
+            return Err(format!("CHIME_WEB_PASSWORD must be at least {MIN_PASSWORD} characters"));
         }
         Ok(Self { bearer, basic })
     }
@@ -122,6 +136,12 @@ pub struct Web {
     pub csrf: String,
     pub read_only: bool,
     auth: Auth,
+    /// The names a request's `Host` (and a POST's `Origin`) may carry.
+    hosts: hosts::AllowedHosts,
+    /// Texts the actions left for the page they redirect to (by id: a link cannot forge one).
+    pub notices: notices::Notices,
+    /// Failed logins per client address.
+    logins: logins::Logins,
 }
 
 #[derive(Clone, Copy)]
@@ -133,7 +153,12 @@ struct Rate {
 
 impl Web {
     /// Connects to Redis and RabbitMQ.
-    pub async fn connect(config: Arc<Config>, read_only: bool, auth: Auth) -> anyhow::Result<Arc<Self>> {
+    pub async fn connect(
+        config: Arc<Config>,
+        read_only: bool,
+        auth: Auth,
+        hosts: hosts::AllowedHosts,
+    ) -> anyhow::Result<Arc<Self>> {
         let names = Names::new(&config.prefix);
         let mut reader = HistoryReader::connect(&config.redis, names.clone())
             .await
@@ -155,6 +180,9 @@ impl Web {
             csrf: uuid::Uuid::new_v4().simple().to_string(),
             read_only,
             auth,
+            hosts,
+            notices: notices::Notices::default(),
+            logins: logins::Logins::default(),
         }))
     }
 
@@ -269,7 +297,9 @@ pub async fn run(config: Config, args: WebArgs) -> Result<(), Failure> {
     let listener = tokio::net::TcpListener::bind(addrs.as_slice())
         .await
         .map_err(|e| usage(anyhow::anyhow!(format!("cannot listen on {}: {e}", args.listen))))?;
-    let web = Web::connect(Arc::new(config), args.read_only, auth.clone())
+    let bound = listener.local_addr().map_err(|e| runtime(anyhow::anyhow!(format!("{e}"))))?;
+    let hosts = hosts::AllowedHosts::new(bound, &args.allow_hosts).map_err(usage_text)?;
+    let web = Web::connect(Arc::new(config), args.read_only, auth.clone(), hosts)
         .await
         .map_err(|e| runtime(anyhow::anyhow!(format!("{e:#}"))))?;
     let token = CancellationToken::new();
@@ -308,16 +338,38 @@ pub fn router(web: Arc<Web>) -> Router {
 
 /// Authentication, CSRF origin checks and security headers, around every route.
 async fn guard(State(web): State<Arc<Web>>, req: Request, next: Next) -> Response {
-    if req.uri().path() != "/livez" && !web.auth.admits(req.headers()) {
-        let mut r = (StatusCode::UNAUTHORIZED, "credentials required\n").into_response();
-        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Basic realm=\"chime\""));
-        return r;
+    // Before anything else: after a DNS rebinding, a page of another site reaches this port
+    // under its own name, and everything below (even the same-origin check) would pass.
+    if req.uri().path() != "/livez"
+        && let Err(why) = web.hosts.check_host(req.headers())
+    {
+        return (StatusCode::MISDIRECTED_REQUEST, format!("refused: {why}\n")).into_response();
+    }
+    let peer = req.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
+    if req.uri().path() != "/livez" && web.auth.required() {
+        if let Some(wait) = peer.and_then(|p| web.logins.blocked(p)) {
+            let mut r =
+                (StatusCode::TOO_MANY_REQUESTS, "too many failed logins; try again later\n").into_response();
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(wait.as_secs().max(1)));
+            return r;
+        }
+        if !web.auth.admits(req.headers()) {
+            if let Some(p) = peer
+                && req.headers().contains_key(header::AUTHORIZATION)
+            {
+                web.logins.failed(p);
+            }
+            let mut r = (StatusCode::UNAUTHORIZED, "credentials required\n").into_response();
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Basic realm=\"chime\""));
+            return r;
+        }
     }
     if req.method() == axum::http::Method::POST {
         if web.read_only {
             return (StatusCode::FORBIDDEN, "this dashboard is read-only\n").into_response();
         }
-        if let Err(why) = same_origin(req.headers()) {
+        if let Err(why) = same_origin(&web.hosts, req.headers()) {
             return (StatusCode::FORBIDDEN, format!("refused: {why}\n")).into_response();
         }
     }
@@ -337,22 +389,20 @@ async fn guard(State(web): State<Arc<Web>>, req: Request, next: Next) -> Respons
 }
 
 /// A POST must come from this dashboard's own pages: browsers say where a request comes from
-/// in `Sec-Fetch-Site` and `Origin`.
-fn same_origin(headers: &HeaderMap) -> Result<(), String> {
+/// in `Sec-Fetch-Site` and `Origin`. An `Origin` must name one of the allowed hosts, never
+/// merely the request's own `Host` (which a rebound name controls).
+fn same_origin(hosts: &hosts::AllowedHosts, headers: &HeaderMap) -> Result<(), String> {
     if let Some(site) = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok())
         && !matches!(site, "same-origin" | "none")
     {
         return Err(format!("a {site} request"));
     }
-    if let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) {
-        let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or("");
-        let origin_host = origin.split_once("://").map(|(_, h)| h).unwrap_or(origin);
-        if origin != "null" && origin_host != host {
-            return Err(format!("origin {origin:?} is not this dashboard ({host})"));
-        }
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let origin = origin.to_str().map_err(|_| "an origin that is not text".to_string())?;
         if origin == "null" {
             return Err("an opaque origin".into());
         }
+        hosts.check_origin(origin)?;
     }
     Ok(())
 }
@@ -380,15 +430,22 @@ mod tests {
 
     #[test]
     fn cross_site_posts_are_refused() {
+        let hosts = hosts::AllowedHosts::new("127.0.0.1:8090".parse().unwrap(), &[]).unwrap();
         let mut h = HeaderMap::new();
         h.insert(header::HOST, HeaderValue::from_static("127.0.0.1:8090"));
-        assert!(same_origin(&h).is_ok());
+        assert!(same_origin(&hosts, &h).is_ok());
         h.insert(header::ORIGIN, HeaderValue::from_static("http://127.0.0.1:8090"));
-        assert!(same_origin(&h).is_ok());
+        assert!(same_origin(&hosts, &h).is_ok());
         h.insert(header::ORIGIN, HeaderValue::from_static("http://evil.example"));
-        assert!(same_origin(&h).is_err());
+        assert!(same_origin(&hosts, &h).is_err());
+        // A rebound name is same-origin with itself: still refused.
+        h.insert(header::HOST, HeaderValue::from_static("evil.example:8090"));
+        h.insert(header::ORIGIN, HeaderValue::from_static("http://evil.example:8090"));
+        assert!(same_origin(&hosts, &h).is_err());
+        h.insert(header::ORIGIN, HeaderValue::from_static("null"));
+        assert!(same_origin(&hosts, &h).is_err());
         h.remove(header::ORIGIN);
         h.insert("sec-fetch-site", HeaderValue::from_static("cross-site"));
-        assert!(same_origin(&h).is_err());
+        assert!(same_origin(&hosts, &h).is_err());
     }
 }

@@ -23,18 +23,18 @@ const DLQ_PAGE: usize = 100;
 /// Runs per history page.
 const HISTORY_PAGE: usize = 100;
 
-/// The notice an action left for the page it redirected to.
+/// The notice an action left for the page it redirected to: its id in [`Web::notices`].
 #[derive(Debug, Default, serde::Deserialize)]
 pub struct Notice {
-    msg: Option<String>,
+    notice: Option<String>,
 }
 
-fn frame<'a>(web: &'a Web, notice: &'a Notice) -> Frame<'a> {
+fn frame<'a>(web: &'a Web, notice: &Notice) -> Frame<'a> {
     Frame {
         prefix: &web.config.prefix,
         read_only: web.read_only,
         csrf: &web.csrf,
-        notice: notice.msg.as_deref(),
+        notice: notice.notice.as_deref().and_then(|id| web.notices.get(id)),
     }
 }
 
@@ -383,7 +383,7 @@ pub struct HistoryForm {
     outcome: Option<String>,
     since: Option<String>,
     before: Option<String>,
-    msg: Option<String>,
+    notice: Option<String>,
 }
 
 fn nonempty(v: &Option<String>) -> Option<String> {
@@ -391,7 +391,7 @@ fn nonempty(v: &Option<String>) -> Option<String> {
 }
 
 pub async fn history(State(web): State<Arc<Web>>, Query(form): Query<HistoryForm>) -> Response {
-    let notice = Notice { msg: form.msg.clone() };
+    let notice = Notice { notice: form.notice.clone() };
     let args = super::super::history::HistoryArgs {
         job: nonempty(&form.job),
         key: nonempty(&form.key),
@@ -668,11 +668,11 @@ pub struct DlqForm {
     job: Option<String>,
     key: Option<String>,
     page: Option<usize>,
-    msg: Option<String>,
+    notice: Option<String>,
 }
 
 pub async fn dlq(State(web): State<Arc<Web>>, Query(form): Query<DlqForm>) -> Response {
-    let notice = Notice { msg: form.msg.clone() };
+    let notice = Notice { notice: form.notice.clone() };
     let sources = dlq_sources(&web);
     let selected = nonempty(&form.queue);
     if let Some(q) = &selected
@@ -966,12 +966,30 @@ pub struct ActionForm {
     fields: HashMap<String, String>,
 }
 
-/// Where an action returns to with its notice: only a path of this dashboard.
-fn back_to(back: &str, msg: &str) -> Response {
-    let path =
-        if back.starts_with('/') && !back.starts_with("//") && !back.contains('\\') { back } else { "/" };
+/// Where an action returns to with its notice: only a page of this dashboard (else the
+/// overview), carrying the id of the notice stored in [`Web::notices`].
+fn back_to(web: &Web, back: &str, msg: String) -> Response {
+    let path = own_page(back).unwrap_or("/");
     let sep = if path.contains('?') { '&' } else { '?' };
-    Redirect::to(&format!("{path}{sep}msg={}", enc(msg))).into_response()
+    Redirect::to(&format!("{path}{sep}notice={}", web.notices.post(msg))).into_response()
+}
+
+/// `back` if it is a page of this dashboard: one of its paths, then an optional query of
+/// plain characters. Anything a browser could read as another host (`//evil`, `/\\evil`,
+/// `/%09/evil`, which some browsers strip to `//evil`) is refused.
+pub(super) fn own_page(back: &str) -> Option<&str> {
+    let (path, query) = back.split_once('?').unwrap_or((back, ""));
+    let known = matches!(path, "/" | "/schedules" | "/running" | "/history" | "/dlq")
+        || path
+            .strip_prefix("/keys/")
+            .is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'))
+        || path.strip_prefix("/dlq/").is_some_and(|rest| {
+            rest.split('/').all(|s| {
+                !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.~%".contains(&b))
+            })
+        });
+    let plain_query = query.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.~%=&+".contains(&b));
+    (known && plain_query).then_some(back)
 }
 
 fn csrf_ok(web: &Web, form: &ActionForm) -> bool {
@@ -999,7 +1017,7 @@ pub async fn queue_action(State(web): State<Arc<Web>>, Form(form): Form<ActionFo
         }
     };
     tracing::info!(queue = %queue, op = %form.op, "dashboard action");
-    back_to(&form.back, &msg)
+    back_to(&web, &form.back, msg)
 }
 
 pub async fn schedule_action(State(web): State<Arc<Web>>, Form(form): Form<ActionForm>) -> Response {
@@ -1025,7 +1043,7 @@ pub async fn schedule_action(State(web): State<Arc<Web>>, Form(form): Form<Actio
         },
     };
     tracing::info!(job = %job, op = %form.op, "dashboard action");
-    back_to(&form.back, &msg)
+    back_to(&web, &form.back, msg)
 }
 
 pub async fn dlq_action(State(web): State<Arc<Web>>, Form(form): Form<ActionForm>) -> Response {
@@ -1056,7 +1074,7 @@ pub async fn dlq_action(State(web): State<Arc<Web>>, Form(form): Form<ActionForm
             "No dead letter {id} is in the DLQ of {queue} any more (replayed or purged by someone else?); nothing done."
         ),
     };
-    back_to(&form.back, &msg)
+    back_to(&web, &form.back, msg)
 }
 
 /// Carries out `op` (`pause` or `resume`) on a queue or schedule and says what happened;
@@ -1095,4 +1113,38 @@ async fn pause_or_resume(
 /// Who pauses from the dashboard, as the flag records it.
 fn web_operator() -> String {
     format!("{} (dashboard)", control::operator())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn actions_return_only_to_pages_of_this_dashboard() {
+        for ok in [
+            "/",
+            "/schedules",
+            "/dlq?queue=default",
+            "/dlq?queue=a%2Eb&page=2",
+            "/keys/0196-ab",
+            "/dlq/default/01ab",
+        ] {
+            assert_eq!(own_page(ok), Some(ok), "{ok}");
+        }
+        for bad in [
+            "//evil.example/",
+            "/\\evil.example",
+            "/%09/evil.example",
+            "/\t/evil.example",
+            "https://evil.example/",
+            "evil.example",
+            "/dlq?queue=x\r\nSet-Cookie:a",
+            "/dlq//evil",
+            "/dlq/a//evil.example",
+            "/keys/",
+            "",
+        ] {
+            assert_eq!(own_page(bad), None, "{bad:?}");
+        }
+    }
 }
