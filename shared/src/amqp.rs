@@ -6,7 +6,8 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use lapin::{Confirmation, PublisherConfirm};
 use std::time::Duration;
 
-use crate::config::{AmqpConfig, redact};
+use crate::config::AmqpConfig;
+use crate::redact::redact;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 

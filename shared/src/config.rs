@@ -11,6 +11,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use crate::duration;
+use crate::redact::{redact, redact_text};
 
 /// Default config path when neither `--config` nor `$CHIME_CONFIG` is given.
 pub const DEFAULT_PATH: &str = "chime.toml";
@@ -1284,72 +1285,6 @@ impl Config {
     }
 }
 
-/// Hides the password and the query values of a URL for logs, errors and headers:
-/// `amqp://chime:***@host/vh`, `https://api/x?api_key=***&page=***`.
-pub fn redact(url: &str) -> String {
-    let (base, fragment) = match url.split_once('#') {
-        Some((b, _)) => (b, "#***"),
-        None => (url, ""),
-    };
-    let (base, query) = match base.split_once('?') {
-        Some((b, q)) => {
-            let masked: Vec<String> = q
-                .split('&')
-                .map(|pair| match pair.split_once('=') {
-                    Some((k, _)) => format!("{k}=***"),
-                    None => pair.to_string(),
-                })
-                .collect();
-            (b, format!("?{}", masked.join("&")))
-        }
-        None => (base, String::new()),
-    };
-    let base = match (base.find("://"), base.rfind('@')) {
-        (Some(s), Some(at)) if at > s + 3 => {
-            let creds = &base[s + 3..at];
-            match creds.find(':') {
-                Some(c) => format!("{}{}:***{}", &base[..s + 3], &creds[..c], &base[at..]),
-                None => base.to_string(),
-            }
-        }
-        _ => base.to_string(),
-    };
-    format!("{base}{query}{fragment}")
-}
-
-/// [`redact`] applied to every URL inside a free text (an error message, a header): a URL
-/// runs from its scheme to the next white space or quote.
-pub fn redact_text(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(i) = rest.find("://") {
-        let start = rest[..i]
-            .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '+' || c == '-' || c == '.'))
-            .map_or(0, |j| j + 1);
-        let end = rest[i..]
-            .find(|c: char| c.is_whitespace() || c == '"' || c == '\'' || c == '`')
-            .map_or(rest.len(), |j| i + j);
-        out.push_str(&rest[..start]);
-        out.push_str(&redact(&rest[start..end]));
-        rest = &rest[end..];
-    }
-    out.push_str(rest);
-    out
-}
-
-/// Control characters (newlines, terminal escapes) of untrusted text shown as escapes, so a
-/// name or message from the wire cannot forge a log line or drive a terminal.
-pub fn escape_control(text: &str) -> std::borrow::Cow<'_, str> {
-    if !text.chars().any(char::is_control) {
-        return std::borrow::Cow::Borrowed(text);
-    }
-    std::borrow::Cow::Owned(
-        text.chars()
-            .flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] })
-            .collect(),
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1483,24 +1418,6 @@ mod tests {
         .unwrap();
         assert_eq!(c.amqp.url.list(), vec!["amqp://a/%2f", "amqp://b/%2f"]);
         assert_eq!(c.prefix, "t1");
-    }
-
-    #[test]
-    fn redact_hides_passwords_and_query_values() {
-        assert_eq!(redact("amqp://guest:secret@h:5672/%2f"), "amqp://guest:***@h:5672/%2f");
-        assert_eq!(redact("redis://h:6379"), "redis://h:6379");
-        assert_eq!(
-            redact("https://api.example/hook?api_key=s3cret&x=1"),
-            "https://api.example/hook?api_key=***&x=***"
-        );
-        assert_eq!(redact("https://u:p@h/p?token=t#frag"), "https://u:***@h/p?token=***#***");
-        let text = "request to \"https://h/x?token=abc\" failed; fallback amqp://a:b@c/ also";
-        assert_eq!(
-            redact_text(text),
-            "request to \"https://h/x?token=***\" failed; fallback amqp://a:***@c/ also"
-        );
-        assert_eq!(escape_control("ok"), "ok");
-        assert_eq!(escape_control("a\nINFO forged\u{1b}[2J"), "a\\nINFO forged\\u{1b}[2J");
     }
 
     #[test]

@@ -39,6 +39,7 @@ pub mod idempotency;
 pub mod job;
 pub mod limit;
 pub mod names;
+pub mod redact;
 pub mod redis_conn;
 pub mod schedule;
 pub mod telemetry;
@@ -48,3 +49,10 @@ pub mod topology;
 pub use config::{Config, ConfigError};
 pub use envelope::{Envelope, Source};
 pub use topology::Names;
+
+/// Cases per property test over outside input: `CHIME_FUZZ_CASES`, else `default` (CI runs
+/// the defaults; a longer local run raises it).
+#[doc(hidden)]
+pub fn fuzz_cases(default: u32) -> u32 {
+    std::env::var("CHIME_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}

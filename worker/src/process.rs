@@ -384,8 +384,8 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     metrics.duration.record(duration.as_secs_f64());
     let mut error = None;
     if let RunEnd::Failed(_, e) | RunEnd::RetryAfter(_, e) = &end {
-        let e = chime_shared::config::redact_text(e);
-        warn!(error = %chime_shared::config::escape_control(&e), "job failed");
+        let e = chime_shared::redact::redact_text(e);
+        warn!(error = %chime_shared::redact::escape_control(&e), "job failed");
         error = Some(e);
     }
     let plan = decision::on_run(end, env.attempt, env.max_attempts, &spec.backoff, env.key);
@@ -755,7 +755,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
             let props = dead_letter_properties(core, incoming, &dead);
             match outbox.dead_letter(&incoming.queue, &incoming.data, props).await {
                 Ok(()) => {
-                    let error = chime_shared::config::redact_text(&dead.error);
+                    let error = chime_shared::redact::redact_text(&dead.error);
                     let died = event(Outcome::DeadLettered, Some(&dead.reason), Some(&error));
                     let mut recorded = None;
                     if let Some(h) = &held {
@@ -764,7 +764,7 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
                         })
                         .await;
                     }
-                    warn!(reason = %dead.reason, error = %chime_shared::config::escape_control(&error), queue = %incoming.queue, "dead-lettered");
+                    warn!(reason = %dead.reason, error = %chime_shared::redact::escape_control(&error), queue = %incoming.queue, "dead-lettered");
                     Stats::bump(&stats.dead_lettered);
                     completed(outcome::DEAD_LETTERED);
                     record_event(died, logged(recorded));
@@ -828,7 +828,7 @@ fn run_event(
 fn dead_letter_properties(core: &Core, incoming: &Incoming, dead: &DeadInfo) -> BasicProperties {
     let mut headers = incoming.properties.headers().clone().unwrap_or_default();
     put_header(&mut headers, "x-chime-reason", &dead.reason);
-    put_header(&mut headers, "x-chime-error", &chime_shared::config::redact_text(&dead.error));
+    put_header(&mut headers, "x-chime-error", &chime_shared::redact::redact_text(&dead.error));
     put_header(&mut headers, "x-chime-attempts", &dead.attempts.to_string());
     put_header(&mut headers, "x-chime-failed-at", &Utc::now().to_rfc3339());
     put_header(&mut headers, "x-chime-worker", &core.worker_id);

@@ -168,7 +168,7 @@ async fn sender(mut rx: mpsc::UnboundedReceiver<Notification>, config: Arc<Confi
             info!(queue = %n.queue, depth = n.depth, "DLQ alert resolved");
         }
         let Some(url) = &config.alerts.webhook else { continue };
-        let shown = chime_shared::config::redact(url);
+        let shown = chime_shared::redact::redact(url);
         let body = webhook_body(&n, &names, config.alerts.dlq_threshold);
         let send = || async {
             let r = http

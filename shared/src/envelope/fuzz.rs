@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use proptest::test_runner::Config;
 
 fn cases() -> u32 {
-    std::env::var("CHIME_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(3_000)
+    crate::fuzz_cases(3_000)
 }
 
 /// What a decoded envelope must satisfy, or the worker would misbehave on it.

@@ -140,12 +140,16 @@ async fn exec_children_get_a_clean_environment_and_bounded_output() {
 }
 
 /// Finding 4: query strings of `http` jobs and webhooks in logs and in `x-chime-error`; a
-/// config syntax error echoing a password.
+/// config syntax error echoing a password. Round two, finding 3: a token as the whole
+/// userinfo (`http://ghp_…@host`) and secrets in the path (Slack, Discord and Teams webhooks)
+/// reached the worker log, `x-chime-error` (`dlq list`) and `chime history`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secrets_in_urls_never_reach_logs_or_dead_letters() {
     let env = TestEnv::new("h-secrets");
     let jobs = "[[jobs]]\nname = \"hook\"\nhandler = \"http\"\nmax_attempts = 1\nurl = \"http://127.0.0.1:1/hook?api_key=SECRET-Q\"\n\
-                [alerts]\nwebhook = \"http://127.0.0.1:1/alert?token=SECRET-W\"\nfor = \"1s\"\ninterval = \"200ms\"\n";
+                [[jobs]]\nname = \"slack\"\nhandler = \"http\"\nmax_attempts = 1\n\
+                url = \"http://ghp_SECRETuSeR4ab2Cd3Ef4Gh5Ij6Kl7Mn8Op9Qr0@127.0.0.1:1/services/T0123ABCD/B0456EFGH/SECRETpAtH9Qx2Rt7Vb1Nc4Pw8\"\n\
+                [alerts]\nwebhook = \"http://127.0.0.1:1/api/webhooks/123456789012345678/SECRETwEbHoOk-Ab9Cd8Ef7Gh6Ij5Kl4Mn3?token=SECRET-W\"\nfor = \"1s\"\ninterval = \"200ms\"\n";
     let text = env.config_text("classic", "", "", jobs);
     let path = env.write_config(&text);
     let config = Config::from_toml_str(&text).unwrap();
@@ -153,18 +157,45 @@ async fn secrets_in_urls_never_reach_logs_or_dead_letters() {
     let watch = Child::chime(&env.dir, &path, &["watch"], "watch");
     let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
     client.enqueue(EnqueueRequest::new("hook")).await.unwrap();
-    wait_depth(&env.names().dlq("default"), 1, Duration::from_secs(30)).await;
+    client.enqueue(EnqueueRequest::new("slack")).await.unwrap();
+    wait_depth(&env.names().dlq("default"), 2, Duration::from_secs(30)).await;
     let w = &watch;
     wait_until("the webhook was tried", Duration::from_secs(30), || async {
         w.log_text().contains("alert webhook failed")
     })
     .await;
     let dlq = DlqClient::connect(Arc::new(config)).await.unwrap();
-    let error = dlq.list("default", &Filter::default()).await.unwrap()[0].error.clone().unwrap_or_default();
+    let errors: Vec<String> = dlq
+        .list("default", &Filter::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| d.error.unwrap_or_default())
+        .collect();
     dlq.close().await;
-    assert!(error.contains("api_key=***") && !error.contains("SECRET"), "x-chime-error: {error}");
-    for (what, log) in [("worker", worker.log_text()), ("watch", watch.log_text())] {
-        assert!(!log.contains("SECRET"), "{what} log leaks a secret:\n{log}");
+    assert!(errors.iter().any(|e| e.contains("api_key=***")), "x-chime-error: {errors:?}");
+    assert!(
+        errors.iter().any(|e| e.contains("http://***@127.0.0.1:1/services/T0123ABCD/B0456EFGH/***")),
+        "{errors:?}"
+    );
+    assert!(errors.iter().all(|e| !e.contains("SECRET")), "x-chime-error: {errors:?}");
+    let (_, history, _) = chime(&path, &["history", "--json"], None);
+    let (_, listed, _) = chime(&path, &["dlq", "list", "--json"], None);
+    assert!(history.contains("B0456EFGH") && listed.contains("B0456EFGH"), "{history}\n{listed}");
+    let (_web, base) = crate::web::start_web(&env, &path, &[], &[]).await;
+    let mut pages = String::new();
+    for page in ["/history", "/dlq?queue=default"] {
+        pages += &reqwest::get(format!("{base}{page}")).await.unwrap().text().await.unwrap();
+    }
+    assert!(pages.contains("B0456EFGH"), "{pages}");
+    for (what, text) in [
+        ("worker log", worker.log_text()),
+        ("watch log", watch.log_text()),
+        ("chime history", history),
+        ("chime dlq list", listed),
+        ("the dashboard", pages),
+    ] {
+        assert!(!text.contains("SECRET"), "{what} leaks a secret:\n{text}");
     }
     let bad = env.dir.join("bad.toml");
     std::fs::write(&bad, "[amqp]\nurl = \"amqp://u:SECRET-P@h/\"\nheartbeat = = 1\n").unwrap();
@@ -367,46 +398,62 @@ async fn out_of_range_envelopes_are_malformed_not_retried() {
     worker.stop().await;
 }
 
-/// Finding 9: `http` jobs followed redirects anywhere, re-POSTing body and key.
+/// Finding 9: `http` jobs followed redirects anywhere, re-POSTing body and key; round two: a
+/// redirect within the host could still change the port (another service) or, from `https`,
+/// downgrade to `http` (a 307/308 resends the body in clear).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn http_jobs_do_not_follow_redirects_to_another_host() {
-    let stranger = tokio::net::TcpListener::bind("127.0.0.2:0").await.unwrap();
-    let stranger_port = stranger.local_addr().unwrap().port();
+async fn http_jobs_follow_redirects_only_within_their_origin() {
     let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let h = hits.clone();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = stranger.accept().await {
-            h.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
-        }
-    });
+    let mut strangers = Vec::new();
+    // Another host, and another port of the same host.
+    for addr in ["127.0.0.2:0", "127.0.0.1:0"] {
+        let stranger = tokio::net::TcpListener::bind(addr).await.unwrap();
+        strangers.push(stranger.local_addr().unwrap());
+        let h = hits.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = stranger.accept().await {
+                h.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+            }
+        });
+    }
     let redirector = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = redirector.local_addr().unwrap().port();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = redirector.accept().await {
             let mut buf = [0u8; 4096];
-            let _ = s.read(&mut buf).await;
+            let n = s.read(&mut buf).await.unwrap_or(0);
+            let to = if String::from_utf8_lossy(&buf[..n]).starts_with("POST /host") {
+                strangers[0]
+            } else {
+                strangers[1]
+            };
             let resp = format!(
-                "HTTP/1.1 307 Temporary Redirect\r\nlocation: http://127.0.0.2:{stranger_port}/steal\r\ncontent-length: 0\r\n\r\n"
+                "HTTP/1.1 307 Temporary Redirect\r\nlocation: http://{to}/steal\r\ncontent-length: 0\r\n\r\n"
             );
             let _ = s.write_all(resp.as_bytes()).await;
         }
     });
     let env = TestEnv::new("h-redirect");
     let jobs = format!(
-        "[[jobs]]\nname = \"hook\"\nhandler = \"http\"\nmax_attempts = 1\nurl = \"http://127.0.0.1:{port}/hook\"\n"
+        "[[jobs]]\nname = \"host\"\nhandler = \"http\"\nmax_attempts = 1\nurl = \"http://127.0.0.1:{port}/host\"\n\
+         [[jobs]]\nname = \"port\"\nhandler = \"http\"\nmax_attempts = 1\nurl = \"http://127.0.0.1:{port}/port\"\n"
     );
     let config = env.config("classic", "", "", &jobs);
     let worker = Running::start(config.clone(), chime_worker::Registry::new(), 1).await;
     let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
-    client.enqueue(EnqueueRequest::new("hook").payload(json!({"secret": "body"}))).await.unwrap();
+    for job in ["host", "port"] {
+        client.enqueue(EnqueueRequest::new(job).payload(json!({"secret": "body"}))).await.unwrap();
+    }
     let w = &worker;
-    wait_until("dead-lettered", Duration::from_secs(20), || async { w.dead_lettered() == 1 }).await;
-    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 0, "the body went to another host");
+    wait_until("dead-lettered", Duration::from_secs(20), || async { w.dead_lettered() == 2 }).await;
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 0, "the body went to another origin");
     let dlq = DlqClient::connect(Arc::new(config)).await.unwrap();
     let dead = dlq.list("default", &Filter::default()).await.unwrap();
-    assert_eq!(dead[0].reason, "permanent");
-    assert!(dead[0].error.as_deref().unwrap_or("").contains("not followed"), "{dead:?}");
+    for d in &dead {
+        assert_eq!(d.reason, "permanent");
+        assert!(d.error.as_deref().unwrap_or("").contains("not followed"), "{dead:?}");
+    }
     dlq.close().await;
     worker.stop().await;
 }

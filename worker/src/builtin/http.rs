@@ -11,7 +11,7 @@
 //! and the idempotency key to a stranger). Errors name the URL with its password and query
 //! values redacted, so tokens in a query string never reach logs or the DLQ.
 
-use chime_shared::config::redact;
+use chime_shared::redact::redact;
 use futures_util::future::BoxFuture;
 
 use crate::handler::{Handler, JobContext, JobError};
@@ -22,13 +22,16 @@ pub struct HttpHandler {
     client: reqwest::Client,
 }
 
-/// Follows redirects only within the original host (at most 5).
-fn same_host_redirects() -> reqwest::redirect::Policy {
+/// Follows redirects only to the same origin (scheme, host and port), or from `http` up to
+/// `https` on port 443 of the same host; at most 5. A 307/308 resends the body, so a redirect
+/// down to `http`, or to another port of the host (another service), is never followed.
+fn same_origin_redirects() -> reqwest::redirect::Policy {
     reqwest::redirect::Policy::custom(|attempt| {
-        let first = attempt.previous().first().and_then(|u| u.host_str().map(str::to_string));
+        let follow =
+            attempt.previous().first().is_some_and(|first| same_origin_or_upgrade(first, attempt.url()));
         if attempt.previous().len() >= 5 {
             attempt.error("too many redirects")
-        } else if first.as_deref() == attempt.url().host_str() {
+        } else if follow {
             attempt.follow()
         } else {
             attempt.stop()
@@ -36,10 +39,20 @@ fn same_host_redirects() -> reqwest::redirect::Policy {
     })
 }
 
+/// `to` has the origin of `from`, or is its `https` upgrade on port 443.
+fn same_origin_or_upgrade(from: &reqwest::Url, to: &reqwest::Url) -> bool {
+    let same_host = from.host_str().is_some() && from.host_str() == to.host_str();
+    let same_origin =
+        from.scheme() == to.scheme() && from.port_or_known_default() == to.port_or_known_default();
+    let upgrade =
+        from.scheme() == "http" && to.scheme() == "https" && to.port_or_known_default() == Some(443);
+    same_host && (same_origin || upgrade)
+}
+
 impl HttpHandler {
-    /// A handler posting to `url`, following redirects only within its host.
+    /// A handler posting to `url`, following redirects only within its origin.
     pub fn new(url: String) -> Self {
-        let client = reqwest::Client::builder().redirect(same_host_redirects()).build().unwrap_or_default();
+        let client = reqwest::Client::builder().redirect(same_origin_redirects()).build().unwrap_or_default();
         Self { url, client }
     }
 }
@@ -91,7 +104,7 @@ impl Handler for HttpHandler {
                     .map(redact)
                     .unwrap_or_default();
                 return Err(JobError::permanent(format!(
-                    "POST {shown}: HTTP {} to another host ({to}), not followed",
+                    "POST {shown}: HTTP {} to another origin ({to}), not followed",
                     status.as_u16()
                 )));
             }
@@ -124,6 +137,21 @@ impl Handler for HttpHandler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redirects_stay_within_the_origin() {
+        let u = |s: &str| reqwest::Url::parse(s).unwrap();
+        let from = u("https://api.example/hook");
+        assert!(same_origin_or_upgrade(&from, &u("https://api.example/v2/hook")));
+        assert!(same_origin_or_upgrade(&from, &u("https://api.example:443/v2")));
+        assert!(!same_origin_or_upgrade(&from, &u("http://api.example/hook")), "a downgrade");
+        assert!(!same_origin_or_upgrade(&from, &u("https://api.example:8443/hook")), "another port");
+        assert!(!same_origin_or_upgrade(&from, &u("https://evil.example/hook")));
+        let plain = u("http://api.example/hook");
+        assert!(same_origin_or_upgrade(&plain, &u("https://api.example/hook")), "an upgrade");
+        assert!(!same_origin_or_upgrade(&plain, &u("https://api.example:8443/hook")));
+        assert!(!same_origin_or_upgrade(&plain, &u("http://api.example:8080/hook")));
+    }
 
     #[test]
     fn status_mapping() {

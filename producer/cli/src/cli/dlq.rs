@@ -241,7 +241,7 @@ fn report(verb: &str, n: usize, r: &PassReport, json: bool) {
 }
 
 fn cut(s: &str, n: usize) -> String {
-    let one_line = chime_shared::config::escape_control(&s.replace('\n', " ")).into_owned();
+    let one_line = chime_shared::redact::escape_control(&s.replace('\n', " ")).into_owned();
     if one_line.chars().count() <= n {
         one_line
     } else {
@@ -281,7 +281,7 @@ fn print_one(d: &DeadLetter, json: bool) {
     }
     println!("id:        {}", d.id);
     println!("queue:     {}", d.queue);
-    let esc = |s: &str| chime_shared::config::escape_control(s).into_owned();
+    let esc = |s: &str| chime_shared::redact::escape_control(s).into_owned();
     println!("job:       {}", esc(d.job.as_deref().unwrap_or("-")));
     println!("key:       {}", d.key.map(|k| k.to_string()).unwrap_or_else(|| "-".into()));
     println!("reason:    {}", d.reason);

@@ -230,7 +230,7 @@ fn print_finished(
         Finished::Dead { reason, error } => Err(runtime(anyhow::anyhow!(
             "the job was dead-lettered ({}){}",
             reason.as_deref().unwrap_or("see chime dlq list"),
-            error.map(|e| format!(": {}", chime_shared::config::escape_control(&e))).unwrap_or_default()
+            error.map(|e| format!(": {}", chime_shared::redact::escape_control(&e))).unwrap_or_default()
         ))),
         Finished::Group { members } => {
             let dead = members.iter().filter(|m| matches!(m.finished, Finished::Dead { .. })).count();

@@ -1,8 +1,9 @@
 //! `chime history` (what ran) and `chime inspect` (one key: its record, its runs, its dead
 //! letter).
 
-use chime_shared::config::{Config, escape_control};
+use chime_shared::config::Config;
 use chime_shared::history::{HistoryReader, KeyRecord, Outcome, Query, RunEvent};
+use chime_shared::redact::escape_control;
 use chime_shared::topology::Names;
 use chrono::{DateTime, Utc};
 use clap::Args;
@@ -65,7 +66,7 @@ pub struct InspectArgs {
 pub async fn reader(config: &Config) -> Result<HistoryReader, Failure> {
     HistoryReader::connect(&config.redis, Names::new(&config.prefix))
         .await
-        .map_err(|e| runtime(anyhow::anyhow!("redis: {}", chime_shared::config::redact_text(&e.to_string()))))
+        .map_err(|e| runtime(anyhow::anyhow!("redis: {}", chime_shared::redact::redact_text(&e.to_string()))))
 }
 
 /// A `--key` argument: a UUID.
@@ -395,7 +396,7 @@ fn print_record(key: &Uuid, r: &KeyRecord) {
 
 /// A JSON value on one line, control characters escaped, cut at 2 KiB.
 fn shown(v: &serde_json::Value) -> String {
-    let text = chime_shared::config::escape_control(&v.to_string()).into_owned();
+    let text = chime_shared::redact::escape_control(&v.to_string()).into_owned();
     match text.char_indices().nth(2048) {
         Some((i, _)) => format!("{}… (cut; --json shows it whole)", &text[..i]),
         None => text,

@@ -64,7 +64,7 @@ impl AllowedHosts {
         } else {
             Err(format!(
                 "Host {:?} is not this dashboard (it answers to {}; add a name with --allow-host)",
-                chime_shared::config::escape_control(value),
+                chime_shared::redact::escape_control(value),
                 self.listed()
             ))
         }
@@ -80,7 +80,7 @@ impl AllowedHosts {
             Some(a) if self.allows(host_part(a)) => Ok(()),
             _ => Err(format!(
                 "origin {:?} is not this dashboard",
-                chime_shared::config::escape_control(origin)
+                chime_shared::redact::escape_control(origin)
             )),
         }
     }

@@ -162,7 +162,7 @@ impl Web {
         let names = Names::new(&config.prefix);
         let mut reader = HistoryReader::connect(&config.redis, names.clone())
             .await
-            .map_err(|e| anyhow::anyhow!("redis: {}", chime_shared::config::redact_text(&e.to_string())))?;
+            .map_err(|e| anyhow::anyhow!("redis: {}", chime_shared::redact::redact_text(&e.to_string())))?;
         // A page answers quickly; older runs are one "older" click away.
         reader.budget = 20_000;
         let ticker = TickerStore::connect(&config.redis, &config.prefix)?;

@@ -42,7 +42,7 @@ fn frame<'a>(web: &'a Web, notice: &Notice) -> Frame<'a> {
 fn failed(web: &Web, title: &str, error: impl std::fmt::Display) -> Response {
     let notice = Notice::default();
     let body =
-        format!("<p class=\"warn\">{}</p>", esc(&chime_shared::config::redact_text(&error.to_string())));
+        format!("<p class=\"warn\">{}</p>", esc(&chime_shared::redact::redact_text(&error.to_string())));
     (StatusCode::INTERNAL_SERVER_ERROR, Html(page(&frame(web, &notice), title, "", None, &body)))
         .into_response()
 }
