@@ -149,7 +149,8 @@ pub async fn flags<C: ConnectionLike + Send>(
 }
 
 /// Writes (or refreshes) a worker's heartbeat: its key with [`BEAT_TTL`] and its entry in the
-/// workers index.
+/// workers index, and drops index entries a minute past their heartbeat's expiry (the
+/// writers keep the index tidy; readers change nothing).
 pub async fn beat<C: ConnectionLike + Send>(
     conn: &mut C,
     names: &Names,
@@ -158,8 +159,14 @@ pub async fn beat<C: ConnectionLike + Send>(
     let ttl = u64::try_from(BEAT_TTL.as_millis()).unwrap_or(15_000);
     // Index scores are Redis time, as the readers' cut-off is: no worker's or reader's clock
     // decides who is live.
-    let until = redis_ms(conn).await? + i64::try_from(ttl).unwrap_or(15_000);
+    let now = redis_ms(conn).await?;
+    let until = now + i64::try_from(ttl).unwrap_or(15_000);
     redis::pipe()
+        .cmd("ZREMRANGEBYSCORE")
+        .arg(names.workers_index())
+        .arg("-inf")
+        .arg(now - STALE_MS)
+        .ignore()
         .cmd("SET")
         .arg(names.worker(&beat.id))
         .arg(serde_json::to_string(beat).unwrap_or_default())
@@ -199,25 +206,22 @@ pub async fn unregister<C: ConnectionLike + Send>(
         .await
 }
 
-/// Every live worker of the prefix, by id: the index, then the heartbeats that have not
-/// expired. Index entries a minute past their heartbeat's expiry (by Redis time, as the
-/// beats write them) are dropped.
+/// How long past its heartbeat's expiry (Redis time) an index entry is still read, and then
+/// dropped by the next beat of any worker.
+const STALE_MS: i64 = 60_000;
+
+/// Every live worker of the prefix, by id: the index entries less than a minute past their
+/// heartbeat's expiry (by Redis time, as the beats write them), then the heartbeats that have
+/// not expired. Read-only: a dashboard or CLI listing never changes Redis.
 pub async fn workers<C: ConnectionLike + Send>(
     conn: &mut C,
     names: &Names,
 ) -> redis::RedisResult<Vec<WorkerBeat>> {
-    let index = names.workers_index();
-    let stale = redis_ms(conn).await? - 60_000;
-    let (ids,): (Vec<String>,) = redis::pipe()
-        .cmd("ZREMRANGEBYSCORE")
-        .arg(&index)
-        .arg("-inf")
+    let stale = redis_ms(conn).await? - STALE_MS;
+    let ids: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+        .arg(names.workers_index())
         .arg(stale)
-        .ignore()
-        .cmd("ZRANGE")
-        .arg(&index)
-        .arg(0)
-        .arg(-1)
+        .arg("+inf")
         .query_async(conn)
         .await?;
     if ids.is_empty() {

@@ -70,6 +70,10 @@ impl Names {
     pub fn unroutable_queue(&self) -> String {
         format!("{}.unroutable", self.prefix)
     }
+    /// Redis key of the lock every pass over the DLQ of `queue` holds (one pass at a time).
+    pub fn dlq_lock(&self, queue: &str) -> String {
+        format!("{}:dlq-lock:{queue}", self.prefix)
+    }
     /// Redis key of the idempotency record of `key`.
     pub fn idem_key(&self, key: &str) -> String {
         format!("{}:idem:{key}", self.prefix)

@@ -125,3 +125,232 @@ async fn probes_are_answered_while_a_client_holds_hundreds_of_idle_connections()
     let closed = tokio::time::timeout(Duration::from_secs(15), s.read(&mut b)).await;
     assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "an idle connection stayed open");
 }
+
+/// Publishes `body` with `props` straight into the DLQ of `default`, as the broker or a
+/// foreign publisher could.
+async fn put_dead_letter(env: &TestEnv, body: &[u8], props: lapin::BasicProperties) {
+    let conn = connect_amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let dlq = env.names().dlq("default");
+    chime_shared::amqp::publish_confirmed(&ch, "", &dlq, body, props, Duration::from_secs(30)).await.unwrap();
+    let _ = conn.close(200, "".into()).await;
+}
+
+fn headers(pairs: &[(&str, &str)]) -> lapin::types::FieldTable {
+    let mut t = lapin::types::FieldTable::default();
+    for (k, v) in pairs {
+        chime_shared::envelope::put_header(&mut t, k, v);
+    }
+    t
+}
+
+/// Runs `child` to its end; its exit status and peak resident memory (KiB, sampled until
+/// it exits).
+async fn run_measured(mut child: Child) -> (bool, u64) {
+    let mut peak = 0;
+    loop {
+        peak = peak.max(child.peak_rss_kib());
+        if let Ok(Some(status)) = child.child.try_wait() {
+            return (status.success(), peak);
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await; // a sampling interval
+    }
+}
+
+/// Finding 5: every reading of a DLQ (`dlq list`, the dashboard, `inspect`) held each dead
+/// letter's whole body, so a publisher could make them hold hundreds of maximum-size bodies.
+/// Here 40 dead letters of 4 MiB (160 MiB): listings keep none of them, a dead letter is shown
+/// cut with its size, and a replay still sends the whole body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reading_a_dlq_of_huge_dead_letters_holds_none_of_their_bodies() {
+    use chime_shared::envelope::{Envelope, Source, adhoc_key};
+    let env = TestEnv::new("sec-bigdlq");
+    let path = env.write_config(&env.config_text(
+        "classic",
+        "",
+        "",
+        "[[jobs]]\nname = \"big\"\nhandler = \"noop\"\n",
+    ));
+    let config = chime_shared::Config::from_toml_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let dlq = chime_cli::dlq::DlqClient::connect(Arc::new(config)).await.unwrap(); // declares
+    let filler = "x".repeat(4 * 1024 * 1024);
+    let mut first_key = None;
+    for i in 0..40 {
+        let key = adhoc_key("big", &format!("k{i}"));
+        first_key.get_or_insert(key);
+        let env_ = Envelope::new(
+            "big",
+            "default",
+            key,
+            serde_json::json!({ "filler": filler }),
+            None,
+            1,
+            Source::Adhoc,
+        );
+        put_dead_letter(&env, &env_.encode(), env_.properties()).await;
+    }
+    let body_bytes = filler.len();
+
+    let list = Child::chime(&env.dir, &path, &["dlq", "list", "--json"], "list");
+    let (ok, list_kib) = run_measured(list).await;
+    assert!(ok);
+    let listed: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(env.dir.join("list.log")).unwrap()).unwrap();
+    assert_eq!(listed.as_array().map(Vec::len), Some(40));
+    assert!(listed[0]["body_bytes"].as_u64().unwrap() > body_bytes as u64);
+
+    let id = listed[0]["id"].as_str().unwrap().to_string();
+    let (code, shown, err) = chime(&path, &["dlq", "show", &id], None);
+    assert_eq!(code, 0, "{err}");
+    let cut = format!("body, the first 65536 of {} bytes", listed[0]["body_bytes"]);
+    assert!(shown.contains(&cut), "{}", &shown[..shown.len().min(2000)]);
+    assert!(shown.len() < 200 * 1024, "shown cut: {} bytes", shown.len());
+
+    let (web, base) = crate::web::start_web(&env, &path, &[], &[]).await;
+    for page in ["/dlq?queue=default".to_string(), format!("/keys/{}", first_key.unwrap())] {
+        let r = reqwest::get(format!("{base}{page}")).await.unwrap();
+        assert_eq!(r.status(), 200, "{page}");
+        assert!(r.text().await.unwrap().contains("big"));
+    }
+    let page = reqwest::get(format!("{base}/dlq/default/{id}")).await.unwrap().text().await.unwrap();
+    assert!(page.contains("id=\"body-cut\""), "the dead letter's page says its body is cut");
+    let web_kib = web.peak_rss_kib();
+
+    // The whole body is replayed.
+    let (code, out, err) = chime(&path, &["dlq", "replay", &id], None);
+    assert_eq!(code, 0, "{out}{err}");
+    let conn = connect_amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    let got = ch
+        .basic_get(env.names().work_queue("default").as_str().into(), Default::default())
+        .await
+        .unwrap()
+        .expect("the replayed job");
+    let replayed = Envelope::decode(&got.delivery.data).unwrap();
+    assert_eq!(replayed.payload["filler"].as_str().map(str::len), Some(body_bytes));
+    let _ = conn.close(200, "".into()).await;
+    dlq.close().await;
+    println!(
+        "40 dead letters of 4 MiB (160 MiB): chime dlq list peak RSS {} MiB, chime web {} MiB",
+        list_kib / 1024,
+        web_kib / 1024
+    );
+    assert!(list_kib < 64 * 1024, "chime dlq list held {} MiB", list_kib / 1024);
+    assert!(web_kib < 96 * 1024, "chime web held {} MiB", web_kib / 1024);
+}
+
+/// Finding 6: `x-chime-dead-id` and `message_id` of dead letters chime did not write reached
+/// `dlq list` and `dlq show` raw (a screen clear and a window title were printed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_chime_did_not_write_reach_the_terminal_escaped() {
+    let env = TestEnv::new("sec-escapes");
+    let path =
+        env.write_config(&env.config_text("classic", "", "", "[[jobs]]\nname = \"n\"\nhandler = \"noop\"\n"));
+    let (code, _, err) = chime(&path, &["dlq", "list"], None); // declares the topology
+    assert_eq!(code, 0, "{err}");
+    let evil = "\u{1b}[2J\u{1b}]0;pwned\u{7}";
+    put_dead_letter(
+        &env,
+        b"not an envelope \x1b[31m",
+        lapin::BasicProperties::default().with_headers(headers(&[
+            ("x-chime-dead-id", &format!("dead-{evil}")),
+            ("x-chime-reason", &format!("reason{evil}")),
+            ("x-chime-worker", &format!("worker{evil}")),
+            ("x-chime-error", &format!("line one\nline two{evil}")),
+        ])),
+    )
+    .await;
+    put_dead_letter(
+        &env,
+        b"{}",
+        lapin::BasicProperties::default()
+            .with_message_id(format!("mid-{evil}").as_str().into())
+            .with_type(format!("job{evil}").as_str().into()),
+    )
+    .await;
+    let (code, list, err) = chime(&path, &["dlq", "list"], None);
+    assert_eq!(code, 0, "{err}");
+    let raw = |s: &str| s.chars().any(|c| c.is_control() && c != '\n');
+    assert!(!raw(&list), "{list:?}");
+    assert!(list.contains("dead-\\u{1b}[2J"), "{list}");
+    // Each is shown by the escaped id the list printed.
+    for id in ["dead-\\u{1b}[2J\\u{1b}]0;pwned\\u{7}", "mid-\\u{1b}[2J\\u{1b}]0;pwned\\u{7}"] {
+        let (code, shown, err) = chime(&path, &["dlq", "show", id], None);
+        assert_eq!(code, 0, "{id}: {err}");
+        assert!(!raw(&shown), "{shown:?}");
+        assert!(shown.contains("pwned"), "{shown}");
+    }
+}
+
+/// Finding 7: a pass over a DLQ takes each message and puts a copy back, so a purge running
+/// beside a listing (the dashboard's, say) missed the messages the listing held and left
+/// them behind. Passes now take turns: a purge beside three listings purges everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_beside_listings_misses_nothing() {
+    let env = TestEnv::new("sec-passes");
+    let path =
+        env.write_config(&env.config_text("classic", "", "", "[[jobs]]\nname = \"n\"\nhandler = \"noop\"\n"));
+    let (code, _, err) = chime(&path, &["dlq", "list"], None); // declares the topology
+    assert_eq!(code, 0, "{err}");
+    let n = 1_500;
+    {
+        let conn = connect_amqp().await;
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(Default::default()).await.unwrap();
+        let dlq = env.names().dlq("default");
+        let mut confirms = Vec::new();
+        for i in 0..n {
+            let props = lapin::BasicProperties::default().with_message_id(format!("m{i}").as_str().into());
+            confirms.push(
+                ch.basic_publish("".into(), dlq.as_str().into(), Default::default(), b"{}", props)
+                    .await
+                    .unwrap(),
+            );
+        }
+        for c in confirms {
+            c.await.unwrap();
+        }
+        let _ = conn.close(200, "".into()).await;
+    }
+    crate::common::wait_depth(&env.names().dlq("default"), n, Duration::from_secs(30)).await;
+    let lists: Vec<Child> = (0..3)
+        .map(|i| Child::chime(&env.dir, &path, &["dlq", "list", "--json"], &format!("list{i}")))
+        .collect();
+    let (code, out, err) = chime(&path, &["dlq", "purge", "--all", "--yes"], None);
+    assert_eq!(code, 0, "{err}");
+    for l in lists {
+        assert!(run_measured(l).await.0, "a listing failed");
+    }
+    assert_eq!(out.trim(), format!("purged {n} dead letter(s); 0 left in place"));
+    assert_eq!(crate::common::depth(&env.names().dlq("default")).await, 0, "nothing left behind");
+}
+
+/// Finding 7: listing workers deleted stale index entries, so a GET of the dashboard (even
+/// `--read-only`) wrote to Redis. Readers now only read; a worker's own beat tidies up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listing_workers_changes_nothing() {
+    let env = TestEnv::new("sec-workers");
+    let path =
+        env.write_config(&env.config_text("classic", "", "", "[[jobs]]\nname = \"n\"\nhandler = \"noop\"\n"));
+    let mut r = connect_redis(&env.redis_url).await;
+    let index = env.names().workers_index();
+    let _: i64 = redis::cmd("ZADD").arg(&index).arg(1).arg("ghost").query_async(&mut r).await.unwrap();
+    let (code, out, err) = chime(&path, &["workers", "--json"], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains("ghost"), "{out}");
+    let score: Option<f64> = redis::cmd("ZSCORE").arg(&index).arg("ghost").query_async(&mut r).await.unwrap();
+    assert_eq!(score, Some(1.0), "a listing deleted nothing");
+    let _worker = Child::worker(&env.dir, &path, &[], "w");
+    let idx = index.clone();
+    wait_until("the worker's beat dropped the stale entry", Duration::from_secs(30), || {
+        let (url, idx) = (env.redis_url.clone(), idx.clone());
+        async move {
+            let mut r = connect_redis(&url).await;
+            let s: Option<f64> =
+                redis::cmd("ZSCORE").arg(&idx).arg("ghost").query_async(&mut r).await.unwrap();
+            s.is_none()
+        }
+    })
+    .await;
+}

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::failure::{Failure, runtime, usage};
 use super::table;
-use crate::dlq::{DeadLetter, DlqClient, Filter, PassReport, ResolveError};
+use crate::dlq::{BodyKept, DeadLetter, DlqClient, Filter, PassReport, ResolveError};
 
 #[derive(Debug, Subcommand)]
 pub enum DlqCommand {
@@ -64,7 +64,7 @@ pub struct Select {
 }
 
 pub async fn run(config: Config, cmd: DlqCommand) -> Result<(), Failure> {
-    let client = DlqClient::connect(Arc::new(config)).await.map_err(runtime)?;
+    let client = DlqClient::connect(Arc::new(config)).await.map_err(runtime)?.named("chime dlq");
     let result = dispatch(&client, cmd).await;
     client.close().await;
     result
@@ -76,11 +76,11 @@ async fn dispatch(client: &DlqClient, cmd: DlqCommand) -> Result<(), Failure> {
             let filter = Filter { job, ..Default::default() };
             let mut all = Vec::new();
             for q in client.queues(queue.as_deref()).map_err(usage)? {
-                let mut found = client.list(&q, &filter).await.map_err(runtime)?;
-                if let Some(n) = limit {
-                    found.truncate(n);
-                }
-                all.extend(found);
+                let found = client
+                    .list_with(&q, &filter, BodyKept::NONE, limit.unwrap_or(usize::MAX))
+                    .await
+                    .map_err(runtime)?;
+                all.extend(found.letters);
             }
             if json {
                 println!("{}", serde_json::to_string_pretty(&all).unwrap_or_default());
@@ -96,7 +96,9 @@ async fn dispatch(client: &DlqClient, cmd: DlqCommand) -> Result<(), Failure> {
                 let filter = Filter { keys: vec![key], ..Default::default() };
                 let mut found = Vec::new();
                 for q in &queues {
-                    found.extend(client.list(q, &filter).await.map_err(runtime)?);
+                    found.extend(
+                        client.list_with(q, &filter, BodyKept::SHOWN, 10).await.map_err(runtime)?.letters,
+                    );
                 }
                 match found.as_slice() {
                     [one] => {
@@ -119,7 +121,8 @@ async fn dispatch(client: &DlqClient, cmd: DlqCommand) -> Result<(), Failure> {
             let ids = resolved(client, &queues, std::slice::from_ref(&id)).await?;
             let filter = Filter { ids, ..Default::default() };
             for q in &queues {
-                if let Some(d) = client.list(q, &filter).await.map_err(runtime)?.into_iter().next() {
+                let found = client.list_with(q, &filter, BodyKept::SHOWN, 1).await.map_err(runtime)?;
+                if let Some(d) = found.letters.into_iter().next() {
                     print_one(&d, json);
                     return Ok(());
                 }
@@ -271,11 +274,19 @@ fn print_table(all: &[DeadLetter]) {
 }
 
 fn print_one(d: &DeadLetter, json: bool) {
+    // A body that is not JSON (or is cut) is shown as a JSON string: JSON escapes control
+    // characters, so nothing from the wire reaches the terminal raw.
     let body: serde_json::Value = serde_json::from_slice(&d.body)
-        .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(&d.body).into_owned()));
+        .ok()
+        .filter(|_| d.body_whole())
+        .unwrap_or_else(|| serde_json::Value::String(String::from_utf8_lossy(&d.body).into_owned()));
+    let cut = (!d.body_whole()).then(|| {
+        format!("the first {} of {} bytes (a replay sends the whole body)", d.body.len(), d.body_bytes)
+    });
     if json {
         let mut v = serde_json::to_value(d).unwrap_or_default();
         v["body"] = body;
+        v["body_truncated"] = serde_json::Value::Bool(cut.is_some());
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return;
     }
@@ -289,6 +300,9 @@ fn print_one(d: &DeadLetter, json: bool) {
     println!("failed at: {}", d.failed_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into()));
     println!("worker:    {}", esc(d.worker.as_deref().unwrap_or("-")));
     println!("error:     {}", esc(d.error.as_deref().unwrap_or("-")));
-    // JSON escapes control characters; a body that is not JSON is shown as a JSON string.
-    println!("body:\n{}", serde_json::to_string_pretty(&body).unwrap_or_default());
+    match cut {
+        Some(cut) => println!("body, {cut}:"),
+        None => println!("body:"),
+    }
+    println!("{}", serde_json::to_string_pretty(&body).unwrap_or_default());
 }

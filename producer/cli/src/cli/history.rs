@@ -209,7 +209,7 @@ pub async fn inspect(config: Config, args: InspectArgs) -> Result<(), Failure> {
         queues = config.all_queues();
     }
     let config = Arc::new(config);
-    let dlq = DlqClient::connect(config.clone()).await.map_err(runtime)?;
+    let dlq = DlqClient::connect(config.clone()).await.map_err(runtime)?.named("chime inspect");
     let filter = Filter { keys: vec![key], ..Filter::default() };
     let mut dead = Vec::new();
     for q in &queues {

@@ -10,17 +10,23 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::dlq::{DeadLetter, DlqClient, DlqError, Filter, PassReport};
+use crate::dlq::{BodyKept, DeadLetter, DlqClient, DlqError, Filter, PassReport};
 
 /// A pass younger than this, of a DLQ whose depth has not changed, is shown as it is.
 pub const FRESH: Duration = Duration::from_secs(30);
 /// DLQs up to this depth are read while the page waits; deeper ones in the background.
 pub const READ_INLINE: u32 = 500;
+/// Dead letters a snapshot keeps (with a preview of each body): memory stays bounded however
+/// deep the DLQ (`chime dlq list` lists them all).
+pub const KEPT: usize = 5_000;
 
 /// One pass over one DLQ.
 #[derive(Clone)]
 pub struct Snapshot {
+    /// The first [`KEPT`] dead letters, bodies cut to a preview.
     pub letters: Arc<Vec<DeadLetter>>,
+    /// Dead letters the pass went over.
+    pub total: usize,
     pub taken_at: DateTime<Utc>,
     taken: Instant,
 }
@@ -57,8 +63,7 @@ impl DlqCache {
     /// The dead letters of `queue` (a DLQ source name) whose depth is now `depth`.
     pub async fn view(self: &Arc<Self>, queue: &str, depth: u32) -> Result<View, DlqError> {
         let cached = self.cached(queue);
-        let fresh =
-            cached.as_ref().is_some_and(|s| s.letters.len() == depth as usize && s.taken.elapsed() < FRESH);
+        let fresh = cached.as_ref().is_some_and(|s| s.total == depth as usize && s.taken.elapsed() < FRESH);
         if let (true, Some(snapshot)) = (fresh, &cached) {
             return Ok(View::Ready { snapshot: snapshot.clone(), refreshing: false });
         }
@@ -88,11 +93,16 @@ impl DlqCache {
     async fn read(&self, queue: &str) -> Result<Snapshot, DlqError> {
         let mut guard = self.client.lock().await;
         let client = checkout(&mut guard, &self.config).await?;
-        let letters = client.list(queue, &Filter::default()).await;
-        keep(&mut guard, client, letters.is_ok()).await;
+        let listing = client.list_with(queue, &Filter::default(), BodyKept::PREVIEW, KEPT).await;
+        keep(&mut guard, client, listing.is_ok()).await;
         drop(guard);
-        let letters = letters?;
-        let snapshot = Snapshot { letters: Arc::new(letters), taken_at: Utc::now(), taken: Instant::now() };
+        let listing = listing?;
+        let snapshot = Snapshot {
+            letters: Arc::new(listing.letters),
+            total: listing.seen,
+            taken_at: Utc::now(),
+            taken: Instant::now(),
+        };
         if let Ok(mut s) = self.snapshots.lock() {
             s.insert(queue.to_string(), snapshot.clone());
         }
@@ -120,7 +130,7 @@ impl DlqCache {
 async fn checkout(slot: &mut Option<DlqClient>, config: &Arc<Config>) -> Result<DlqClient, DlqError> {
     match slot.take() {
         Some(c) => Ok(c),
-        None => DlqClient::connect(config.clone()).await,
+        None => Ok(DlqClient::connect(config.clone()).await?.named("chime web")),
     }
 }
 

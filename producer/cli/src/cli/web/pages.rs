@@ -755,11 +755,20 @@ fn dlq_listing(
         .collect();
     let mut out = format!(
         "<p class=\"muted\" id=\"as-of\">{} dead letter(s), {} matching, as read at {} UTC{}.</p>",
-        snapshot.letters.len(),
+        snapshot.total,
         matching.len(),
         at(snapshot.taken_at),
         if refreshing { "; a newer read is under way" } else { "" }
     );
+    if snapshot.total > snapshot.letters.len() {
+        let _ = write!(
+            out,
+            "<p class=\"warn\" id=\"kept\">Only the first {} are shown and searched here; \
+             <code>chime dlq list --queue {}</code> lists them all.</p>",
+            snapshot.letters.len(),
+            esc(queue)
+        );
+    }
     let pages = matching.len().div_ceil(DLQ_PAGE).max(1);
     let page_no = page_no.min(pages - 1);
     let shown: Vec<DeadLetter> =
@@ -874,14 +883,25 @@ pub async fn dead_letter(
     row("Error", d.error.as_deref().map(|e| format!("<pre>{}</pre>", esc(e))).unwrap_or_else(|| "-".into()));
     body.push_str("</dl><h2>Body</h2>");
     let text = match serde_json::from_slice::<serde_json::Value>(&d.body) {
-        Ok(v) => serde_json::to_string_pretty(&v).unwrap_or_default(),
-        Err(_) => String::from_utf8_lossy(&d.body).into_owned(),
+        Ok(v) if d.body_whole() => serde_json::to_string_pretty(&v).unwrap_or_default(),
+        _ => String::from_utf8_lossy(&d.body).into_owned(),
     };
     let _ = write!(body, "<pre id=\"body\">{}</pre>", esc(&text));
+    if !d.body_whole() {
+        let _ = write!(
+            body,
+            "<p class=\"muted\" id=\"body-cut\">The first {} of {} bytes; replay sends the whole body, \
+             <code>chime dlq show {}</code> shows up to {} KiB.</p>",
+            d.body.len(),
+            d.body_bytes,
+            esc(&d.id),
+            crate::dlq::BodyKept::SHOWN.0 / 1024
+        );
+    }
     let _ = write!(body, "<p class=\"muted\">As read at {} UTC.</p>", at(snapshot.taken_at));
     if !web.read_only {
         let confirm = |action: &str| format!("/dlq/{}/{}/confirm?action={action}", enc(&queue), enc(&d.id));
-        if d.envelope.is_some() {
+        if d.replayable {
             let _ = write!(body, "<p><a id=\"replay\" href=\"{}\">Replay…</a> · ", esc(&confirm("replay")));
         } else {
             body.push_str("<p><span class=\"muted\">Not a chime envelope: cannot be replayed.</span> · ");

@@ -8,93 +8,28 @@
 //! - replay it: make its key claimable again in Redis, publish a fresh envelope (attempt 1,
 //!   `source = replay`) to the work queue, wait for the confirm, then ack the DLQ copy.
 //!
-//! Nothing is ever requeued, so quorum delivery counters never move. A crash between a
-//! publish and its ack leaves a duplicate, never a loss. Two operators running at once each
-//! take distinct messages, so nothing is replayed twice.
+//! Nothing is ever requeued, so quorum delivery counters never move (on RabbitMQ 4.0–4.2
+//! each requeue counts toward the delivery limit). A crash between a publish and its ack
+//! leaves a duplicate, never a loss. Passes over one DLQ never overlap: each holds the DLQ's
+//! lock in Redis ([`lock`]), so a purge never misses a message a listing holds at that moment.
+//! A pass reads with bounded memory ([`letter`]): a listing keeps no bodies.
+
+mod letter;
+pub mod lock;
+
+pub use letter::{BodyKept, DeadLetter};
 
 use chime_shared::amqp::{self, AmqpError};
 use chime_shared::config::Config;
-use chime_shared::envelope::{Envelope, Source, header_str};
+use chime_shared::envelope::{Envelope, Source};
 use chime_shared::idempotency::{IdemError, IdemStore};
 use chime_shared::topology::{self, Names, TopologyError};
 use chrono::{DateTime, Utc};
 use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions};
-use lapin::types::AMQPValue;
 use lapin::{Channel, Connection};
 use std::sync::Arc;
 use std::time::Duration;
 use uuid::Uuid;
-
-/// One dead letter, as read from a DLQ.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct DeadLetter {
-    /// `x-chime-dead-id`, else the envelope id, else the AMQP message id.
-    pub id: String,
-    pub queue: String,
-    pub job: Option<String>,
-    pub key: Option<Uuid>,
-    /// `x-chime-reason`, else the broker's `x-first-death-reason` (e.g. `delivery_limit`).
-    pub reason: String,
-    pub error: Option<String>,
-    pub attempts: Option<u32>,
-    pub failed_at: Option<DateTime<Utc>>,
-    pub worker: Option<String>,
-    #[serde(skip)]
-    pub body: Vec<u8>,
-    #[serde(skip)]
-    pub envelope: Option<Envelope>,
-}
-
-impl DeadLetter {
-    fn read(queue: &str, delivery: &lapin::message::Delivery) -> Self {
-        let props = &delivery.properties;
-        let envelope = Envelope::decode(&delivery.data).ok();
-        let id = header_str(props, "x-chime-dead-id")
-            .or_else(|| envelope.as_ref().map(|e| e.id.to_string()))
-            .or_else(|| props.message_id().as_ref().map(|m| m.as_str().to_string()))
-            .unwrap_or_else(|| "-".into());
-        let reason = if queue == UNROUTABLE {
-            // Routed by the broker's alternate exchange: its work queue did not exist.
-            "unroutable".to_string()
-        } else {
-            header_str(props, "x-chime-reason")
-                .or_else(|| header_str(props, "x-first-death-reason"))
-                .unwrap_or_else(|| "unknown".into())
-        };
-        let failed_at = header_str(props, "x-chime-failed-at")
-            .and_then(|t| DateTime::parse_from_rfc3339(&t).ok())
-            .map(|t| t.with_timezone(&Utc))
-            .or_else(|| death_time(props))
-            .or_else(|| props.timestamp().and_then(|t| DateTime::from_timestamp(i64::try_from(t).ok()?, 0)));
-        Self {
-            id,
-            queue: queue.to_string(),
-            job: envelope
-                .as_ref()
-                .map(|e| e.job.clone())
-                .or_else(|| props.kind().as_ref().map(|k| k.to_string())),
-            key: envelope.as_ref().map(|e| e.key),
-            reason,
-            error: header_str(props, "x-chime-error"),
-            attempts: header_str(props, "x-chime-attempts").and_then(|a| a.parse().ok()),
-            failed_at,
-            worker: header_str(props, "x-chime-worker"),
-            body: delivery.data.clone(),
-            envelope,
-        }
-    }
-}
-
-/// Time of the broker's first dead-lettering (`x-death[0].time`), for broker-made dead letters.
-fn death_time(props: &lapin::BasicProperties) -> Option<DateTime<Utc>> {
-    let headers = props.headers().as_ref()?;
-    let AMQPValue::FieldArray(deaths) = headers.inner().get("x-death")? else { return None };
-    let AMQPValue::FieldTable(first) = deaths.as_slice().first()? else { return None };
-    match first.inner().get("time")? {
-        AMQPValue::Timestamp(t) => DateTime::from_timestamp(i64::try_from(*t).ok()?, 0),
-        _ => None,
-    }
-}
 
 /// The source name of the prefix's unroutable delayed messages (never a queue name: names
 /// cannot hold parentheses).
@@ -148,12 +83,27 @@ pub enum DlqError {
     Redis(#[from] IdemError),
     #[error("unknown queue {0:?} (not in the config)")]
     UnknownQueue(String),
+    #[error("another pass over the DLQ of {queue} is still running ({holder}); try again when it ends")]
+    Busy { queue: String, holder: String },
+    #[error("redis (DLQ lock): {0}")]
+    Lock(String),
 }
 
 impl From<lapin::Error> for DlqError {
     fn from(e: lapin::Error) -> Self {
         Self::Lapin(Box::new(e))
     }
+}
+
+/// What a listing found.
+#[derive(Debug, Default, Clone)]
+pub struct Listing {
+    /// The first matching dead letters, in queue order, up to the limit.
+    pub letters: Vec<DeadLetter>,
+    /// Every match, kept or not.
+    pub matched: usize,
+    /// Dead letters the pass went over.
+    pub seen: usize,
 }
 
 /// What a pass does with one dead letter.
@@ -182,6 +132,8 @@ pub struct DlqClient {
     config: Arc<Config>,
     names: Names,
     store: IdemStore,
+    /// What this client is (`chime dlq`, `chime web`), for the lock's holder.
+    who: String,
 }
 
 impl DlqClient {
@@ -192,7 +144,13 @@ impl DlqClient {
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
         let names = Names::new(&config.prefix);
         let store = IdemStore::connect(&config.redis, names.clone())?;
-        Ok(Self { conn, channel, config, names, store })
+        Ok(Self { conn, channel, config, names, store, who: "chime".into() })
+    }
+
+    /// Names this client in a waiting pass's error ("another pass … is still running").
+    pub fn named(mut self, who: &str) -> Self {
+        self.who = who.to_string();
+        self
     }
 
     /// `Some(q)` if configured (or [`UNROUTABLE`]), else every configured queue and the
@@ -263,51 +221,93 @@ impl DlqClient {
         Ok(Ok(out))
     }
 
-    /// Every dead letter of `queue` matching `filter`, in queue order. The DLQ is unchanged.
+    /// Every dead letter of `queue` matching `filter`, in queue order, without bodies. The
+    /// DLQ is unchanged.
     pub async fn list(&self, queue: &str, filter: &Filter) -> Result<Vec<DeadLetter>, DlqError> {
-        let mut out = Vec::new();
+        Ok(self.list_with(queue, filter, BodyKept::NONE, usize::MAX).await?.letters)
+    }
+
+    /// [`DlqClient::list`], keeping `kept` of each body and at most `limit` dead letters (the
+    /// pass still goes over the whole DLQ, and counts every match).
+    pub async fn list_with(
+        &self,
+        queue: &str,
+        filter: &Filter,
+        kept: BodyKept,
+        limit: usize,
+    ) -> Result<Listing, DlqError> {
+        let mut out = Listing::default();
         let now = Utc::now();
-        self.pass(queue, |d| {
-            if filter.matches(d, now) {
-                out.push(d.clone());
-            }
-            Action::Keep
-        })
-        .await?;
+        let report = self
+            .pass(queue, kept, |d| {
+                if filter.matches(d, now) {
+                    out.matched += 1;
+                    if out.letters.len() < limit {
+                        out.letters.push(d.clone());
+                    }
+                }
+                Action::Keep
+            })
+            .await?;
+        out.seen = report.seen;
         Ok(out)
     }
 
     /// Replays matching dead letters into their work queue.
     pub async fn replay(&self, queue: &str, filter: &Filter) -> Result<PassReport, DlqError> {
         let now = Utc::now();
-        self.pass(queue, |d| if filter.matches(d, now) { Action::Replay } else { Action::Keep }).await
+        self.pass(
+            queue,
+            BodyKept::NONE,
+            |d| if filter.matches(d, now) { Action::Replay } else { Action::Keep },
+        )
+        .await
     }
 
     /// Deletes matching dead letters.
     pub async fn purge(&self, queue: &str, filter: &Filter) -> Result<PassReport, DlqError> {
         let now = Utc::now();
-        self.pass(queue, |d| if filter.matches(d, now) { Action::Drop } else { Action::Keep }).await
+        self.pass(queue, BodyKept::NONE, |d| if filter.matches(d, now) { Action::Drop } else { Action::Keep })
+            .await
     }
 
+    /// One pass over the DLQ of `queue`, holding its lock.
     async fn pass(
         &self,
         queue: &str,
+        kept: BodyKept,
+        decide: impl FnMut(&DeadLetter) -> Action,
+    ) -> Result<PassReport, DlqError> {
+        let holder = format!("{} {}", chime_shared::names::process_name(), self.who);
+        let lock =
+            lock::PassLock::take(self.store.connection(), self.names.dlq_lock(queue), queue, holder).await?;
+        let done = self.pass_locked(queue, kept, decide, &lock).await;
+        lock.release().await;
+        done
+    }
+
+    async fn pass_locked(
+        &self,
+        queue: &str,
+        kept: BodyKept,
         mut decide: impl FnMut(&DeadLetter) -> Action,
+        lock: &lock::PassLock,
     ) -> Result<PassReport, DlqError> {
         let dlq = self.dlq_of(queue);
         let n = self.depth(queue).await?;
         let timeout = self.config.amqp.publish_timeout;
         let mut report = PassReport::default();
         for _ in 0..n {
+            lock.check(queue)?;
             let Some(msg) = self.channel.basic_get(dlq.as_str().into(), BasicGetOptions::default()).await?
             else {
-                break; // another operator took the rest
+                break; // the DLQ was emptied behind chime's back (a broker-side purge)
             };
             let delivery = msg.delivery;
             report.seen += 1;
-            let dead = DeadLetter::read(queue, &delivery);
+            let (dead, envelope) = DeadLetter::read(queue, &delivery, kept);
             let mut action = decide(&dead);
-            if action == Action::Replay && dead.envelope.is_none() {
+            if action == Action::Replay && envelope.is_none() {
                 report.unreplayable += 1;
                 action = Action::Keep;
             }
@@ -326,7 +326,7 @@ impl DlqClient {
                 }
                 Action::Drop => report.dropped += 1,
                 Action::Replay => {
-                    let Some(old) = dead.envelope else { continue };
+                    let Some(old) = envelope else { continue };
                     // An unroutable delayed message goes back to the queue it was meant for.
                     let target = if queue == UNROUTABLE { old.queue.clone() } else { queue.to_string() };
                     let mut env = Envelope::new(
