@@ -354,3 +354,40 @@ async fn listing_workers_changes_nothing() {
     })
     .await;
 }
+
+/// Finding 6, beyond the DLQ: text read from Redis (a worker's heartbeat, a pause flag's
+/// author) reached `chime status`, `chime workers` and `chime pause` raw. Redis contents
+/// beyond chime's own records are not trusted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_from_redis_reaches_the_terminal_escaped() {
+    use chime_shared::control::{self, Target, WorkerBeat};
+    let env = TestEnv::new("sec-redis-text");
+    let path =
+        env.write_config(&env.config_text("classic", "", "", "[[jobs]]\nname = \"n\"\nhandler = \"noop\"\n"));
+    let evil = "\u{1b}[2J\u{1b}]0;pwned\u{7}";
+    let mut r = connect_redis(&env.redis_url).await;
+    control::pause(&mut r, &env.names(), Target::Queue, "default", &format!("ops{evil}")).await.unwrap();
+    let now = chrono::Utc::now();
+    let beat = WorkerBeat {
+        id: format!("w{evil}"),
+        host: format!("h{evil}"),
+        pid: 1,
+        version: format!("v{evil}"),
+        queues: vec!["default".into()],
+        paused: vec![],
+        concurrency: 1,
+        started_at: now,
+        seen_at: now,
+        consuming: true,
+        settled: [0; 4],
+        running: vec![],
+    };
+    control::beat(&mut r, &env.names(), &beat).await.unwrap();
+    let raw = |s: &str| s.chars().any(|c| c.is_control() && c != '\n');
+    for args in [&["status"][..], &["workers"], &["pause", "queue", "default"]] {
+        let (code, out, err) = chime(&path, args, None);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        assert!(!raw(&out) && !raw(&err), "{args:?}: {out:?} {err:?}");
+        assert!(out.contains("pwned"), "{args:?} shows the text, escaped: {out}");
+    }
+}

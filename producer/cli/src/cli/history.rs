@@ -362,7 +362,7 @@ fn print_record(key: &Uuid, r: &KeyRecord) {
     };
     println!("state     {state} — {meaning}");
     if let Some(o) = &r.owner {
-        println!("owner     {o}");
+        println!("owner     {}", escape_control(o));
     }
     if let Some(f) = r.fence {
         println!("fence     {f}");
@@ -381,7 +381,7 @@ fn print_record(key: &Uuid, r: &KeyRecord) {
         println!("expires   in {}", chime_shared::duration::format(left));
     }
     if let Some(reason) = &r.dying_reason {
-        println!("dying     reason {reason}");
+        println!("dying     reason {}", escape_control(reason));
     }
     if let Some(cp) = &r.checkpoint {
         println!("checkpoint {}", shown(cp));

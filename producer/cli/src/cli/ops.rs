@@ -251,7 +251,7 @@ pub async fn status(config: Config, json: bool) -> Result<(), Failure> {
     match &leader {
         Some(l) => println!(
             "leader: {} (lease held {:.1}s, expires in {:.1}s)",
-            l.id,
+            chime_shared::redact::escape_control(&l.id),
             l.lease_age_ms as f64 / 1000.0,
             l.expires_in_ms as f64 / 1000.0
         ),

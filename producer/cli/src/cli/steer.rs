@@ -69,7 +69,11 @@ fn check_schedule(config: &Config, name: &str) -> Result<(), Failure> {
 }
 
 fn since(flag: &PauseFlag) -> String {
-    format!("since {} by {}", flag.at.format("%Y-%m-%d %H:%M:%S UTC"), flag.by)
+    format!(
+        "since {} by {}",
+        flag.at.format("%Y-%m-%d %H:%M:%S UTC"),
+        chime_shared::redact::escape_control(&flag.by)
+    )
 }
 
 pub async fn pause(config: Config, target: PauseTarget, by: &str) -> Result<(), Failure> {

@@ -17,9 +17,12 @@ pub fn new<const N: usize>(header: [&str; N], right: &[&str]) -> Table {
     t
 }
 
-/// Prints the table with the outer padding trimmed, so lines start at column 0.
+/// Prints the table with the outer padding trimmed, so lines start at column 0. Cells may
+/// hold text from the wire or from Redis: control characters are printed escaped, so no cell
+/// can drive the terminal.
 pub fn print(t: &Table) {
     for line in t.lines() {
+        let line = chime_shared::redact::escape_control(&line).into_owned();
         println!("{}", line.strip_prefix(' ').unwrap_or(&line).trim_end());
     }
 }
