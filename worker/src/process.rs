@@ -259,10 +259,12 @@ pub(crate) async fn handle<S: KeyStore, O: Outbox, A: AckSink>(
     let started = Instant::now();
     if incoming.queue.is_empty() {
         // From this worker's own queue (a broadcast copy): it belongs to the queue its
-        // envelope names; if it has none, to the worker's first queue.
+        // envelope names if that is a queue of the config (a publisher must not make this
+        // worker write to any history stream or DLQ it names); else to the worker's first.
         incoming.queue = Envelope::decode(&incoming.data)
             .map(|e| e.queue)
             .ok()
+            .filter(|q| core.config.all_queues().contains(q))
             .or_else(|| core.config.worker.queues.first().cloned())
             .unwrap_or_else(|| chime_shared::config::DEFAULT_QUEUE.to_string());
     }

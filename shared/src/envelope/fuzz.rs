@@ -15,6 +15,12 @@ fn check_valid(env: &Envelope) -> Result<(), TestCaseError> {
     prop_assert_eq!(env.v, VERSION);
     prop_assert!(env.attempt >= 1 && env.attempt <= env.max_attempts && env.max_attempts <= MAX_ATTEMPTS);
     prop_assert!(crate::config::valid_name(&env.job) && crate::config::valid_name(&env.queue));
+    // A handler sees a shard only of a run that has it.
+    match (env.shard, env.shards) {
+        (None, None) => {}
+        (Some(s), Some(n)) => prop_assert!(n >= 1 && s < n && n <= super::MAX_SHARDS),
+        other => prop_assert!(false, "half a shard: {:?}", other),
+    }
     // Re-encoding gives back the same envelope (what a retry publishes).
     let again = Envelope::decode(&env.encode());
     prop_assert!(again.as_ref().is_ok_and(|a| a == env), "re-encoding changed it: {:?}", again);
@@ -46,6 +52,7 @@ fn json_leaf() -> impl Strategy<Value = serde_json::Value> {
         any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(serde_json::Value::from),
         ".{0,40}".prop_map(serde_json::Value::from),
         Just(serde_json::Value::from(u32::MAX)),
+        (0u32..4).prop_map(serde_json::Value::from),
         Just(serde_json::Value::from("")),
         Just(serde_json::Value::from("de\u{0}fault")),
         Just(serde_json::Value::from("a\nINFO forged")),
@@ -62,7 +69,7 @@ fn json_value() -> impl Strategy<Value = serde_json::Value> {
     })
 }
 
-const FIELDS: [&str; 13] = [
+const FIELDS: [&str; 18] = [
     "v",
     "id",
     "key",
@@ -75,6 +82,11 @@ const FIELDS: [&str; 13] = [
     "max_attempts",
     "source",
     "trace_id",
+    "shard",
+    "shards",
+    "group",
+    "priority",
+    "target",
     "extra_field",
 ];
 

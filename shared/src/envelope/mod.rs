@@ -129,6 +129,17 @@ pub enum DecodeError {
         /// The envelope's max_attempts.
         max: u32,
     },
+    /// `shard`/`shards` that name no shard: `shards` outside 1..=[`MAX_SHARDS`], `shard` not
+    /// below it, or one without the other.
+    #[error(
+        "shard {shard:?} of {shards:?} names no shard (shards 1..={MAX_SHARDS}, shard below shards, both or neither)"
+    )]
+    Shard {
+        /// The envelope's shard.
+        shard: Option<u32>,
+        /// The envelope's shards.
+        shards: Option<u32>,
+    },
     #[error("{field} {value:?} is not a valid name (1-100 letters, digits, '-', '_' or '.')")]
     /// The job or queue name is empty, too long or has characters outside the name alphabet.
     Name {
@@ -138,6 +149,10 @@ pub enum DecodeError {
         value: String,
     },
 }
+
+/// Most shards a run may have on the wire (the config allows 1,000; `shards = "workers"` as
+/// many as there are workers).
+pub const MAX_SHARDS: u32 = 10_000;
 
 /// Key of a scheduled run: UUIDv5(ns, "{job}@{slot as RFC 3339 UTC, seconds}").
 pub fn scheduled_key(job: &str, slot: DateTime<Utc>) -> Uuid {
@@ -248,6 +263,11 @@ impl Envelope {
             || env.max_attempts > MAX_ATTEMPTS
         {
             return Err(DecodeError::Attempt { attempt: env.attempt, max: env.max_attempts });
+        }
+        match (env.shard, env.shards) {
+            (None, None) => {}
+            (Some(shard), Some(shards)) if (1..=MAX_SHARDS).contains(&shards) && shard < shards => {}
+            (shard, shards) => return Err(DecodeError::Shard { shard, shards }),
         }
         for (field, value) in [("job", &env.job), ("queue", &env.queue)] {
             if !crate::config::valid_name(value) {

@@ -382,6 +382,15 @@ async fn out_of_range_envelopes_are_malformed_not_retried() {
             .encode(),
     )
     .unwrap();
+    // Round two, finding 9: a shard that names no shard of its run reached the handler.
+    let shard = |shard: serde_json::Value, shards: serde_json::Value| {
+        let mut v = base.clone();
+        v["shard"] = shard;
+        v["shards"] = shards;
+        v["group"] = json!(adhoc_key("count", "g"));
+        v
+    };
+    let mut bad = vec![shard(json!(0), json!(0)), shard(json!(3), json!(3)), shard(json!(1), json!(null))];
     for (field, value) in [
         ("max_attempts", json!(4_294_967_295u32)),
         ("attempt", json!(4_294_967_295u32)),
@@ -389,10 +398,13 @@ async fn out_of_range_envelopes_are_malformed_not_retried() {
     ] {
         let mut v = base.clone();
         v[field] = value;
-        publish_raw(&env, &serde_json::to_vec(&v).unwrap()).await;
+        bad.push(v);
+    }
+    for v in &bad {
+        publish_raw(&env, &serde_json::to_vec(v).unwrap()).await;
     }
     let w = &worker;
-    wait_until("three dead letters", Duration::from_secs(20), || async { w.dead_lettered() == 3 }).await;
+    wait_until("six dead letters", Duration::from_secs(20), || async { w.dead_lettered() == 6 }).await;
     assert_eq!(Stats::get(&worker.stats.retried), 0);
     assert_eq!(ledger.total(), 0);
     worker.stop().await;

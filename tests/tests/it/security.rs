@@ -391,3 +391,92 @@ async fn text_from_redis_reaches_the_terminal_escaped() {
         assert!(out.contains("pwned"), "{args:?} shows the text, escaped: {out}");
     }
 }
+
+/// Finding 9: a broadcast copy was recorded under the queue its envelope named, so a publisher
+/// could make a worker create any number of history streams (and dead-letter into any DLQ).
+/// Only a queue of the config is taken from the envelope; anything else counts as the
+/// worker's own first queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broadcast_copy_names_no_queue_outside_the_config() {
+    use chime_shared::envelope::{Envelope, Source, adhoc_key, worker_route};
+    let env = TestEnv::new("sec-broadcast");
+    let jobs = format!("{COUNT_JOB}broadcast = true\n");
+    let config = env.config("classic", "", "", &jobs);
+    let ledger = Ledger::default();
+    let worker = chime_worker::Worker::builder(config.clone())
+        .registry(counting_registry(&ledger))
+        .worker_id("sec-w1")
+        .build()
+        .unwrap();
+    let token = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(worker.run(token.clone()));
+    let own = env.names().work_queue(&worker_route("sec-w1"));
+    crate::common::wait_depth(&own, 0, Duration::from_secs(20)).await; // declared (and empty)
+    let conn = connect_amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    for i in 0..3 {
+        let e = Envelope::new(
+            "count",
+            &format!("bogus-{i}"),
+            adhoc_key("count", &format!("b{i}")),
+            serde_json::json!({"n": i}),
+            None,
+            1,
+            Source::Adhoc,
+        );
+        chime_shared::amqp::publish_confirmed(
+            &ch,
+            &env.names().work_exchange(),
+            &worker_route("sec-w1"),
+            &e.encode(),
+            e.properties(),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    }
+    let _ = conn.close(200, "".into()).await;
+    let l = ledger.clone();
+    wait_until("three copies ran", Duration::from_secs(20), || {
+        let l = l.clone();
+        async move { l.distinct() == 3 }
+    })
+    .await;
+    let path = env.write_config(&env.config_text("classic", "", "", &jobs));
+    wait_until("their runs are in the default queue's history", Duration::from_secs(20), || {
+        let (_, out, _) = chime(&path, &["history", "--queue", "default", "--json"], None);
+        async move {
+            serde_json::from_str::<serde_json::Value>(&out)
+                .ok()
+                .and_then(|v| v["runs"].as_array().map(Vec::len))
+                == Some(3)
+        }
+    })
+    .await;
+    let mut r = connect_redis(&env.redis_url).await;
+    for i in 0..3 {
+        let n: u64 = redis::cmd("EXISTS")
+            .arg(env.names().history(&format!("bogus-{i}")))
+            .query_async(&mut r)
+            .await
+            .unwrap();
+        assert_eq!(n, 0, "no history stream for a queue the config does not name");
+    }
+    token.cancel();
+    running.await.unwrap().unwrap();
+}
+
+/// Finding 9: an `exec` run's checkpoint and result files were created 0644 in a possibly
+/// shared `$TMPDIR`: any local user could read what a job saved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_run_files_are_readable_by_the_worker_alone() {
+    let env = TestEnv::new("sec-runfiles");
+    let jobs = "[[jobs]]\nname = \"modes\"\nhandler = \"exec\"\n\
+                command = ['sh', '-c', 'stat -c %a \"$CHIME_CHECKPOINT_FILE\" \"$CHIME_RESULT_FILE\" | tr \"\\n\" \" \" > \"$CHIME_RESULT_FILE.tmp\"; mv \"$CHIME_RESULT_FILE.tmp\" \"$CHIME_RESULT_FILE\"']\n";
+    let path = env.write_config(&env.config_text("classic", "", "", jobs));
+    let _worker = Child::worker(&env.dir, &path, &[], "w");
+    let (code, out, err) = chime(&path, &["enqueue", "modes", "--wait", "--wait-timeout", "30s"], None);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.trim(), "\"600 600 \"", "checkpoint and result file modes: {out}");
+}

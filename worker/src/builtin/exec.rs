@@ -122,6 +122,16 @@ impl Handler for ExecHandler {
     }
 }
 
+/// Creates `path` readable by the worker's user alone (`0600`: `$TMPDIR` may be shared, and a
+/// checkpoint or result can hold anything a job saves) and writes `bytes`; fails if the path
+/// exists (nothing planted there is followed or reused).
+fn write_private(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    f.write_all(bytes)
+}
+
 /// The run's checkpoint and result files (removed when dropped).
 struct RunFiles {
     checkpoint: std::path::PathBuf,
@@ -147,8 +157,8 @@ impl RunFiles {
             _ => json,
         });
         let start = text.unwrap_or_default().into_bytes();
-        std::fs::write(&checkpoint, &start)?;
-        std::fs::write(&result, b"")?;
+        write_private(&checkpoint, &start)?;
+        write_private(&result, b"")?;
         Ok(Self { checkpoint, result, seen: std::sync::Mutex::new(Some(start)) })
     }
 
@@ -336,6 +346,18 @@ mod tests {
         for (name, stays) in &files {
             assert_eq!(dir.join(name).exists(), *stays, "{name}");
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn run_files_are_private_and_never_reuse_a_planted_path() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("chime-private-test-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("run.checkpoint");
+        write_private(&path, b"state").unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+        assert!(write_private(&path, b"again").is_err(), "an existing path is never reused");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
