@@ -118,24 +118,52 @@ async fn handshake_timeout(url: &str) -> String {
     }
 }
 
+/// One connection to `url` over TCP, or over TLS with `tls` for `amqps://`.
+async fn connect_one(
+    url: &str,
+    props: ConnectionProperties,
+    tls: Option<std::sync::Arc<lapin::tcp::RustlsConnector>>,
+) -> lapin::Result<Connection> {
+    use lapin::tcp::AsyncTcpStream;
+    use lapin::uri::{AMQPScheme, AMQPUri};
+    let uri: AMQPUri =
+        url.parse().map_err(|e: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let runtime = lapin::runtime::default_runtime()?;
+    let connect = async move |uri: AMQPUri, runtime| {
+        let host = uri.authority.host.clone();
+        let addrs: Vec<std::net::SocketAddr> =
+            tokio::net::lookup_host((host.as_str(), uri.authority.port)).await?.collect();
+        let stream = AsyncTcpStream::connect(&runtime, addrs).await?;
+        match (uri.scheme, &tls) {
+            (AMQPScheme::AMQP, _) => Ok(stream),
+            (AMQPScheme::AMQPS, Some(tls)) => Ok(stream.into_rustls(tls, &host).await?),
+            // Never plaintext for amqps:// (the connector exists whenever a URL is amqps://).
+            (AMQPScheme::AMQPS, None) => {
+                Err(std::io::Error::other("amqps:// without a TLS connector").into())
+            }
+        }
+    };
+    Connection::connector(uri, runtime, connect, props).await
+}
+
 /// Connects to the first URL of `config.url` that answers.
 pub async fn connect(config: &AmqpConfig, connection_name: &str) -> Result<Connection, AmqpError> {
     let urls = config.url.list();
     let joined = || urls.iter().map(|u| redact(u)).collect::<Vec<_>>().join(", ");
     // TLS files are read at every connect, so renewed certificates are picked up on reconnect.
-    let tls = crate::tls::amqp_tls(config)
-        .map_err(|e| AmqpError::Connect { urls: joined(), last: e.to_string() })?;
     crate::tls::install_crypto_provider();
+    let tls = if urls.iter().any(|u| u.starts_with("amqps://")) {
+        let connector = crate::tls::amqp_tls(config)
+            .map_err(|e| AmqpError::Connect { urls: joined(), last: e.to_string() })?;
+        Some(std::sync::Arc::new(connector))
+    } else {
+        None
+    };
     let mut last = String::from("no URL configured");
     for url in &urls {
         let props = ConnectionProperties::default().with_connection_name(connection_name.into());
         let full = with_heartbeat(url, config.heartbeat);
-        let builder = lapin::ConnectionBuilder::new()
-            .map_err(|e| AmqpError::Connect { urls: joined(), last: e.to_string() })?
-            .with_uri_str(full)
-            .with_properties(props)
-            .with_tls_config(tls.clone());
-        match tokio::time::timeout(CONNECT_TIMEOUT, builder.connect()).await {
+        match tokio::time::timeout(CONNECT_TIMEOUT, connect_one(&full, props, tls.clone())).await {
             Ok(Ok(conn)) => return Ok(conn),
             Ok(Err(e)) => {
                 let text = format!("{}: {e}", redact(url));

@@ -67,7 +67,8 @@ impl ConfigError {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
-    /// Prefix of every exchange, queue and Redis key (`CHIME_PREFIX`; at most 64 characters).
+    /// Prefix of every exchange, queue and Redis key (`CHIME_PREFIX`; at most 64 letters,
+    /// digits, `-` or `_`).
     pub prefix: String,
     /// RabbitMQ.
     pub amqp: AmqpConfig,
@@ -1028,10 +1029,14 @@ impl Config {
                 ),
             ));
         }
-        if !valid_name(&self.prefix) {
+        if !valid_name(&self.prefix) || self.prefix.contains('.') {
             return Err(ConfigError::invalid(
                 "prefix",
-                format!("{:?} must be 1-100 letters, digits, '-', '_' or '.'", self.prefix),
+                format!(
+                    "{:?} must be letters, digits, '-' or '_' (no '.': with prefix \"a\" and queue \"q.x\", \
+                     or prefix \"a.q\" and queue \"x\", both would name the queue a.q.q.x)",
+                    self.prefix
+                ),
             ));
         }
         if self.history.max_len == 0 || self.history.max_age.is_zero() {
@@ -1324,6 +1329,18 @@ mod tests {
             let e = err(text);
             assert!(e.contains(want), "{text}: {e}");
         }
+    }
+
+    #[test]
+    fn a_prefix_cannot_make_two_prefixes_name_one_queue() {
+        // `a` + `q.x` and `a.q` + `x` would both be the queue a.q.q.x.
+        let e = err("prefix = \"a.q\"\n[[jobs]]\nname = \"j\"\nhandler = \"noop\"\nqueue = \"x\"\n");
+        assert!(e.contains("prefix: \"a.q\" must be letters, digits"), "{e}");
+        Config::from_toml_str(
+            "prefix = \"a\"\n[[jobs]]\nname = \"j\"\nhandler = \"noop\"\nqueue = \"q.x\"\n",
+        )
+        .unwrap();
+        Config::from_toml_str("prefix = \"billing-eu_2\"\n").unwrap();
     }
 
     #[test]

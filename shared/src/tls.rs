@@ -1,6 +1,6 @@
 //! TLS for RabbitMQ (`amqps://`) and Redis (`rediss://`): rustls with the platform's roots
-//! (`SSL_CERT_FILE` / `SSL_CERT_DIR` are honoured), plus a CA file and a client certificate
-//! for mutual TLS from `[amqp.tls]` / `[redis.tls]`.
+//! (`SSL_CERT_FILE` / `SSL_CERT_DIR` are honoured), or a CA file alone when `[amqp.tls]` /
+//! `[redis.tls]` names one, and a client certificate for mutual TLS.
 //!
 //! chime never falls back to plaintext: a TLS URL either completes a verified handshake or
 //! fails with an error that names the endpoint and the TLS cause
@@ -87,14 +87,45 @@ impl TlsFiles {
     }
 }
 
-/// lapin's TLS settings for `[amqp.tls]`: the CA file is trusted in addition to the
-/// platform's roots.
-pub fn amqp_tls(config: &AmqpConfig) -> Result<lapin::tcp::OwnedTLSConfig, TlsFileError> {
-    let files = TlsFiles::read("amqp.tls", &config.tls)?;
-    Ok(lapin::tcp::OwnedTLSConfig {
-        cert_chain: files.ca.map(|c| String::from_utf8_lossy(&c).into_owned()),
-        identity: files.identity.map(|(pem, key)| lapin::tcp::OwnedIdentity::PKCS8 { pem, key }),
-    })
+/// The TLS connector for `amqps://` under `[amqp.tls]`: verified against the platform's roots
+/// (`SSL_CERT_FILE` / `SSL_CERT_DIR` honoured), or against `amqp.tls.ca_file` alone when it is
+/// set — as for Redis: a broker with a private CA is not also vouched for by every public CA.
+/// The client certificate is presented when configured. (lapin's own TLS setup would trust the
+/// CA file in addition to the platform's roots.)
+pub fn amqp_tls(config: &AmqpConfig) -> Result<lapin::tcp::RustlsConnector, TlsFileError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let key = "amqp.tls";
+    let files = TlsFiles::read(key, &config.tls)?;
+    let invalid = |what: &str, e: &dyn std::fmt::Display| TlsFileError {
+        key: format!("{key}.{what}"),
+        message: format!("not usable: {e}"),
+    };
+    let roots: Vec<CertificateDer<'static>> = match &files.ca {
+        Some(pem) => CertificateDer::pem_slice_iter(pem)
+            .collect::<Result<_, _>>()
+            .map_err(|e| invalid("ca_file", &e))?,
+        None => {
+            let found = rustls_native_certs::load_native_certs();
+            for e in &found.errors {
+                tracing::debug!(error = %e, "a platform root certificate could not be loaded");
+            }
+            found.certs
+        }
+    };
+    let mut tls = lapin::tcp::RustlsConnectorConfig::default();
+    tls.add_parsable_certificates(roots);
+    let connector = match files.identity {
+        Some((chain, pem_key)) => {
+            let certs = CertificateDer::pem_slice_iter(&chain)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| invalid("client_cert", &e))?;
+            let private = PrivateKeyDer::from_pem_slice(&pem_key).map_err(|e| invalid("client_key", &e))?;
+            tls.connector_with_single_cert(certs, private)
+        }
+        None => tls.connector_with_no_client_auth(),
+    };
+    connector.map_err(|e| invalid("ca_file", &e))
 }
 
 /// A Redis client for `[redis]`: `rediss://` is verified against the platform's roots, or

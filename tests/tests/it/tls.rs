@@ -209,6 +209,27 @@ async fn worker_ticker_and_cli_run_over_tls_and_every_bad_handshake_is_named() {
         assert!(err.contains(cause) && err.contains(endpoint), "{what}: {err}");
     }
 
+    // A CA file is trusted alone, for AMQP as for Redis: the platform's roots (here
+    // SSL_CERT_FILE, which holds the servers' CA) do not widen it. (Round two, finding 9:
+    // lapin's own TLS setup trusted both.)
+    for (what, sections, endpoint) in [
+        (
+            "AMQP",
+            tls_sections(amqps, &format!("{other}{client_only}"), rediss, &mutual(&pki)),
+            "amqps://guest:***@127.0.0.1",
+        ),
+        ("Redis", tls_sections(amqps, &mutual(&pki), rediss, &format!("{other}{client_only}")), "127.0.0.1"),
+    ] {
+        let p = write(&env.dir, "narrow.toml", &format!("prefix = \"{}\"\n{sections}{jobs}", env.prefix));
+        let (code, out, err) =
+            chime_env(&p, &["status"], None, &[("SSL_CERT_FILE", std::ffi::OsStr::new(&ca))]);
+        assert_ne!(code, 0, "{what}: the platform's roots must not widen ca_file\n{out}");
+        assert!(
+            err.contains("signed by a CA this client does not trust") && err.contains(endpoint),
+            "{what}: {err}"
+        );
+    }
+
     // amqps:// and rediss:// against plaintext ports: refused, never a plaintext session.
     let plain = format!(
         "prefix = \"{}\"\n[amqp]\nurl = \"amqps://guest:guest@127.0.0.1:{}/%2f\"\n[amqp.tls]\n{}\
