@@ -24,6 +24,11 @@ pub const DELAY_UNROUTABLE: &str = "chime-delay.unroutable";
 pub const DELAY_ORPHANS: &str = "chime-delay.orphans";
 /// Alternate exchange (fanout) of [`DELAY_UNROUTABLE`], into [`DELAY_ORPHANS`].
 pub const DELAY_ORPHANS_EXCHANGE: &str = "chime-delay.orphans.x";
+/// How operators name the prefix's unroutable delayed messages beside its DLQs (never a
+/// queue name: names cannot hold parentheses), and the routing key on `<p>.dead` that reaches
+/// `<p>.unroutable` (DLQ passes put the copies they keep back through `<p>.dead`, never
+/// through the default exchange, which reaches every queue of the virtual host).
+pub const UNROUTABLE_SOURCE: &str = "(unroutable)";
 
 /// Level `level` of the shared delay chain of `queue_type` (exchange and queue share it).
 pub fn delay_level(queue_type: QueueType, level: u32) -> String {
@@ -112,6 +117,36 @@ impl Names {
     pub fn group(&self, base_key: &str) -> String {
         format!("{}:group:{base_key}", self.prefix)
     }
+}
+
+/// What one prefix's processes need on a RabbitMQ virtual host, as regular expressions over
+/// resource names (RabbitMQ's `configure`, `write`, `read`), and the topic permissions that
+/// keep the shared delay chain from reaching another prefix: on every exchange of the chain, a
+/// user may publish only routing keys that end in its own prefix, and bind only the chain's
+/// own keys and its own prefix's. Never the default exchange (it reaches every queue of the
+/// virtual host by name). See SECURITY.md ("Several prefixes on one broker").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Permissions {
+    /// `configure`, `write` and `read` (one pattern serves all three).
+    pub resources: String,
+    /// `(exchange, write, read)` per exchange of the delay chain.
+    pub topics: Vec<(String, String, String)>,
+}
+
+/// The [`Permissions`] of `prefix` (letters, digits, `-`, `_`: nothing to escape).
+pub fn permissions(prefix: &str) -> Permissions {
+    let own = format!(r"{prefix}\.(work|dead|unroutable|q\..+|dlq\..+)");
+    let resources = format!(r"^({own}|chime-delay\..+)$");
+    let levels = crate::delay::LEVELS;
+    let write = format!(r"^([01]\.){{{levels}}}{}\.[^.]+$", word(prefix));
+    let read = format!(r"^((\*\.)*[01]\.#|(\*\.){{{levels}}}{}\.([^.]+|\*))$", word(prefix));
+    let mut exchanges: Vec<String> = [QueueType::Quorum, QueueType::Classic]
+        .into_iter()
+        .flat_map(|t| (0..levels).map(move |l| delay_level(t, l)))
+        .collect();
+    exchanges.extend([DELAY_DELIVER.to_string(), DELAY_UNROUTABLE.to_string()]);
+    let topics = exchanges.into_iter().map(|x| (x, write.clone(), read.clone())).collect();
+    Permissions { resources, topics }
 }
 
 /// `<host>:<pid>`: how a worker or ticker names itself in claims, leases and logs unless

@@ -291,7 +291,7 @@ pub async fn bind_queue(ch: &Channel, names: &Names, queue: &str) -> Result<(), 
 }
 
 /// Declares `<p>.unroutable` (a DLQ: nothing expires) and binds it to the unroutable exchange
-/// for every queue of the prefix.
+/// for every queue of the prefix, and to `<p>.dead` under [`names::UNROUTABLE_SOURCE`].
 pub async fn declare_unroutable(ch: &Channel, names: &Names, amqp: &AmqpConfig) -> Result<(), lapin::Error> {
     let q = names.unroutable_queue();
     ch.queue_declare(
@@ -305,6 +305,14 @@ pub async fn declare_unroutable(ch: &Channel, names: &Names, amqp: &AmqpConfig) 
         q.as_str().into(),
         DELAY_UNROUTABLE.into(),
         key.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    ch.queue_bind(
+        q.as_str().into(),
+        names.dead_exchange().as_str().into(),
+        names::UNROUTABLE_SOURCE.into(),
         QueueBindOptions::default(),
         FieldTable::default(),
     )

@@ -480,3 +480,125 @@ async fn exec_run_files_are_readable_by_the_worker_alone() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(out.trim(), "\"600 600 \"", "checkpoint and result file modes: {out}");
 }
+
+/// `rabbitmqctl ARGS` against the shared broker; panics with its output when it fails.
+fn rabbitmqctl(args: &[&str]) -> String {
+    let out = std::process::Command::new("rabbitmqctl").args(args).output().expect("rabbitmqctl runs");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "rabbitmqctl {args:?}: {text}");
+    text
+}
+
+/// A RabbitMQ user of the shared broker, deleted on drop.
+struct BrokerUser(String);
+
+impl Drop for BrokerUser {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("rabbitmqctl").args(["delete_user", &self.0]).output();
+    }
+}
+
+/// Finding 4: the delay chain is shared by every prefix of a virtual host, and its routing key
+/// names the target prefix: whoever may publish to it (every producer using `--delay`, every
+/// worker that retries) could deliver into any prefix's work queue. With the permissions
+/// `chime permissions` prints (topic permissions on every exchange of the chain), a prefix's
+/// user runs delays, retries and DLQ passes as before, and every way into another prefix is
+/// refused by the broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_user_reaches_no_other_prefix_through_the_delay_chain() {
+    use chime_shared::delay;
+    let mut a = TestEnv::new("sec-perm-a");
+    let b = TestEnv::new("sec-perm-b");
+    // B exists (declared by guest); nothing must reach its queue.
+    let b_path =
+        b.write_config(&b.config_text("quorum", "", "", "[[jobs]]\nname = \"n\"\nhandler = \"noop\"\n"));
+    assert_eq!(chime(&b_path, &["dlq", "list"], None).0, 0); // declares B's topology
+    let user = BrokerUser(format!("chime-{}", a.prefix));
+    rabbitmqctl(&["add_user", &user.0, "secret-pw"]);
+    let ledger = a.dir.join("ledger");
+    let l = ledger.display();
+    let jobs = format!(
+        "[[jobs]]\nname = \"later\"\nhandler = \"exec\"\ncommand = ['sh', '-c', 'echo later >> {l}']\n\
+         [[jobs]]\nname = \"flaky\"\nhandler = \"exec\"\nmax_attempts = 3\n\
+         backoff = {{ initial = \"1s\", factor = 1.0, max = \"1s\" }}\n\
+         command = ['sh', '-c', 'echo flaky $CHIME_ATTEMPT >> {l}; test $CHIME_ATTEMPT -ge 2']\n\
+         [[jobs]]\nname = \"bad\"\nhandler = \"exec\"\ncommand = ['sh', '-c', 'exit 100']\n"
+    );
+    let guest_path = a.write_config(&a.config_text("quorum", "", "", &jobs));
+    let (code, defs, err) = chime(&guest_path, &["permissions", &user.0], None);
+    assert_eq!(code, 0, "{err}");
+    let defs_path = a.dir.join("permissions.json");
+    std::fs::write(&defs_path, &defs).unwrap();
+    rabbitmqctl(&["import_definitions", defs_path.to_str().unwrap()]);
+
+    // Everything prefix A does, as its own user: delays, retries, dead letters, DLQ passes.
+    a.amqp_url = a.amqp_url.replacen("guest:guest@", &format!("{}:secret-pw@", user.0), 1);
+    assert!(a.amqp_url.contains(&user.0), "the test broker URL carries guest:guest: {}", a.amqp_url);
+    let path = a.write_config(&a.config_text("quorum", "", "", &jobs));
+    let _worker = Child::worker(&a.dir, &path, &[], "w");
+    for (job, extra) in [("later", &["--delay", "1s"][..]), ("flaky", &[]), ("bad", &[])] {
+        let mut args = vec!["enqueue", job];
+        args.extend_from_slice(extra);
+        let (code, out, err) = chime(&path, &args, None);
+        assert_eq!(code, 0, "enqueue {job} as {}: {out}{err}", user.0);
+    }
+    let lp = ledger.clone();
+    wait_until("the delayed job ran and the retry succeeded", Duration::from_secs(60), || {
+        let lp = lp.clone();
+        async move {
+            let lines = chime_tests::ledger(&lp);
+            lines.iter().any(|l| l == "later") && lines.iter().any(|l| l == "flaky 2")
+        }
+    })
+    .await;
+    crate::common::wait_depth(&a.names().dlq("default"), 1, Duration::from_secs(30)).await;
+    for _ in 0..2 {
+        let (code, out, err) = chime(&path, &["dlq", "list"], None);
+        assert_eq!(code, 0, "dlq list as {}: {err}", user.0);
+        assert!(out.contains("1 dead letter(s)"), "{out}");
+    }
+
+    // Every way into prefix B is refused by the broker.
+    let b_key = delay::routing_key(1, &b.prefix, "default");
+    let top = chime_shared::names::delay_level(chime_shared::config::QueueType::Quorum, delay::LEVELS - 1);
+    let conn = connect_amqp_to(&a.amqp_url).await;
+    for (exchange, key) in [
+        (top.as_str(), b_key.as_str()),
+        (chime_shared::names::DELAY_DELIVER, b_key.as_str()),
+        ("", &b.names().work_queue("default")),
+    ] {
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(Default::default()).await.unwrap();
+        let sent = chime_shared::amqp::publish_confirmed(
+            &ch,
+            exchange,
+            key,
+            b"{}",
+            Default::default(),
+            Duration::from_secs(10),
+        )
+        .await;
+        let text = format!("{sent:?}");
+        assert!(
+            sent.is_err() && text.contains("ACCESS_REFUSED"),
+            "publish to {exchange:?} with {key}: {text}"
+        );
+    }
+    let ch = conn.create_channel().await.unwrap();
+    let spy = a.names().work_queue("spy");
+    a.queues.push("spy".into());
+    ch.queue_declare(spy.as_str().into(), Default::default(), Default::default()).await.unwrap();
+    let stars = format!("{}{}.default", delay::stars(delay::LEVELS), b.prefix);
+    let bound = ch
+        .queue_bind(
+            spy.as_str().into(),
+            chime_shared::names::DELAY_DELIVER.into(),
+            stars.as_str().into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await;
+    assert!(format!("{bound:?}").contains("ACCESS_REFUSED"), "binding to B's delayed messages: {bound:?}");
+    let _ = conn.close(200, "".into()).await;
+    assert_eq!(crate::common::depth(&b.names().work_queue("default")).await, 0, "nothing reached prefix B");
+}

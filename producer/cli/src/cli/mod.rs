@@ -90,12 +90,39 @@ pub enum Command {
     },
     /// The dashboard: overview, schedules, running jobs, history, keys and dead letters
     Web(web::WebArgs),
+    /// RabbitMQ permissions for this prefix's user, as definitions to load with `rabbitmqctl
+    /// import_definitions`: its own exchanges and queues and the shared delay chain, with topic
+    /// permissions so that delayed messages reach this prefix only
+    Permissions {
+        /// The RabbitMQ user (create it first: rabbitmqctl add_user)
+        user: String,
+        /// Virtual host
+        #[arg(long, default_value = "/")]
+        vhost: String,
+    },
     /// Watch DLQ depths and raise alerts (log and webhook); until SIGTERM/SIGINT
     Watch {
         /// Serve /metrics, /livez and /readyz here
         #[arg(long, value_name = "ADDR")]
         listen: Option<String>,
     },
+}
+
+/// `chime permissions`: RabbitMQ definitions (`permissions`, `topic_permissions`) for `user`.
+fn permissions_json(prefix: &str, user: &str, vhost: &str) -> String {
+    let p = chime_shared::names::permissions(prefix);
+    let topics: Vec<serde_json::Value> = p
+        .topics
+        .iter()
+        .map(|(exchange, write, read)| {
+            serde_json::json!({"user": user, "vhost": vhost, "exchange": exchange, "write": write, "read": read})
+        })
+        .collect();
+    let defs = serde_json::json!({
+        "permissions": [{"user": user, "vhost": vhost, "configure": p.resources, "write": p.resources, "read": p.resources}],
+        "topic_permissions": topics,
+    });
+    serde_json::to_string_pretty(&defs).unwrap_or_default()
 }
 
 /// Runs the CLI and returns the process exit code.
@@ -146,6 +173,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Backfill(args) => backfill::run(config, args).await,
         Command::Run { job, json } => steer::run_now(config, job, json).await,
         Command::Web(args) => web::run(config, args).await,
+        Command::Permissions { user, vhost } => {
+            println!("{}", permissions_json(&config.prefix, &user, &vhost));
+            Ok(())
+        }
     };
     result.map_err(name_redis)
 }

@@ -33,7 +33,7 @@ use uuid::Uuid;
 
 /// The source name of the prefix's unroutable delayed messages (never a queue name: names
 /// cannot hold parentheses).
-pub const UNROUTABLE: &str = "(unroutable)";
+pub const UNROUTABLE: &str = chime_shared::names::UNROUTABLE_SOURCE;
 
 /// Which dead letters an operation applies to.
 #[derive(Debug, Clone, Default)]
@@ -313,10 +313,11 @@ impl DlqClient {
             }
             match action {
                 Action::Keep => {
+                    // Through `<p>.dead`, which routes the source name to this DLQ.
                     amqp::publish_confirmed(
                         &self.channel,
-                        "",
-                        &dlq,
+                        &self.names.dead_exchange(),
+                        queue,
                         &delivery.data,
                         delivery.properties.clone(),
                         timeout,
