@@ -834,4 +834,76 @@ mod tests {
             Err(EnqueueError::UnknownJob(_))
         ));
     }
+
+    /// `--batch` lines as they come: any text, or objects whose fields have any type. Each is a
+    /// request or refused with a one-line reason; a request is published or refused by
+    /// [`prepare`]. Nothing panics.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn leaf() -> impl Strategy<Value = serde_json::Value> {
+            prop_oneof![
+                Just(serde_json::Value::Null),
+                any::<bool>().prop_map(serde_json::Value::from),
+                any::<i64>().prop_map(serde_json::Value::from),
+                any::<u64>().prop_map(serde_json::Value::from),
+                any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(serde_json::Value::from),
+                "\\PC{0,30}".prop_map(serde_json::Value::from),
+                proptest::sample::select(vec![
+                    "high",
+                    "low",
+                    "normal",
+                    "",
+                    "de\u{0}fault",
+                    "a b",
+                    "x".repeat(300).leak()
+                ])
+                .prop_map(serde_json::Value::from),
+            ]
+        }
+
+        fn line() -> impl Strategy<Value = String> {
+            let field = proptest::sample::select(vec![
+                "payload",
+                "key",
+                "queue",
+                "max_attempts",
+                "priority",
+                "delay",
+                "job",
+                "colour",
+            ]);
+            prop_oneof![
+                3 => proptest::collection::btree_map(field, leaf(), 0..6)
+                    .prop_map(|m| serde_json::to_string(&m).unwrap_or_default()),
+                1 => leaf().prop_map(|v| v.to_string()),
+                1 => "\\PC{0,80}",
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig {
+                cases: chime_shared::fuzz_cases(2_000),
+                failure_persistence: None,
+                ..ProptestConfig::default()
+            })]
+
+            #[test]
+            fn batch_lines_are_requests_or_refused(line in line()) {
+                let c = Config::from_toml_str(
+                    "[amqp]\nmax_message_bytes = 2048\n[[jobs]]\nname='j'\nhandler='noop'\n",
+                )
+                .unwrap();
+                match parse_batch_line("j", &line) {
+                    Err(e) => prop_assert!(!e.contains('\n'), "one line: {e:?}"),
+                    Ok(req) => {
+                        if let Err(e) = prepare(&c, &req) {
+                            prop_assert!(!e.to_string().contains('\n'), "{e}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -57,8 +57,11 @@ pub enum ConfigError {
 }
 
 impl ConfigError {
+    /// An invalid value: the message may quote it, so URLs in it are redacted (a URL with a
+    /// password typed into the wrong key) and control characters escaped.
     fn invalid(key: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::Invalid { key: key.into(), message: message.into() }
+        let message = crate::redact::escape_control(&redact_text(&message.into())).into_owned();
+        Self::Invalid { key: key.into(), message }
     }
 }
 
@@ -918,7 +921,12 @@ impl Config {
             });
             ConfigError::Parse {
                 path: origin.to_string(),
-                message: format!("{}{}", at.unwrap_or_default(), redact_text(e.message().trim_end())),
+                message: crate::redact::escape_control(&format!(
+                    "{}{}",
+                    at.unwrap_or_default(),
+                    redact_text(e.message().trim_end())
+                ))
+                .into_owned(),
             }
         })
     }
@@ -1289,6 +1297,9 @@ impl Config {
         self.levels(queue).into_iter().map(|p| (crate::envelope::priority_route(queue, p), p)).collect()
     }
 }
+
+#[cfg(test)]
+mod fuzz;
 
 #[cfg(test)]
 mod tests {

@@ -270,6 +270,17 @@ pub fn decode_entry(queue: &str, entry: &str, fields: &HashMap<String, String>) 
         .collect()
 }
 
+/// Whether `s` is a cursor a search can continue before: a stream entry id (`<ms>-<seq>`, or
+/// `<ms>`) with an optional `:<index>`, as [`decode_entry`] writes them. Anything else would
+/// reach Redis as a range bound and fail there.
+pub fn valid_cursor(s: &str) -> bool {
+    let (entry, index) = s.split_once(':').unwrap_or((s, "0"));
+    let (ms, seq) = entry.split_once('-').unwrap_or((entry, "0"));
+    [ms, seq, index].iter().all(|p| !p.is_empty() && p.len() <= 20 && p.bytes().all(|b| b.is_ascii_digit()))
+        && ms.parse::<u64>().is_ok()
+        && seq.parse::<u64>().is_ok()
+}
+
 /// What to look for in the history.
 #[derive(Debug, Clone, Default)]
 pub struct Query {
@@ -562,6 +573,28 @@ fn matches(e: &RunEvent, q: &Query) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cursors_are_entry_ids_with_an_optional_index() {
+        for ok in ["1764698000000-0", "1764698000000-0:3", "1764698000000", "0-1:0"] {
+            assert!(valid_cursor(ok), "{ok}");
+        }
+        for bad in [
+            "nightly",
+            "",
+            "-",
+            "1-",
+            "-1",
+            "1-0:",
+            "1-0:x",
+            "+",
+            "(1-0",
+            "1-0 ",
+            "99999999999999999999999-0",
+        ] {
+            assert!(!valid_cursor(bad), "{bad}");
+        }
+    }
 
     fn event() -> RunEvent {
         RunEvent {

@@ -75,7 +75,11 @@ impl Schedule {
     /// Parses a 5-field (minute first) or 6-field (seconds first) expression, or a macro such
     /// as `@daily`, in `zone` (default UTC). Expressions that can never fire are rejected.
     pub fn parse(expr: &str, zone: Option<&str>) -> Result<Self, ScheduleError> {
-        let bad = |message: String| ScheduleError::Cron { expr: expr.to_string(), message };
+        // croner's messages quote the offending part raw: escaped, as they reach terminals and logs.
+        let bad = |message: String| ScheduleError::Cron {
+            expr: expr.to_string(),
+            message: crate::redact::escape_control(&message).into_owned(),
+        };
         let fields: Vec<&str> = expr.split_whitespace().collect();
         let (kind, dom_and_dow) = if expr.trim_start().starts_with('@') {
             // croner's macros: only @hourly has a wildcard hour; none restricts both day fields.
@@ -244,6 +248,8 @@ fn at_second(s: i64) -> Option<DateTime<Utc>> {
     DateTime::from_timestamp(s, 0)
 }
 
+#[cfg(test)]
+mod fuzz;
 #[cfg(test)]
 mod oracle;
 #[cfg(test)]

@@ -602,3 +602,148 @@ async fn a_prefix_user_reaches_no_other_prefix_through_the_delay_chain() {
     let _ = conn.close(200, "".into()).await;
     assert_eq!(crate::common::depth(&b.names().work_queue("default")).await, 0, "nothing reached prefix B");
 }
+
+/// Outside input to the dashboard: query strings and forms of every route, with and without
+/// the form token, made of its own field names and hostile values (markup, control and
+/// percent-encoded bytes, huge numbers, 10 KB strings). Every answer is a page, a redirect to
+/// one of its own pages or a refusal — never a server error — and no value comes back
+/// unescaped. `CHIME_FUZZ_CASES` raises the count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_answers_hostile_queries_and_forms_with_pages_or_refusals() {
+    use proptest::prelude::*;
+    use proptest::strategy::ValueTree;
+    let env = TestEnv::new("sec-webfuzz");
+    let path = env.write_config(&env.config_text(
+        "classic",
+        "",
+        "",
+        "[[jobs]]\nname = \"nightly\"\nhandler = \"noop\"\nschedule = \"0 2 * * *\"\n",
+    ));
+    let (web, base) = crate::web::start_web(&env, &path, &[], &[]).await;
+    let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    let page = http.get(format!("{base}/")).send().await.unwrap().text().await.unwrap();
+    let csrf =
+        page.split("name=\"csrf\" value=\"").nth(1).and_then(|s| s.split('"').next()).unwrap().to_string();
+
+    let marker = "<chime-probe>";
+    let value = prop_oneof![
+        proptest::sample::select(vec![
+            "default",
+            "nightly",
+            "pause",
+            "resume",
+            "run",
+            "replay",
+            "purge",
+            "dead_lettered",
+            "1h",
+            "-1",
+            "18446744073709551616",
+            "0196b2f0-0000-7000-8000-000000000000",
+            "//evil.example",
+            "/%09/evil.example",
+            "/dlq?queue=default",
+            "(unroutable)",
+            "",
+            " ",
+            "%",
+            "%zz",
+            "%00",
+            "\u{1b}[2J",
+        ])
+        .prop_map(str::to_string),
+        "\\PC{0,24}".prop_map(move |s| format!("{s}{marker}")),
+        any::<i64>().prop_map(|n| n.to_string()),
+        Just("x".repeat(10_000)),
+    ];
+    let fields = proptest::collection::vec(
+        (
+            proptest::sample::select(vec![
+                "queue", "job", "key", "outcome", "since", "before", "page", "notice", "action", "back",
+                "op", "id", "csrf", "msg", "zz",
+            ]),
+            value.clone(),
+        ),
+        0..6,
+    );
+    let route = proptest::sample::select(vec![
+        "GET /",
+        "GET /schedules",
+        "GET /running",
+        "GET /history",
+        "GET /keys/{x}",
+        "GET /dlq",
+        "GET /dlq/{x}/{x}",
+        "GET /dlq/default/{x}/confirm",
+        "POST /actions/dlq",
+        "POST /actions/queue",
+        "POST /actions/schedule",
+    ]);
+    let op = proptest::sample::select(vec!["pause", "resume", "run", "replay", "purge", "explode", ""]);
+    let strategy = (route, fields, any::<bool>(), "\\PC{1,12}", op, value.clone());
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let cases = chime_shared::fuzz_cases(300);
+    let (mut statuses, mut redirects) = (std::collections::BTreeMap::new(), 0);
+    for _ in 0..cases {
+        let (route, fields, with_token, segment, op, back) =
+            strategy.new_tree(&mut runner).unwrap().current();
+        let (method, path) = route.split_once(' ').unwrap();
+        let seg: String = segment.bytes().map(|b| format!("%{b:02X}")).collect();
+        let path = path.replace("{x}", &seg);
+        let mut form: Vec<(String, String)> =
+            fields.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        let r = if method == "GET" {
+            http.get(format!("{base}{path}")).query(&form).send().await.unwrap()
+        } else {
+            // The fields every action needs, so that most forms reach the action's own checks.
+            form.push(("op".into(), op.to_string()));
+            form.push(("back".into(), back));
+            for field in ["queue", "job", "id"] {
+                if !form.iter().any(|(k, _)| k == field) {
+                    form.push((
+                        field.into(),
+                        if field == "job" { "nightly".into() } else { "default".into() },
+                    ));
+                }
+            }
+            if with_token {
+                form.push(("csrf".into(), csrf.clone()));
+            }
+            http.post(format!("{base}{path}"))
+                .header("origin", base.as_str())
+                .form(&form)
+                .send()
+                .await
+                .unwrap()
+        };
+        let status = r.status().as_u16();
+        *statuses.entry(status).or_insert(0) += 1;
+        let location = r.headers().get("location").map(|l| l.to_str().unwrap_or("").to_string());
+        let kind = r.headers().get("content-type").and_then(|c| c.to_str().ok()).unwrap_or("").to_string();
+        let nosniff = r.headers().get("x-content-type-options").is_some_and(|v| v == "nosniff");
+        let body = r.text().await.unwrap_or_default();
+        let mut what = format!("{method} {path} {form:?}");
+        what.truncate(what.char_indices().nth(400).map_or(what.len(), |(i, _)| i));
+        assert!(status < 500, "{what}: {status}\n{body}");
+        // An HTML page escapes every value; a plain-text refusal may quote it, but is never
+        // read as HTML (text/plain with nosniff).
+        if kind.starts_with("text/html") {
+            assert!(!body.contains(marker), "{what}: a value came back unescaped");
+        } else if body.contains(marker) {
+            assert!(kind.starts_with("text/plain") && nosniff, "{what}: {kind}, nosniff {nosniff}");
+        }
+        if let Some(l) = location {
+            redirects += 1;
+            assert!(
+                l.starts_with('/') && !l.starts_with("//") && !l.contains('\\'),
+                "{what}: redirect to {l}"
+            );
+        }
+    }
+    println!(
+        "{cases} hostile requests: statuses {statuses:?}, {redirects} redirects, all to the dashboard's own pages"
+    );
+    let r = http.get(format!("{base}/")).send().await.unwrap();
+    assert_eq!(r.status(), 200, "still serving");
+    drop(web);
+}

@@ -106,6 +106,12 @@ pub fn query(args: &HistoryArgs) -> Result<Query, Failure> {
     if args.limit == 0 {
         return Err(usage(anyhow::anyhow!("--limit must be at least 1")));
     }
+    if let Some(b) = args.before.as_deref().filter(|b| !chime_shared::history::valid_cursor(b)) {
+        return Err(usage(anyhow::anyhow!(
+            "--before {:?}: not a history cursor (the entry a listing printed, e.g. 1764698000000-0:3)",
+            escape_control(b)
+        )));
+    }
     Ok(Query {
         queue: args.queue.clone(),
         job: args.job.clone(),
