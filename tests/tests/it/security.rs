@@ -2,67 +2,13 @@
 //! round two") and fails on the code it was found in.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::io::AsyncReadExt;
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
-
-/// One `GET path` on a fresh connection; the whole answer, or `None` if the connection was
-/// refused, closed early or took over 10 s.
-async fn get_once(port: u16, path: &str) -> Option<String> {
-    let fetch = async {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
-        s.write_all(
-            format!("GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n").as_bytes(),
-        )
-        .await
-        .ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.ok()?;
-        Some(out)
-    };
-    tokio::time::timeout(Duration::from_secs(10), fetch).await.ok().flatten()
-}
-
-/// `clients` sockets to `port` that each connect, send `opening` (nothing, or the start of a
-/// request they never finish), hold the connection until the server closes it, and connect
-/// again at once, until `stop`. Returns how many connections were made.
-fn hold_connections(
-    port: u16,
-    clients: usize,
-    opening: &'static [u8],
-    stop: &CancellationToken,
-) -> Arc<AtomicU64> {
-    let made = Arc::new(AtomicU64::new(0));
-    for _ in 0..clients {
-        let (stop, made) = (stop.clone(), made.clone());
-        tokio::spawn(async move {
-            while !stop.is_cancelled() {
-                let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-                    tokio::task::yield_now().await;
-                    continue;
-                };
-                made.fetch_add(1, Ordering::Relaxed);
-                if !opening.is_empty() && s.write_all(opening).await.is_err() {
-                    continue;
-                }
-                let mut b = [0u8; 64];
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = s.read(&mut b) => {} // closed (or answered): connect again
-                }
-            }
-        });
-    }
-    made
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
+use chime_tests::probes::{flood, get_once, probe, quantile};
 
 /// Finding 2: 32 idle connections, reopened as they were dropped, failed `/livez` 23 times of
 /// 23 over 12 s (one table of 32 for every client; newcomers closed at once). Here 300 idle
@@ -83,35 +29,18 @@ async fn probes_are_answered_while_a_client_holds_hundreds_of_idle_connections()
     let before = worker.open_fds();
 
     let stop = CancellationToken::new();
-    let idle = hold_connections(port, 300, b"", &stop);
-    let slow = hold_connections(port, 100, b"GET /livez HTTP/1.1\r\nhost: x\r\n", &stop);
-    // The attack is under way once the server has closed some of them (they reconnected).
-    wait_until("the server is saturated", Duration::from_secs(30), || {
-        let (idle, slow) = (idle.clone(), slow.clone());
-        async move { idle.load(Ordering::Relaxed) > 400 && slow.load(Ordering::Relaxed) > 150 }
-    })
-    .await;
-
-    let (mut answered, mut latencies) = (0, Vec::new());
+    let (idle, slow) = flood(port, &stop).await;
     let probes = 200;
-    for _ in 0..probes {
-        let t = Instant::now();
-        let r = get_once(port, "/livez").await;
-        latencies.push(t.elapsed().as_secs_f64() * 1000.0);
-        if r.is_some_and(|r| r.starts_with("HTTP/1.1 200")) {
-            answered += 1;
-        }
-    }
+    let (answered, latencies) = probe(port, "/livez", probes).await;
     let ready = get_once(port, "/readyz").await.unwrap_or_default();
     let during = worker.open_fds();
     let connections = idle.load(Ordering::Relaxed) + slow.load(Ordering::Relaxed);
     stop.cancel();
-    latencies.sort_by(f64::total_cmp);
     println!(
         "/livez under 400 held connections ({connections} made): {answered}/{probes} answered; \
          p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; worker fds {before} -> {during}",
-        percentile(&latencies, 0.5),
-        percentile(&latencies, 0.99),
+        quantile(&latencies, 0.5),
+        quantile(&latencies, 0.99),
         latencies.last().copied().unwrap_or_default(),
     );
     assert_eq!(answered, probes, "every probe is answered");

@@ -12,7 +12,7 @@
 //! each requeue counts toward the delivery limit). A crash between a publish and its ack
 //! leaves a duplicate, never a loss. Passes over one DLQ never overlap: each holds the DLQ's
 //! lock in Redis ([`lock`]), so a purge never misses a message a listing holds at that moment.
-//! A pass reads with bounded memory ([`letter`]): a listing keeps no bodies.
+//! A pass reads with bounded memory ([`DeadLetter`], [`BodyKept`]): a listing keeps no bodies.
 
 mod letter;
 pub mod lock;

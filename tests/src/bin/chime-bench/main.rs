@@ -12,13 +12,14 @@
 //! steady rates), duplicates, ticker (100,000 schedules); opt-in: properties (the broker's
 //! cost of each AMQP property of the envelope), history (the run history's cost on the drain
 //! rate, and its memory per event), web (the dashboard's page times over 1,000,000 history
-//! events and 10,000 dead letters).
+//! events and 10,000 dead letters), probes (`/livez` idle and under a connection flood).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod consume;
 mod fixtures;
 mod latency;
 mod measure;
+mod probes;
 mod publish;
 mod scale;
 mod ticker;
@@ -124,6 +125,9 @@ pub async fn main() {
     }
     if c.opted("web") {
         web::web_pages(&c.o.queue_type).await;
+    }
+    if c.opted("probes") {
+        probes::scenario(c.o.runs).await;
     }
     if c.opted("priority") {
         latency::priority(&c).await;

@@ -3,10 +3,12 @@
 //!
 //! Safety: it binds 127.0.0.1 unless told otherwise, and refuses any other address unless
 //! credentials are configured (`CHIME_WEB_TOKEN` for `Authorization: Bearer`, or
-//! `CHIME_WEB_USER` + `CHIME_WEB_PASSWORD` for basic auth, which browsers prompt for). Every
-//! action is a POST carrying this process's CSRF token and is refused from another site
-//! (`Sec-Fetch-Site`, `Origin`); `--read-only` renders no action and refuses every POST. DLQ
-//! actions name one dead letter by its exact id.
+//! `CHIME_WEB_USER` + `CHIME_WEB_PASSWORD` for basic auth, which browsers prompt for; failed
+//! logins are throttled per address). It answers only requests whose `Host` names it
+//! ([`hosts`]: DNS rebinding). Every action is a POST carrying this process's CSRF token and is
+//! refused from another site (`Sec-Fetch-Site`, `Origin`); it redirects only to the dashboard's
+//! own pages, with a notice kept server-side ([`notices`]); `--read-only` renders no action and
+//! refuses every POST. DLQ actions name one dead letter by its exact id.
 
 mod dlq_cache;
 mod hosts;
