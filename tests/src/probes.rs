@@ -72,18 +72,36 @@ pub async fn flood(port: u16, stop: &CancellationToken) -> (Arc<AtomicU64>, Arc<
     (idle, slow)
 }
 
-/// `n` probes of `path`, one after the other: how many were answered 200, and each one's
-/// time in milliseconds, sorted.
-pub async fn probe(port: u16, path: &str, n: usize) -> (usize, Vec<f64>) {
-    let (mut answered, mut ms) = (0, Vec::with_capacity(n));
+/// What [`probe`] saw.
+#[derive(Debug, Default)]
+pub struct Probed {
+    /// Probes answered 200.
+    pub answered: usize,
+    /// The longest run of failed probes in a row (Kubernetes restarts a container after
+    /// `failureThreshold`, 3 by default, in a row).
+    pub worst_streak: usize,
+    /// Each probe's time in milliseconds, sorted.
+    pub ms: Vec<f64>,
+}
+
+/// `n` probes of `path`, one after the other.
+pub async fn probe(port: u16, path: &str, n: usize) -> Probed {
+    let mut p = Probed { ms: Vec::with_capacity(n), ..Probed::default() };
+    let mut streak = 0;
     for _ in 0..n {
         let t = std::time::Instant::now();
         let r = get_once(port, path).await;
-        ms.push(t.elapsed().as_secs_f64() * 1000.0);
-        answered += usize::from(r.is_some_and(|r| r.starts_with("HTTP/1.1 200")));
+        p.ms.push(t.elapsed().as_secs_f64() * 1000.0);
+        if r.is_some_and(|r| r.starts_with("HTTP/1.1 200")) {
+            p.answered += 1;
+            streak = 0;
+        } else {
+            streak += 1;
+            p.worst_streak = p.worst_streak.max(streak);
+        }
     }
-    ms.sort_by(f64::total_cmp);
-    (answered, ms)
+    p.ms.sort_by(f64::total_cmp);
+    p
 }
 
 /// The `p` quantile (0–1) of sorted `values`.

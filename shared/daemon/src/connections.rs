@@ -7,7 +7,9 @@
 //! makes room for a client that has something to say: a new connection whose request is
 //! already waiting (a probe connects and sends at once) takes the place of the connection that
 //! has been idle longest (connected, no request being answered), preferring the client that
-//! holds the most. A silent newcomer, when the table or its client's share of
+//! holds the most; one whose whole request is already waiting is not itself evicted before
+//! that request is answered (a probe's request arrives in one piece, a slow client's half
+//! request does not). A silent newcomer, when the table or its client's share of
 //! [`MAX_PER_CLIENT`] is full, waits in the [`Lobby`] for its first bytes (a probe's request
 //! may arrive a moment after its connection is accepted) and is closed if none come: idle
 //! sockets only ever displace each other, never a request. Only when every candidate is in
@@ -25,6 +27,17 @@ use tokio_util::sync::CancellationToken;
 pub const MAX_CONNECTIONS: usize = 64;
 /// Connections one client address holds at most.
 pub const MAX_PER_CLIENT: usize = 16;
+
+/// What a newcomer has sent by the time it is admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Heard {
+    /// Nothing yet.
+    Nothing,
+    /// Part of a request.
+    Part,
+    /// A whole request head (ending in an empty line).
+    Request,
+}
 
 /// One connection's state, shared with the task serving it.
 #[derive(Debug)]
@@ -89,15 +102,16 @@ impl Table {
         Self { epoch: Instant::now(), max, per_client, inner: Mutex::new((0, HashMap::new())) }
     }
 
-    /// A place for a new connection from `peer`. When the table or the client's share is
-    /// full, a `talking` newcomer (its request already waiting) evicts an idle connection and
-    /// a silent one is refused; `None`: refused.
-    pub fn admit(&self, peer: IpAddr, talking: bool) -> Option<(u64, Arc<Conn>)> {
+    /// A place for a new connection from `peer` that has sent `heard` so far. When the table
+    /// or the client's share is full, a newcomer that sent something evicts an idle connection
+    /// and a silent one is refused; `None`: refused. One whose whole request is waiting starts
+    /// busy (not evictable until that request is answered).
+    pub fn admit(&self, peer: IpAddr, heard: Heard) -> Option<(u64, Arc<Conn>)> {
         let mut guard = self.inner.lock().ok()?;
         let (next_id, entries) = &mut *guard;
         let mine = entries.values().filter(|e| e.peer == peer).count();
         let full = mine >= self.per_client || entries.len() >= self.max;
-        if full && !talking {
+        if full && heard == Heard::Nothing {
             return None;
         }
         if mine >= self.per_client {
@@ -112,7 +126,7 @@ impl Table {
             evict(entries, |e| held.get(&e.peer) == Some(&most)).or_else(|| evict(entries, |_| true))?;
         }
         let conn = Arc::new(Conn {
-            busy: AtomicBool::new(false),
+            busy: AtomicBool::new(heard == Heard::Request),
             idle_since: AtomicU64::new(0),
             evicted: CancellationToken::new(),
             epoch: self.epoch,
@@ -217,16 +231,16 @@ mod tests {
     #[test]
     fn a_full_table_evicts_the_longest_idle_of_the_biggest_holder() {
         let t = Table::new(4, 3);
-        let a: Vec<_> = (0..3).map(|_| t.admit(ip(1), true).unwrap()).collect();
-        let b = t.admit(ip(2), true).unwrap();
+        let a: Vec<_> = (0..3).map(|_| t.admit(ip(1), Heard::Part).unwrap()).collect();
+        let b = t.admit(ip(2), Heard::Part).unwrap();
         // Full: a newcomer evicts the oldest idle connection of the client holding 3.
-        let c = t.admit(ip(3), true).unwrap();
+        let c = t.admit(ip(3), Heard::Part).unwrap();
         assert!(a[0].1.evicted.is_cancelled());
         assert!(!b.1.evicted.is_cancelled() && !c.1.evicted.is_cancelled());
         assert_eq!(t.len(), 4);
         // Busy connections are never evicted; with all busy, the newcomer is refused.
         let _busy: Vec<_> = [&a[1], &a[2], &b, &c].iter().map(|(_, conn)| conn.busy()).collect();
-        assert!(t.admit(ip(4), true).is_none());
+        assert!(t.admit(ip(4), Heard::Part).is_none());
         assert_eq!(t.len(), 4);
     }
 
@@ -242,22 +256,36 @@ mod tests {
     }
 
     #[test]
+    fn a_whole_request_waiting_is_not_evicted_before_it_is_answered() {
+        let t = Table::new(2, 2);
+        let probe = t.admit(ip(1), Heard::Request).unwrap();
+        let slow = t.admit(ip(1), Heard::Part).unwrap();
+        let _next = t.admit(ip(1), Heard::Part).unwrap();
+        assert!(slow.1.evicted.is_cancelled() && !probe.1.evicted.is_cancelled());
+        // Answered, it is idle like any other: the next newcomers evict it in its turn.
+        drop(probe.1.busy());
+        let _again = t.admit(ip(1), Heard::Part).unwrap();
+        let _and_again = t.admit(ip(1), Heard::Part).unwrap();
+        assert!(probe.1.evicted.is_cancelled());
+    }
+
+    #[test]
     fn a_silent_newcomer_never_evicts() {
         let t = Table::new(2, 2);
-        let a = t.admit(ip(1), false).unwrap();
-        let _b = t.admit(ip(2), false).unwrap();
-        assert!(t.admit(ip(3), false).is_none(), "full: a silent newcomer is closed");
+        let a = t.admit(ip(1), Heard::Nothing).unwrap();
+        let _b = t.admit(ip(2), Heard::Nothing).unwrap();
+        assert!(t.admit(ip(3), Heard::Nothing).is_none(), "full: a silent newcomer is closed");
         assert!(!a.1.evicted.is_cancelled());
-        assert!(t.admit(ip(3), true).is_some(), "a talking one takes an idle place");
+        assert!(t.admit(ip(3), Heard::Part).is_some(), "a talking one takes an idle place");
         assert!(a.1.evicted.is_cancelled());
     }
 
     #[test]
     fn one_client_never_holds_more_than_its_share() {
         let t = Table::new(100, 2);
-        let first = t.admit(ip(1), true).unwrap();
-        let second = t.admit(ip(1), true).unwrap();
-        let _third = t.admit(ip(1), true).unwrap();
+        let first = t.admit(ip(1), Heard::Part).unwrap();
+        let second = t.admit(ip(1), Heard::Part).unwrap();
+        let _third = t.admit(ip(1), Heard::Part).unwrap();
         assert!(first.1.evicted.is_cancelled(), "its own oldest gave way");
         assert!(!second.1.evicted.is_cancelled());
         assert_eq!(t.len(), 2);
@@ -268,12 +296,12 @@ mod tests {
     #[test]
     fn a_connection_idle_again_is_ordered_by_when_it_finished() {
         let t = Table::new(2, 2);
-        let old = t.admit(ip(1), true).unwrap();
-        let young = t.admit(ip(1), true).unwrap();
+        let old = t.admit(ip(1), Heard::Part).unwrap();
+        let young = t.admit(ip(1), Heard::Part).unwrap();
         // The old connection answers a request after the young one connected: it is now the
         // more recently active of the two.
         drop(old.1.busy());
-        let _new = t.admit(ip(2), true).unwrap();
+        let _new = t.admit(ip(2), Heard::Part).unwrap();
         assert!(young.1.evicted.is_cancelled() && !old.1.evicted.is_cancelled());
     }
 }

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-use crate::connections::{Conn, Lobby, Table};
+use crate::connections::{Conn, Heard, Lobby, Table};
 pub use crate::connections::{MAX_CONNECTIONS, MAX_PER_CLIENT};
 
 /// A client must send its request headers within this.
@@ -92,7 +92,7 @@ pub async fn serve_router(
                 continue;
             }
         };
-        if let Some(place) = table.admit(peer.ip(), talking(&stream)) {
+        if let Some(place) = table.admit(peer.ip(), heard(&stream)) {
             serve_connection(stream, peer, place, &table, &app);
         } else {
             // The table is full and this client said nothing yet: wait a moment for its
@@ -102,10 +102,12 @@ pub async fn serve_router(
             tokio::spawn(async move {
                 let spoke = tokio::select! {
                     r = tokio::time::timeout(LOBBY_WAIT, stream.readable()) => matches!(r, Ok(Ok(()))),
-                    _ = place.cancelled() => false,
+                    // Pushed out by a newer one: a request that arrived meanwhile still counts
+                    // (this task may not have run since).
+                    _ = place.cancelled() => heard(&stream) != Heard::Nothing,
                 };
                 lobby.leave(&place);
-                if spoke && let Some(place) = table.admit(peer.ip(), talking(&stream)) {
+                if spoke && let Some(place) = table.admit(peer.ip(), heard(&stream)) {
                     serve_connection(stream, peer, place, &table, &app);
                 }
             });
@@ -146,13 +148,22 @@ fn serve_connection(
     });
 }
 
-/// Whether the client has sent something already (a probe sends its request right after
-/// connecting; an idle socket sends nothing).
-fn talking(stream: &tokio::net::TcpStream) -> bool {
-    let mut byte = [0u8; 1];
-    let mut buf = tokio::io::ReadBuf::new(&mut byte);
+/// What the client has sent so far, without reading it (a probe sends its whole request right
+/// after connecting; an idle socket sends nothing; a slow one part of a request).
+fn heard(stream: &tokio::net::TcpStream) -> Heard {
+    let mut bytes = [0u8; 2048];
+    let mut buf = tokio::io::ReadBuf::new(&mut bytes);
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    matches!(stream.poll_peek(&mut cx, &mut buf), std::task::Poll::Ready(Ok(n)) if n > 0)
+    match stream.poll_peek(&mut cx, &mut buf) {
+        std::task::Poll::Ready(Ok(n)) if n > 0 => {
+            if buf.filled().windows(4).any(|w| w == b"\r\n\r\n") {
+                Heard::Request
+            } else {
+                Heard::Part
+            }
+        }
+        _ => Heard::Nothing,
+    }
 }
 
 /// Marks the connection busy while a request is answered (a busy connection is never evicted).
