@@ -40,8 +40,8 @@ async fn probes_are_answered_while_a_client_holds_hundreds_of_idle_connections()
     println!(
         "/livez under 400 held connections ({connections} made): {answered}/{probes} answered; \
          p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; worker fds {before} -> {during}",
-        quantile(&latencies, 0.5),
-        quantile(&latencies, 0.99),
+        quantile(latencies, 0.5),
+        quantile(latencies, 0.99),
         latencies.last().copied().unwrap_or_default(),
     );
     // Kubernetes restarts a container after 3 failed probes in a row (failureThreshold). The
