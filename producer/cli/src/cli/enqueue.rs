@@ -229,7 +229,7 @@ fn print_finished(
         }
         Finished::Dead { reason, error } => Err(runtime(anyhow::anyhow!(
             "the job was dead-lettered ({}){}",
-            reason.as_deref().unwrap_or("see chime dlq list"),
+            chime_shared::redact::escape_control(reason.as_deref().unwrap_or("see chime dlq list")),
             error.map(|e| format!(": {}", chime_shared::redact::escape_control(&e))).unwrap_or_default()
         ))),
         Finished::Group { members } => {
@@ -238,14 +238,18 @@ fn print_finished(
                 for m in &members {
                     let who = match (&m.shard, &m.worker) {
                         (Some(s), _) => format!("shard {s}"),
-                        (_, Some(w)) => format!("worker {w}"),
+                        (_, Some(w)) => format!("worker {}", chime_shared::redact::escape_control(w)),
                         _ => m.key.to_string(),
                     };
                     match &m.finished {
                         Finished::Done { result: Some(r), .. } => println!("{who}: {r}"),
                         Finished::Done { .. } => println!("{who}: done"),
                         Finished::Dead { reason, .. } => {
-                            println!("{who}: dead-lettered ({})", reason.as_deref().unwrap_or("?"))
+                            let reason = reason.as_deref().unwrap_or("?");
+                            println!(
+                                "{who}: dead-lettered ({})",
+                                chime_shared::redact::escape_control(reason)
+                            )
                         }
                         Finished::Group { .. } => {}
                     }

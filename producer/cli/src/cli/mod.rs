@@ -131,7 +131,11 @@ pub async fn main_exit_code(cli: Cli) -> i32 {
         Ok(()) => 0,
         Err(f) => {
             // Each cause once (a Redis error repeats its source), and what a TLS failure means.
-            eprintln!("chime: error: {}", chime_shared::tls::describe_error(f.error.as_ref()));
+            // An error may quote what came from the wire or from Redis: control characters
+            // escaped, line breaks kept.
+            let text = chime_shared::tls::describe_error(f.error.as_ref());
+            let lines: Vec<_> = text.lines().map(chime_shared::redact::escape_control).collect();
+            eprintln!("chime: error: {}", lines.join("\n"));
             f.code
         }
     }
