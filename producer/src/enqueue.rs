@@ -66,10 +66,15 @@ impl EnqueueRequest {
             field: "payload".into(),
             message: format!("{} does not serialise: {e}", J::NAME),
         })?;
+        let options = J::options();
+        options.validate().map_err(|e| EnqueueError::Invalid {
+            field: format!("{}::options().{}", J::NAME, e.field),
+            message: e.message,
+        })?;
         Ok(Self {
             job: J::NAME.to_string(),
             payload: Some(payload),
-            options: Some(J::options()),
+            options: Some(options),
             ..Default::default()
         })
     }
@@ -653,7 +658,7 @@ impl EnqueueClient {
 pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, EnqueueError> {
     let entry = config.job(&req.job);
     let options = match (&req.options, entry) {
-        (_, Some(entry)) => req.options.clone().unwrap_or_default().overridden_by(Some(entry)),
+        (_, Some(entry)) => entry.over(&req.options.clone().unwrap_or_default()),
         (Some(own), None) => own.clone(),
         (None, None) => return Err(EnqueueError::UnknownJob(req.job.clone())),
     };

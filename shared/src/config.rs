@@ -12,11 +12,12 @@ use std::time::Duration;
 
 use crate::duration;
 use crate::redact::{redact, redact_text};
+use chime_job::JobOptions;
 
 /// Default config path when neither `--config` nor `$CHIME_CONFIG` is given.
 pub const DEFAULT_PATH: &str = "chime.toml";
-/// Queue that jobs without a `queue` key go to.
-pub const DEFAULT_QUEUE: &str = "default";
+// The job definitions' own types and rules, shared with crates that only define jobs.
+pub use chime_job::{BackoffConfig, DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, valid_name};
 /// Exit code of an `exec` command that means "permanent failure, do not retry".
 pub const DEFAULT_PERMANENT_EXIT_CODE: i32 = 100;
 
@@ -436,27 +437,6 @@ impl Default for CheckpointsConfig {
     }
 }
 
-/// Exponential backoff of retries: `initial`·`factor`^(attempt−1), capped at `max`, plus
-/// jitter.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct BackoffConfig {
-    /// Delay before the second attempt.
-    #[serde(deserialize_with = "duration::de")]
-    pub initial: Duration,
-    /// Growth per attempt (1 to 100).
-    pub factor: f32,
-    /// Longest delay.
-    #[serde(deserialize_with = "duration::de")]
-    pub max: Duration,
-}
-
-impl Default for BackoffConfig {
-    fn default() -> Self {
-        Self { initial: Duration::from_secs(5), factor: 2.0, max: Duration::from_secs(3600) }
-    }
-}
-
 /// Missed-slot policy of a schedule, after an outage of every ticker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -727,11 +707,6 @@ impl RawJobConfig {
         let key = |field: &str| format!("{at} ({}).{field}", raw.name);
         let only =
             |field: &str, handler: &str| format!("{}: only valid with handler \"{handler}\"", key(field));
-        for (field, n) in [("concurrency", raw.concurrency), ("global_concurrency", raw.global_concurrency)] {
-            if n.is_some_and(|n| !(1..=10_000).contains(&n)) {
-                return Err(format!("{}: must be between 1 and 10000", key(field)));
-            }
-        }
         if raw.overlap.is_some_and(|o| o != Overlap::Allow) && raw.schedule.is_none() {
             return Err(format!(
                 "{}: applies to scheduled jobs only (this one has no schedule)",
@@ -812,10 +787,34 @@ impl RawJobConfig {
     }
 }
 
-/// Default number of attempts (first run included).
-pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
-
 impl JobConfig {
+    /// The options this entry sets (a typed job's options with this entry on top:
+    /// [`JobConfig::over`]).
+    pub fn options(&self) -> JobOptions {
+        let mut o = JobOptions::default();
+        o.queue = self.queue.clone();
+        o.timeout = self.timeout;
+        o.max_attempts = self.max_attempts;
+        o.backoff = self.backoff.clone();
+        o.concurrency = self.concurrency;
+        o.global_concurrency = self.global_concurrency;
+        o
+    }
+
+    /// `base` (a typed job's own options) with every setting of this entry on top, so
+    /// operators tune a job defined in Rust without a rebuild.
+    pub fn over(&self, base: &JobOptions) -> JobOptions {
+        let mut o = base.clone();
+        let mine = self.options();
+        o.queue = mine.queue.or(o.queue);
+        o.timeout = mine.timeout.or(o.timeout);
+        o.max_attempts = mine.max_attempts.or(o.max_attempts);
+        o.backoff = mine.backoff.or(o.backoff);
+        o.concurrency = mine.concurrency.or(o.concurrency);
+        o.global_concurrency = mine.global_concurrency.or(o.global_concurrency);
+        o
+    }
+
     /// The job's queue (`default` unless set).
     pub fn queue(&self) -> &str {
         self.queue.as_deref().unwrap_or(DEFAULT_QUEUE)
@@ -831,13 +830,6 @@ pub fn valid_env_name(name: &str) -> bool {
     let mut chars = name.chars();
     chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-}
-
-/// Names of queues, jobs and prefixes: letters, digits, `-`, `_`, `.`; 1 to 100 characters.
-pub fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 100
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
 /// The dotted key (`worker.concurrency`, `jobs[2].global_concurrency`) of the `key = value`
@@ -1185,14 +1177,9 @@ impl Config {
             if !names.insert(job.name.as_str()) {
                 return Err(ConfigError::invalid(key("name"), "duplicate job name"));
             }
-            if let Some(q) = &job.queue
-                && !valid_name(q)
-            {
-                return Err(ConfigError::invalid(
-                    key("queue"),
-                    format!("{q:?} must be 1-100 letters, digits, '-', '_' or '.'"),
-                ));
-            }
+            // The rules a typed job's options are checked by (queue, timeout, attempts,
+            // backoff, limits).
+            job.options().validate().map_err(|e| ConfigError::invalid(key(e.field), e.message))?;
             if let Some(s) = &job.schedule {
                 // The planner's own parser: 5 or 6 fields, and a pattern that can fire.
                 crate::schedule::Schedule::parse(s, None)
@@ -1214,23 +1201,6 @@ impl Config {
                         format!("{name:?} is not a variable name"),
                     ));
                 }
-            }
-            if job.max_attempts.is_some_and(|n| n == 0 || n > crate::envelope::MAX_ATTEMPTS) {
-                return Err(ConfigError::invalid(
-                    key("max_attempts"),
-                    format!("must be between 1 and {}", crate::envelope::MAX_ATTEMPTS),
-                ));
-            }
-            if let Some(b) = &job.backoff
-                && (!(1.0..=100.0).contains(&b.factor) || b.initial.is_zero() || b.max < b.initial)
-            {
-                return Err(ConfigError::invalid(
-                    key("backoff"),
-                    "needs initial > 0, factor between 1 and 100, and max >= initial",
-                ));
-            }
-            if job.timeout.is_some_and(|t| t.is_zero()) {
-                return Err(ConfigError::invalid(key("timeout"), "must be positive"));
             }
         }
         // A record must outlive the longest run it guards (renewals refresh its TTL, but a

@@ -30,7 +30,7 @@ pub mod amqp;
 pub mod config;
 pub mod control;
 pub mod delay;
-pub mod duration;
+pub use chime_job::duration;
 pub mod envelope;
 pub mod group;
 pub mod health;

@@ -506,9 +506,13 @@ impl Registry {
                 J::NAME
             ));
         }
+        let options = J::options();
+        if let Err(e) = options.validate() {
+            self.errors.push(format!("job {:?}: {}::options().{e}", J::NAME, std::any::type_name::<J>()));
+        }
         let handler = TypedHandler::<J, _, Args> { f, states, _marker: std::marker::PhantomData };
         self.handlers.insert(J::NAME.to_string(), Arc::new(handler));
-        self.options.insert(J::NAME.to_string(), J::options());
+        self.options.insert(J::NAME.to_string(), options);
         self
     }
 

@@ -157,8 +157,7 @@ pub(crate) fn resolve_jobs(
         match handler {
             Some(handler) => {
                 // A `[[jobs]]` entry overrides the options a typed job declares in Rust.
-                let options =
-                    registry.options(&job.name).cloned().unwrap_or_default().overridden_by(Some(job));
+                let options = job.over(&registry.options(&job.name).cloned().unwrap_or_default());
                 let timeout = options.timeout.unwrap_or(config.worker.default_timeout);
                 let limit = config.amqp.consumer_timeout.saturating_sub(Duration::from_secs(60));
                 if timeout >= limit {
@@ -360,5 +359,26 @@ mod tests {
             Duration::from_secs(2),
             "the backoff it does not set stays the type's"
         );
+    }
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Hasty;
+    impl Job for Hasty {
+        const NAME: &'static str = "hasty";
+        fn options() -> JobOptions {
+            JobOptions::default().timeout(Duration::ZERO)
+        }
+    }
+    async fn hasty(_: JobContext, _: Hasty) -> Result<(), JobError> {
+        Ok(())
+    }
+
+    #[test]
+    fn a_typed_job_with_options_a_config_entry_could_not_have_is_refused_by_name() {
+        let config = Config::from_toml_str("").unwrap();
+        let mut registry = Registry::new();
+        registry.job(hasty);
+        let e = resolve_jobs(&config, &registry, &["default".to_string()]).err().unwrap().to_string();
+        assert!(e.contains("\"hasty\"") && e.contains("timeout: must be positive"), "{e}");
     }
 }

@@ -2,7 +2,7 @@
 //! them and the worker that runs them both depend on it, so the two always agree on the name,
 //! the payload and the options.
 
-use chime_shared::job::{Job, JobOptions};
+use chime_job::{Job, JobOptions};
 use std::time::Duration;
 
 /// Send an invoice to a customer.

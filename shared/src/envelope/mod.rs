@@ -108,8 +108,8 @@ where
     Option::<T>::deserialize(d)
 }
 
-/// Most attempts a job may have (first run included). More is not a retry policy but a loop.
-pub const MAX_ATTEMPTS: u32 = 1000;
+// Most attempts a job may have (first run included). More is not a retry policy but a loop.
+pub use chime_job::MAX_ATTEMPTS;
 
 /// Why a body is not a valid envelope (the message is dead-lettered as `malformed`).
 #[derive(Debug, thiserror::Error)]

@@ -14,7 +14,7 @@ pub fn format(d: Duration) -> String {
     humantime::format_duration(d).to_string()
 }
 
-/// `#[serde(deserialize_with = "chime_shared::duration::de")]`
+/// `#[serde(deserialize_with = "chime_job::duration::de")]`
 pub fn de<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(d)?;
     parse(&text).map_err(D::Error::custom)
