@@ -153,7 +153,7 @@ pub async fn connect(config: &AmqpConfig, connection_name: &str) -> Result<Conne
     // TLS files are read at every connect, so renewed certificates are picked up on reconnect.
     crate::tls::install_crypto_provider();
     let tls = if urls.iter().any(|u| u.starts_with("amqps://")) {
-        let connector = crate::tls::amqp_tls(config)
+        let connector = crate::tls::amqp_tls(&config.tls)
             .map_err(|e| AmqpError::Connect { urls: joined(), last: e.to_string() })?;
         Some(std::sync::Arc::new(connector))
     } else {

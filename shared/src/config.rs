@@ -18,6 +18,10 @@ use chime_job::JobOptions;
 pub const DEFAULT_PATH: &str = "chime.toml";
 // The job definitions' own types and rules, shared with crates that only define jobs.
 pub use chime_job::{BackoffConfig, DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, valid_name};
+// Domain types the config names, defined beside their domain.
+pub use crate::envelope::Priority;
+pub use crate::names::QueueType;
+pub use crate::tls::TlsConfig;
 /// Exit code of an `exec` command that means "permanent failure, do not retry".
 pub const DEFAULT_PERMANENT_EXIT_CODE: i32 = 100;
 
@@ -132,26 +136,6 @@ impl Urls {
     }
 }
 
-/// Queue type of work queues and DLQs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum QueueType {
-    /// Replicated Raft queues (the default).
-    Quorum,
-    /// Classic queues (declared as CQv2).
-    Classic,
-}
-
-impl QueueType {
-    /// `quorum` or `classic`, as RabbitMQ spells it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            QueueType::Quorum => "quorum",
-            QueueType::Classic => "classic",
-        }
-    }
-}
-
 /// `[amqp]`: the broker.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -183,20 +167,6 @@ pub struct AmqpConfig {
     pub consumer_timeout: Duration,
     /// `[amqp.tls]`: CA and client certificate for `amqps://` URLs.
     pub tls: TlsConfig,
-}
-
-/// `[amqp.tls]` / `[redis.tls]`: what TLS needs beyond the platform's roots. Only used with
-/// `amqps://` / `rediss://` URLs (set with a plain URL it is an error, never ignored).
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TlsConfig {
-    /// PEM file of the CA(s) that sign the server's certificate. AMQP trusts it besides the
-    /// platform's roots; Redis trusts it alone.
-    pub ca_file: Option<PathBuf>,
-    /// PEM certificate chain presented to the server (mutual TLS; needs `client_key`).
-    pub client_cert: Option<PathBuf>,
-    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of `client_cert`.
-    pub client_key: Option<PathBuf>,
 }
 
 impl Default for AmqpConfig {
@@ -504,46 +474,6 @@ impl<'de> Deserialize<'de> for Shards {
     }
 }
 
-/// Delivery order when a backlog exists: `high` before `normal` before `low`.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize, serde::Serialize, Default,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum Priority {
-    /// Ahead of the others.
-    High,
-    /// The default.
-    #[default]
-    Normal,
-    /// Behind the others.
-    Low,
-}
-
-impl Priority {
-    /// Every level, highest first.
-    pub const ALL: [Priority; 3] = [Priority::High, Priority::Normal, Priority::Low];
-    /// `high`, `normal` or `low`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Priority::High => "high",
-            Priority::Normal => "normal",
-            Priority::Low => "low",
-        }
-    }
-}
-
-impl std::str::FromStr for Priority {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "high" => Ok(Priority::High),
-            "normal" => Ok(Priority::Normal),
-            "low" => Ok(Priority::Low),
-            _ => Err(format!("{s:?}: high, normal or low")),
-        }
-    }
-}
-
 /// One `[[jobs]]` entry.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(try_from = "RawJobConfig")]
@@ -787,7 +717,22 @@ impl RawJobConfig {
     }
 }
 
+/// `host:port` → (host, port); `[v6]:port` gives the address without brackets.
+pub fn host_port(s: &str) -> Option<(String, u16)> {
+    let (host, port) = s.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
+    (!host.is_empty() && port != 0).then(|| (host.trim_matches(['[', ']']).to_string(), port))
+}
+
 impl JobConfig {
+    /// The job's schedule, if it has one, in its zone.
+    pub fn schedule(&self) -> Result<Option<crate::schedule::Schedule>, crate::schedule::ScheduleError> {
+        self.schedule
+            .as_deref()
+            .map(|s| crate::schedule::Schedule::parse(s, self.timezone.as_deref()))
+            .transpose()
+    }
+
     /// The options this entry sets (a typed job's options with this entry on top:
     /// [`JobConfig::over`]).
     pub fn options(&self) -> JobOptions {
@@ -973,7 +918,7 @@ impl Config {
         let r = &self.redis;
         for (key, list) in [("redis.sentinels", &r.sentinels), ("redis.cluster", &r.cluster)] {
             for (i, node) in list.iter().enumerate() {
-                if crate::redis_conn::host_port(node).is_none() {
+                if host_port(node).is_none() {
                     return Err(ConfigError::invalid(
                         format!("{key}[{i}]"),
                         format!("{node:?} is not host:port"),

@@ -24,7 +24,7 @@
 
 use std::time::Duration;
 
-use crate::config::QueueType;
+use crate::names::QueueType;
 use crate::names::{self, Names};
 
 /// Number of levels: delays up to 2^28 − 1 seconds.

@@ -37,7 +37,7 @@ pub mod health;
 pub mod history;
 pub mod idempotency;
 pub mod job;
-pub mod limit;
+pub use idempotency::limit;
 pub mod names;
 pub mod redact;
 pub mod redis_conn;

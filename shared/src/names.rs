@@ -11,7 +11,25 @@
 //! DLQs plus one: RabbitMQ reserves file handles per queue, and 28 levels per prefix exhausted
 //! a broker with the common limit of 1,024 open files at about 13 prefixes.
 
-use crate::config::QueueType;
+/// Queue type of work queues and DLQs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QueueType {
+    /// Replicated Raft queues (the default).
+    Quorum,
+    /// Classic queues (declared as CQv2).
+    Classic,
+}
+
+impl QueueType {
+    /// `quorum` or `classic`, as RabbitMQ spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Quorum => "quorum",
+            QueueType::Classic => "classic",
+        }
+    }
+}
 
 /// Exchange (topic) through which the delay chain hands messages to work queues. Messages it
 /// cannot route go to its alternate exchange, [`DELAY_UNROUTABLE`], never back up the chain.
@@ -117,36 +135,6 @@ impl Names {
     pub fn group(&self, base_key: &str) -> String {
         format!("{}:group:{base_key}", self.prefix)
     }
-}
-
-/// What one prefix's processes need on a RabbitMQ virtual host, as regular expressions over
-/// resource names (RabbitMQ's `configure`, `write`, `read`), and the topic permissions that
-/// keep the shared delay chain from reaching another prefix: on every exchange of the chain, a
-/// user may publish only routing keys that end in its own prefix, and bind only the chain's
-/// own keys and its own prefix's. Never the default exchange (it reaches every queue of the
-/// virtual host by name). See SECURITY.md ("Several prefixes on one broker").
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Permissions {
-    /// `configure`, `write` and `read` (one pattern serves all three).
-    pub resources: String,
-    /// `(exchange, write, read)` per exchange of the delay chain.
-    pub topics: Vec<(String, String, String)>,
-}
-
-/// The [`Permissions`] of `prefix` (letters, digits, `-`, `_`: nothing to escape).
-pub fn permissions(prefix: &str) -> Permissions {
-    let own = format!(r"{prefix}\.(work|dead|unroutable|q\..+|dlq\..+)");
-    let resources = format!(r"^({own}|chime-delay\..+)$");
-    let levels = crate::delay::LEVELS;
-    let write = format!(r"^([01]\.){{{levels}}}{}\.[^.]+$", word(prefix));
-    let read = format!(r"^((\*\.)*[01]\.#|(\*\.){{{levels}}}{}\.([^.]+|\*))$", word(prefix));
-    let mut exchanges: Vec<String> = [QueueType::Quorum, QueueType::Classic]
-        .into_iter()
-        .flat_map(|t| (0..levels).map(move |l| delay_level(t, l)))
-        .collect();
-    exchanges.extend([DELAY_DELIVER.to_string(), DELAY_UNROUTABLE.to_string()]);
-    let topics = exchanges.into_iter().map(|x| (x, write.clone(), read.clone())).collect();
-    Permissions { resources, topics }
 }
 
 /// `<host>:<pid>`: how a worker or ticker names itself in claims, leases and logs unless

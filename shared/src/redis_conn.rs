@@ -58,12 +58,7 @@ fn config_error(what: String) -> RedisError {
     RedisError::from((ErrorKind::InvalidClientConfig, "redis config", what))
 }
 
-/// `host:port` → (host, port).
-pub fn host_port(s: &str) -> Option<(String, u16)> {
-    let (host, port) = s.rsplit_once(':')?;
-    let port: u16 = port.parse().ok()?;
-    (!host.is_empty() && port != 0).then(|| (host.trim_matches(['[', ']']).to_string(), port))
-}
+pub use crate::config::host_port;
 
 /// The TLS files of `[redis.tls]` as redis's certificates (`None` when none are set).
 fn certificates(tls: &TlsConfig) -> RedisResult<Option<redis::TlsCertificates>> {
@@ -156,7 +151,7 @@ impl RedisConn {
             let lazy = LazyCluster { client: b.build()?, conn: Shared::new() };
             return Ok(Self { inner: Inner::Cluster(Arc::new(lazy)), db: 0 });
         }
-        let client = crate::tls::redis_client(config)?;
+        let client = crate::tls::redis_client(&config.url, &config.tls)?;
         let cm = ConnectionManagerConfig::new()
             .set_response_timeout(Some(config.timeout))
             .set_connection_timeout(Some(config.timeout))

@@ -8,9 +8,22 @@
 //! mixes plain and TLS URLs, and Redis's `#insecure` are rejected by
 //! [`crate::Config::validate`].
 
-use std::path::Path;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
 
-use crate::config::{AmqpConfig, RedisConfig, TlsConfig};
+/// `[amqp.tls]` / `[redis.tls]`: what TLS needs beyond the platform's roots. Only used with
+/// `amqps://` / `rediss://` URLs (set with a plain URL it is an error, never ignored).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM file of the CA(s) that sign the server's certificate, trusted instead of the
+    /// platform's roots.
+    pub ca_file: Option<PathBuf>,
+    /// PEM certificate chain presented to the server (mutual TLS; needs `client_key`).
+    pub client_cert: Option<PathBuf>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of `client_cert`.
+    pub client_key: Option<PathBuf>,
+}
 
 /// Makes rustls's ring provider the process default unless one is set already (a program
 /// that links rustls with another provider too would otherwise have none).
@@ -92,11 +105,11 @@ impl TlsFiles {
 /// set — as for Redis: a broker with a private CA is not also vouched for by every public CA.
 /// The client certificate is presented when configured. (lapin's own TLS setup would trust the
 /// CA file in addition to the platform's roots.)
-pub fn amqp_tls(config: &AmqpConfig) -> Result<lapin::tcp::RustlsConnector, TlsFileError> {
+pub fn amqp_tls(tls: &TlsConfig) -> Result<lapin::tcp::RustlsConnector, TlsFileError> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let key = "amqp.tls";
-    let files = TlsFiles::read(key, &config.tls)?;
+    let files = TlsFiles::read(key, tls)?;
     let invalid = |what: &str, e: &dyn std::fmt::Display| TlsFileError {
         key: format!("{key}.{what}"),
         message: format!("not usable: {e}"),
@@ -128,19 +141,19 @@ pub fn amqp_tls(config: &AmqpConfig) -> Result<lapin::tcp::RustlsConnector, TlsF
     connector.map_err(|e| invalid("ca_file", &e))
 }
 
-/// A Redis client for `[redis]`: `rediss://` is verified against the platform's roots, or
-/// against `redis.tls.ca_file` alone when it is set; a client certificate is presented when
-/// configured.
-pub fn redis_client(config: &RedisConfig) -> redis::RedisResult<redis::Client> {
+/// A Redis client for `url` with `[redis.tls]`: `rediss://` is verified against the platform's
+/// roots, or against `redis.tls.ca_file` alone when it is set; a client certificate is
+/// presented when configured.
+pub fn redis_client(url: &str, tls: &TlsConfig) -> redis::RedisResult<redis::Client> {
     install_crypto_provider();
-    if config.tls == TlsConfig::default() {
-        return redis::Client::open(config.url.as_str());
+    if *tls == TlsConfig::default() {
+        return redis::Client::open(url);
     }
-    let files = TlsFiles::read("redis.tls", &config.tls).map_err(|e| {
+    let files = TlsFiles::read("redis.tls", tls).map_err(|e| {
         redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, "TLS", e.to_string()))
     })?;
     redis::Client::build_with_tls(
-        config.url.as_str(),
+        url,
         redis::TlsCertificates {
             client_tls: files
                 .identity

@@ -15,8 +15,9 @@ use lapin::options::{ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptio
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, Connection, ExchangeKind};
 
-use crate::config::{AmqpConfig, Config, QueueType};
+use crate::config::{AmqpConfig, Config};
 use crate::delay::{self, LEVELS};
+use crate::names::QueueType;
 use crate::names::{self, DELAY_DELIVER, DELAY_ORPHANS, DELAY_ORPHANS_EXCHANGE, DELAY_UNROUTABLE};
 
 pub use crate::names::Names;
@@ -374,6 +375,36 @@ pub async fn depth(conn: &Connection, queue: &str) -> Result<(u32, u32), lapin::
     let _ = ch.close(200, "depth".into()).await;
     let q = q?;
     Ok((q.message_count(), q.consumer_count()))
+}
+
+/// What one prefix's processes need on a RabbitMQ virtual host, as regular expressions over
+/// resource names (RabbitMQ's `configure`, `write`, `read`), and the topic permissions that
+/// keep the shared delay chain from reaching another prefix: on every exchange of the chain, a
+/// user may publish only routing keys that end in its own prefix, and bind only the chain's
+/// own keys and its own prefix's. Never the default exchange (it reaches every queue of the
+/// virtual host by name). See SECURITY.md ("Several prefixes on one broker").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Permissions {
+    /// `configure`, `write` and `read` (one pattern serves all three).
+    pub resources: String,
+    /// `(exchange, write, read)` per exchange of the delay chain.
+    pub topics: Vec<(String, String, String)>,
+}
+
+/// The [`Permissions`] of `prefix` (letters, digits, `-`, `_`: nothing to escape).
+pub fn permissions(prefix: &str) -> Permissions {
+    let own = format!(r"{prefix}\.(work|dead|unroutable|q\..+|dlq\..+)");
+    let resources = format!(r"^({own}|chime-delay\..+)$");
+    let levels = crate::delay::LEVELS;
+    let write = format!(r"^([01]\.){{{levels}}}{}\.[^.]+$", names::word(prefix));
+    let read = format!(r"^((\*\.)*[01]\.#|(\*\.){{{levels}}}{}\.([^.]+|\*))$", names::word(prefix));
+    let mut exchanges: Vec<String> = [QueueType::Quorum, QueueType::Classic]
+        .into_iter()
+        .flat_map(|t| (0..levels).map(move |l| names::delay_level(t, l)))
+        .collect();
+    exchanges.extend([DELAY_DELIVER.to_string(), DELAY_UNROUTABLE.to_string()]);
+    let topics = exchanges.into_iter().map(|x| (x, write.clone(), read.clone())).collect();
+    Permissions { resources, topics }
 }
 
 #[cfg(test)]

@@ -88,7 +88,7 @@ pub struct Envelope {
     pub target: Option<String>,
     /// Delivery order when a backlog exists; `None` is normal.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub priority: Option<crate::config::Priority>,
+    pub priority: Option<Priority>,
     /// Published by `chime backfill` for a past slot: a job's `deadline` counts from
     /// `enqueued_at` (the backfill), not from the slot, which is past on purpose.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -154,6 +154,46 @@ pub enum DecodeError {
 /// many as there are workers).
 pub const MAX_SHARDS: u32 = 10_000;
 
+/// Delivery order when a backlog exists: `high` before `normal` before `low`.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Deserialize, serde::Serialize, Default,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    /// Ahead of the others.
+    High,
+    /// The default.
+    #[default]
+    Normal,
+    /// Behind the others.
+    Low,
+}
+
+impl Priority {
+    /// Every level, highest first.
+    pub const ALL: [Priority; 3] = [Priority::High, Priority::Normal, Priority::Low];
+    /// `high`, `normal` or `low`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::High => "high",
+            Priority::Normal => "normal",
+            Priority::Low => "low",
+        }
+    }
+}
+
+impl std::str::FromStr for Priority {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "high" => Ok(Priority::High),
+            "normal" => Ok(Priority::Normal),
+            "low" => Ok(Priority::Low),
+            _ => Err(format!("{s:?}: high, normal or low")),
+        }
+    }
+}
+
 /// Key of a scheduled run: UUIDv5(ns, "{job}@{slot as RFC 3339 UTC, seconds}").
 pub fn scheduled_key(job: &str, slot: DateTime<Utc>) -> Uuid {
     let name = format!("{job}@{}", slot.to_rfc3339_opts(SecondsFormat::Secs, true));
@@ -194,9 +234,9 @@ pub fn worker_route(worker: &str) -> String {
 
 /// The route of `queue`'s level `priority`: the queue itself for `normal`, else
 /// `<queue>^high` or `<queue>^low` (`^` is outside the name alphabet: no queue is called so).
-pub fn priority_route(queue: &str, priority: crate::config::Priority) -> String {
+pub fn priority_route(queue: &str, priority: Priority) -> String {
     match priority {
-        crate::config::Priority::Normal => queue.to_string(),
+        Priority::Normal => queue.to_string(),
         p => format!("{queue}^{}", p.as_str()),
     }
 }
@@ -270,7 +310,7 @@ impl Envelope {
             (shard, shards) => return Err(DecodeError::Shard { shard, shards }),
         }
         for (field, value) in [("job", &env.job), ("queue", &env.queue)] {
-            if !crate::config::valid_name(value) {
+            if !chime_job::valid_name(value) {
                 // Shown with escapes: the value comes from the wire.
                 let value: String = value.chars().take(100).collect();
                 return Err(DecodeError::Name { field, value });

@@ -28,8 +28,6 @@ use croner::Cron;
 use croner::parser::{CronParser, Seconds, Year};
 use std::str::FromStr;
 
-use crate::config::JobConfig;
-
 /// How a schedule is resolved across daylight-saving transitions (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -119,11 +117,6 @@ impl Schedule {
             return Err(bad("never fires: no date matches (check day of month against month)".into()));
         }
         Ok(Self { cron, tz, kind, expr: expr.to_string() })
-    }
-
-    /// The schedule of a job, if it has one.
-    pub fn of(job: &JobConfig) -> Result<Option<Self>, ScheduleError> {
-        job.schedule.as_deref().map(|s| Self::parse(s, job.timezone.as_deref())).transpose()
     }
 
     /// The zone slots are computed in.

@@ -6,7 +6,6 @@
 
 use chime_cli::lease::TickerStore;
 use chime_shared::envelope::scheduled_key;
-use chime_shared::schedule::Schedule;
 use chrono::{DateTime, SecondsFormat, Utc};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -127,7 +126,7 @@ async fn finish(
     single: &std::path::Path,
 ) {
     // The slots to account for: from the first the sharded job ran to 01:00:30Z, by the schedule.
-    let schedule = Schedule::of(config.job("split").unwrap()).unwrap().unwrap();
+    let schedule = config.job("split").unwrap().schedule().unwrap().unwrap();
     let first = rows(split).iter().filter_map(|r| r[0].parse::<DateTime<Utc>>().ok()).min().unwrap();
     let last: DateTime<Utc> = "2026-10-25T01:00:30Z".parse().unwrap();
     let mut slots = vec![first];

@@ -13,6 +13,7 @@ mod examples;
 mod fanout;
 mod hostile;
 mod idempotency;
+mod layout;
 mod loss_windows;
 mod overlap;
 mod pipeline;

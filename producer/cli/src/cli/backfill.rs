@@ -77,7 +77,7 @@ pub async fn run(config: Config, args: BackfillArgs) -> Result<(), Failure> {
         .job(&args.job)
         .ok_or_else(|| usage(anyhow::anyhow!("unknown job {:?} (not in the config's [[jobs]])", args.job)))?
         .clone();
-    let schedule = Schedule::of(&job)
+    let schedule = job.schedule()
         .map_err(|e| usage(anyhow::anyhow!("job {}: {e}", job.name)))?
         .ok_or_else(|| {
             usage(anyhow::anyhow!(

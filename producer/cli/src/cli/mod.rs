@@ -110,7 +110,7 @@ pub enum Command {
 
 /// `chime permissions`: RabbitMQ definitions (`permissions`, `topic_permissions`) for `user`.
 fn permissions_json(prefix: &str, user: &str, vhost: &str) -> String {
-    let p = chime_shared::names::permissions(prefix);
+    let p = chime_shared::topology::permissions(prefix);
     let topics: Vec<serde_json::Value> = p
         .topics
         .iter()

@@ -43,7 +43,7 @@ fn schedule_of(config: &Config, name: &str) -> Result<Schedule, Failure> {
     let job = config
         .job(name)
         .ok_or_else(|| usage(anyhow::anyhow!("unknown job {name:?} (not in the config's [[jobs]])")))?;
-    Schedule::of(job)
+    job.schedule()
         .map_err(|e| usage(anyhow::anyhow!("job {name}: {e}")))?
         .ok_or_else(|| usage(anyhow::anyhow!("job {name} has no schedule (it runs ad hoc only)")))
 }

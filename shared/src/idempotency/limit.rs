@@ -12,7 +12,7 @@ use redis::{Script, Value};
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use crate::idempotency::{IdemError, IdemStore, evalsha};
+use super::{IdemError, IdemStore, evalsha};
 
 /// KEYS[1] the job's slots; ARGV owner, limit, lease_ms → `{1, 0}`: the owner holds a slot
 /// until now + lease (taken, or renewed when it held one already); `{0, ms}`: every slot is

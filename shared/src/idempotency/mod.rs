@@ -29,6 +29,8 @@
 //! persistence loses keys. Handlers that need exactly-once effects use the key or the fence
 //! in their own transaction.
 
+pub mod limit;
+
 use redis::aio::ConnectionLike;
 use redis::{Cmd, Pipeline, Script, Value};
 use std::sync::{Arc, LazyLock, Mutex};
@@ -815,7 +817,7 @@ async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
             return;
         }
         let ours = [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*RUNLOG, &*XADDS, &*CHECKPOINT];
-        for script in ours.into_iter().chain(crate::limit::scripts()) {
+        for script in ours.into_iter().chain(limit::scripts()) {
             if let Err(e) = script.prepare_invoke().load_async(conn).await {
                 return fail_all(again_replies, || IdemError::Redis(e.clone()));
             }
