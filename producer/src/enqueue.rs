@@ -5,7 +5,7 @@
 //! envelope) happens before anything is published, so a bad batch publishes nothing.
 
 use chime_shared::amqp::{self, AmqpError};
-use chime_shared::config::{Config, Priority, valid_name};
+use chime_shared::config::{Config, Priority, ValidConfig, valid_name};
 use chime_shared::delay;
 use chime_shared::envelope::{self, Envelope, Source};
 use chime_shared::job::{Job, JobOptions};
@@ -261,7 +261,7 @@ impl EnqueueError {
 /// receive is absorbed as a duplicate by the workers, never run as a second job.
 pub struct EnqueueClient {
     session: tokio::sync::RwLock<Arc<Session>>,
-    pub(crate) config: Arc<Config>,
+    pub(crate) config: ValidConfig,
     pub(crate) names: Names,
     /// Queues of typed jobs already declared by this client.
     declared: Mutex<HashSet<String>>,
@@ -304,7 +304,7 @@ fn reconnect_delay(n: u32) -> Duration {
 
 impl EnqueueClient {
     /// Connects, declares the topology of every configured queue, and enables confirms.
-    pub async fn connect(config: Arc<Config>) -> Result<Self, EnqueueError> {
+    pub async fn connect(config: ValidConfig) -> Result<Self, EnqueueError> {
         let session = Self::open(&config, &[]).await?;
         let names = Names::new(&config.prefix);
         Ok(Self {

@@ -7,15 +7,14 @@
 //!
 //! ```no_run
 //! use chime_producer::{EnqueueClient, EnqueueRequest, Job};
-//! use std::sync::Arc;
 //!
 //! #[derive(serde::Serialize, serde::Deserialize)]
 //! struct SendWelcome { user_id: u64 }
 //! impl Job for SendWelcome { const NAME: &'static str = "send_welcome"; }
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! let config = Arc::new(chime_shared::Config::load(None)?);
-//! let client = EnqueueClient::connect(config).await?;
+//! // The config is validated on load (a config built in code: `Config::validated`).
+//! let client = EnqueueClient::connect(chime_shared::Config::load(None)?).await?;
 //! let done = client.enqueue(SendWelcome { user_id: 42 }).await?;          // typed
 //! println!("confirmed, key {}", done.key);
 //! client.enqueue(EnqueueRequest::new("nightly-report").key("2026-12-01")).await?; // by name

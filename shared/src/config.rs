@@ -717,6 +717,35 @@ impl RawJobConfig {
     }
 }
 
+/// A [`Config`] that passed [`Config::validate`]: what every entry point takes
+/// (`Worker::builder`, `EnqueueClient::connect`, the daemons and the CLI), obtained only
+/// through validation ([`Config::load`], [`Config::from_toml_str`], [`Config::validated`]).
+/// Reads go through `Deref`; to change a setting, take the [`Config`] out
+/// ([`ValidConfig::into_config`]) and validate it again. Cloning it is cheap (shared).
+#[derive(Debug, Clone)]
+pub struct ValidConfig(std::sync::Arc<Config>);
+
+impl std::ops::Deref for ValidConfig {
+    type Target = Config;
+    fn deref(&self) -> &Config {
+        &self.0
+    }
+}
+
+impl ValidConfig {
+    /// The config itself, to change and validate again.
+    pub fn into_config(self) -> Config {
+        std::sync::Arc::unwrap_or_clone(self.0)
+    }
+}
+
+impl TryFrom<Config> for ValidConfig {
+    type Error = ConfigError;
+    fn try_from(config: Config) -> Result<Self, ConfigError> {
+        config.validated()
+    }
+}
+
 /// `host:port` → (host, port); `[v6]:port` gives the address without brackets.
 pub fn host_port(s: &str) -> Option<(String, u16)> {
     let (host, port) = s.rsplit_once(':')?;
@@ -817,7 +846,7 @@ fn key_at(text: &str, offset: usize) -> Option<String> {
 impl Config {
     /// Resolves the path (`--config` > `$CHIME_CONFIG` > `./chime.toml`), reads, parses,
     /// applies environment overrides and validates.
-    pub fn load(explicit: Option<&Path>) -> Result<Self, ConfigError> {
+    pub fn load(explicit: Option<&Path>) -> Result<ValidConfig, ConfigError> {
         let path = Self::resolve_path(explicit);
         let text = match std::fs::read_to_string(&path) {
             Ok(t) => t,
@@ -828,8 +857,7 @@ impl Config {
         };
         let mut config = Self::parse(&text, &path.display().to_string())?;
         config.apply_env(|k| std::env::var(k).ok())?;
-        config.validate()?;
-        Ok(config)
+        config.validated()
     }
 
     /// The config path: `explicit`, else `$CHIME_CONFIG`, else `./chime.toml`.
@@ -869,10 +897,15 @@ impl Config {
     }
 
     /// Parses and validates TOML text, applying no environment overrides (tests, embedding).
-    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
-        let config = Self::parse(text, "<config>")?;
-        config.validate()?;
-        Ok(config)
+    pub fn from_toml_str(text: &str) -> Result<ValidConfig, ConfigError> {
+        Self::parse(text, "<config>")?.validated()
+    }
+
+    /// This config, checked: the form every entry point takes. Built in code, a config is
+    /// checked by the same rules as one read from a file.
+    pub fn validated(self) -> Result<ValidConfig, ConfigError> {
+        self.validate()?;
+        Ok(ValidConfig(std::sync::Arc::new(self)))
     }
 
     /// Applies `CHIME_AMQP_URL`, `CHIME_REDIS_URL` and `CHIME_PREFIX` through `get`.
@@ -1352,7 +1385,7 @@ mod tests {
 
     #[test]
     fn env_overrides_win() {
-        let mut c = Config::from_toml_str("").unwrap();
+        let mut c = Config::from_toml_str("").unwrap().into_config();
         c.apply_env(|k| match k {
             "CHIME_AMQP_URL" => Some("amqp://a/%2f, amqp://b/%2f".into()),
             "CHIME_PREFIX" => Some("t1".into()),

@@ -46,7 +46,7 @@ pub mod telemetry;
 pub mod tls;
 pub mod topology;
 
-pub use config::{Config, ConfigError};
+pub use config::{Config, ConfigError, ValidConfig};
 pub use envelope::{Envelope, Source};
 pub use topology::Names;
 

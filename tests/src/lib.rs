@@ -9,7 +9,7 @@
 //! vacuously.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use chime_shared::config::Config;
+use chime_shared::config::{Config, ValidConfig};
 use chime_shared::topology::Names;
 use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use lapin::{Connection, ConnectionProperties};
@@ -119,7 +119,7 @@ impl TestEnv {
         )
     }
 
-    pub fn config(&self, queue_type: &str, redis: &str, worker: &str, jobs: &str) -> Config {
+    pub fn config(&self, queue_type: &str, redis: &str, worker: &str, jobs: &str) -> ValidConfig {
         let text = self.config_text(queue_type, redis, worker, jobs);
         Config::from_toml_str(&text).unwrap_or_else(|e| panic!("test config invalid: {e}\n{text}"))
     }

@@ -11,7 +11,7 @@
 //! `worker.shutdown_timeout`, then stop what is left (requeued, claim released) and close.
 
 use chime_shared::amqp;
-use chime_shared::config::{Config, ConfigError, Priority};
+use chime_shared::config::{Config, ConfigError, Priority, ValidConfig};
 use chime_shared::control::{self, Target, WorkerBeat};
 use chime_shared::health::Health;
 use chime_shared::idempotency::IdemStore;
@@ -71,7 +71,7 @@ pub struct Worker {
 
 /// Builds a [`Worker`] from config plus Rust-registered handlers.
 pub struct WorkerBuilder {
-    config: Config,
+    config: ValidConfig,
     registry: Registry,
     queues: Option<Vec<String>>,
     concurrency: Option<usize>,
@@ -80,8 +80,9 @@ pub struct WorkerBuilder {
 }
 
 impl WorkerBuilder {
-    /// A builder with no Rust handlers; built-in handlers come from the config.
-    pub fn new(config: Config) -> Self {
+    /// A builder with no Rust handlers; built-in handlers come from the config (validated:
+    /// [`Config::validated`], or [`Config::load`]).
+    pub fn new(config: ValidConfig) -> Self {
         Self {
             config,
             registry: Registry::new(),
@@ -120,7 +121,7 @@ impl WorkerBuilder {
     /// Resolves every job of the consumed queues to a handler; a job whose handler this
     /// worker does not have is a config error naming the job.
     pub fn build(self) -> Result<Worker, WorkerError> {
-        let config = Arc::new(self.config);
+        let config = self.config;
         // By default: the config's queues, plus those of jobs defined in Rust.
         let queues = self.queues.unwrap_or_else(|| {
             let mut q = config.worker_queues();
@@ -173,7 +174,7 @@ enum SessionEnd {
 
 impl Worker {
     /// Same as [`WorkerBuilder::new`].
-    pub fn builder(config: Config) -> WorkerBuilder {
+    pub fn builder(config: ValidConfig) -> WorkerBuilder {
         WorkerBuilder::new(config)
     }
 

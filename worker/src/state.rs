@@ -2,6 +2,7 @@
 //! the Redis health flag. No I/O lives here, so `process` (one delivery) and `runtime` (the
 //! consumers) both build on it without depending on each other.
 
+use chime_shared::config::ValidConfig;
 use chime_shared::config::{BackoffConfig, Config, ConfigError};
 use chime_shared::control::Running;
 use chime_shared::telemetry::{self, outcome};
@@ -222,7 +223,7 @@ pub(crate) fn resolve_jobs(
 
 /// State shared by every delivery task (everything but the Redis store and the broker).
 pub(crate) struct Core {
-    pub config: Arc<Config>,
+    pub config: ValidConfig,
     pub names: Names,
     pub worker_id: String,
     /// Makes owner tokens unique across restarts that reuse a host name and pid.
@@ -262,7 +263,7 @@ impl Drop for RunningGuard<'_> {
 }
 
 impl Core {
-    pub fn new(config: Arc<Config>, registry: Registry, jobs: Jobs, worker_id: String) -> Self {
+    pub fn new(config: ValidConfig, registry: Registry, jobs: Jobs, worker_id: String) -> Self {
         let names = Names::new(&config.prefix);
         Self {
             config,

@@ -4,7 +4,6 @@
 
 use chime_producer::{EnqueueClient, EnqueueRequest};
 use invoice_jobs::SendInvoice;
-use std::sync::Arc;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -12,8 +11,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let customer = args.next().ok_or("usage: enqueue-service CUSTOMER CENTS [COUNT]")?;
     let cents: u64 = args.next().ok_or("CENTS missing")?.parse()?;
     let count: usize = args.next().map(|n| n.parse()).transpose()?.unwrap_or(1);
-    let config = Arc::new(chime_shared::Config::load(None)?);
-    let client = EnqueueClient::connect(config).await?;
+    let client = EnqueueClient::connect(chime_shared::Config::load(None)?).await?;
     for i in 0..count {
         let invoice = SendInvoice { customer: customer.clone(), cents };
         // A typed job; the key makes a retry of this request harmless.

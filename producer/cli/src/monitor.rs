@@ -8,14 +8,13 @@
 //! sent one at a time, in order, so `resolved` never overtakes its `firing`.
 
 use chime_shared::amqp;
-use chime_shared::config::Config;
+use chime_shared::config::ValidConfig;
 use chime_shared::health::Health;
 use chime_shared::telemetry;
 use chime_shared::topology::{self, Names};
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::json;
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -25,7 +24,7 @@ use tracing::{info, warn};
 /// stopping it when `leading` turns `false`, until `token` is cancelled.
 pub async fn run_while(
     mut leading: tokio::sync::watch::Receiver<bool>,
-    config: tokio::sync::watch::Receiver<Arc<Config>>,
+    config: tokio::sync::watch::Receiver<ValidConfig>,
     token: CancellationToken,
 ) {
     loop {
@@ -155,7 +154,7 @@ fn fingerprint(s: &str) -> u64 {
 }
 
 /// Sends notifications in order: log, then the webhook with retries.
-async fn sender(mut rx: mpsc::UnboundedReceiver<Notification>, config: Arc<Config>) {
+async fn sender(mut rx: mpsc::UnboundedReceiver<Notification>, config: ValidConfig) {
     let names = Names::new(&config.prefix);
     // No redirects for alerts: an Alertmanager URL never moves, and a redirect would resend
     // the body elsewhere.
@@ -199,7 +198,7 @@ async fn sender(mut rx: mpsc::UnboundedReceiver<Notification>, config: Arc<Confi
 }
 
 /// Polls DLQ depths and raises alerts until `token` is cancelled; reconnects as needed.
-pub async fn run(config: Arc<Config>, health: Health, token: CancellationToken) {
+pub async fn run(config: ValidConfig, health: Health, token: CancellationToken) {
     let names = Names::new(&config.prefix);
     let queues = config.all_queues();
     let (tx, rx) = mpsc::unbounded_channel();

@@ -30,11 +30,10 @@ pub use windows::*;
 
 use chime_cli::dlq::{DlqClient, Filter};
 use chime_producer::{EnqueueClient, EnqueueRequest};
-use chime_shared::config::Config;
+use chime_shared::config::{Config, ValidConfig};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::{Child, PrivateRabbit, PrivateRedis, TestEnv, wait_until};
@@ -182,7 +181,7 @@ pub struct Stack {
     pub db: String,
     pub ledger: PathBuf,
     pub config_path: PathBuf,
-    pub config: Config,
+    pub config: ValidConfig,
 }
 
 pub(crate) fn psql(db: &str, sql: &str) -> String {
@@ -270,7 +269,7 @@ impl Stack {
     }
 
     pub async fn client(&self) -> EnqueueClient {
-        EnqueueClient::connect(Arc::new(self.config.clone())).await.unwrap()
+        EnqueueClient::connect(self.config.clone()).await.unwrap()
     }
 
     /// Enqueues `n` jobs of `job` with keys `{prefix}{i}`; returns their idempotency keys.
@@ -310,7 +309,7 @@ impl Stack {
 
     /// Dead letters: reason → count, and the keys they carry.
     pub async fn dlq_contents(&self) -> (BTreeMap<String, usize>, HashSet<String>) {
-        let client = DlqClient::connect(Arc::new(self.config.clone())).await.unwrap();
+        let client = DlqClient::connect(self.config.clone()).await.unwrap();
         let (mut reasons, mut keys) = (BTreeMap::new(), HashSet::new());
         for q in self.config.all_queues() {
             for d in client.list(&q, &Filter::default()).await.unwrap() {

@@ -3,7 +3,6 @@
 
 use chime_producer::{EnqueueClient, EnqueueRequest};
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{BROKER_CONF, Check, Outcome, Stack, now_f64, wait_runs};
@@ -191,7 +190,7 @@ pub async fn poison_and_timeouts() -> Outcome {
     let s = Stack::start("rel-poison", false, "concurrency = 4", 0.0, extra).await;
     let _w = s.worker("w");
     let expected = s.enqueue(50).await;
-    let client = EnqueueClient::connect(Arc::new(s.config.clone())).await.unwrap();
+    let client = EnqueueClient::connect(s.config.clone()).await.unwrap();
     let mut dead = HashSet::new();
     for i in 0..5 {
         client.enqueue(EnqueueRequest::new("poison").key(format!("p{i}"))).await.unwrap();
@@ -237,7 +236,7 @@ pub async fn duplicate_publishes() -> Outcome {
     let _w = s.worker("w");
     let _t = s.ticker("t");
     wait_runs(&s, 2, Duration::from_secs(30)).await;
-    let client = EnqueueClient::connect(Arc::new(s.config.clone())).await.unwrap();
+    let client = EnqueueClient::connect(s.config.clone()).await.unwrap();
     let fault = now_f64();
     let until = fault + 8.0;
     let mut sent = 0;
@@ -411,7 +410,7 @@ pub async fn consumer_timeout() -> Outcome {
     // Tell chime what the broker enforces, so the worker can warn about the long job.
     s.edit_config(|t| t.replacen("[amqp]\n", "[amqp]\nconsumer_timeout = \"1m\"\n", 1));
     let w = s.worker("w");
-    let client = EnqueueClient::connect(Arc::new(s.config.clone())).await.unwrap();
+    let client = EnqueueClient::connect(s.config.clone()).await.unwrap();
     client.enqueue(EnqueueRequest::new("long").key("long")).await.unwrap();
     let mut expected = HashSet::new();
     let fault = now_f64();

@@ -3,7 +3,6 @@
 
 use chime_producer::{EnqueueClient, EnqueueRequest};
 use serde_json::json;
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::*;
@@ -18,7 +17,7 @@ async fn worker_reconnects_after_a_broker_restart_and_loses_nothing() {
     let worker = Running::start(config.clone(), counting_registry(&ledger), 4).await;
     let total = 200u64;
     {
-        let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+        let client = EnqueueClient::connect(config.clone()).await.unwrap();
         let reqs: Vec<_> = (0..total)
             .map(|n| EnqueueRequest::new("count").payload(json!({"n": n, "sleep_ms": 10})))
             .collect();
@@ -69,7 +68,7 @@ async fn an_enqueue_client_reconnects_after_a_broker_restart() {
         1,
     );
     let config = chime_shared::Config::from_toml_str(&text).unwrap();
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let a = client.enqueue(EnqueueRequest::new("count").key("a").payload(json!({"n": 1}))).await.unwrap();
     rabbit.restart().await;
     let b = client.enqueue(EnqueueRequest::new("count").key("b").payload(json!({"n": 2}))).await.unwrap();

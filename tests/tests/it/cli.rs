@@ -89,7 +89,7 @@ async fn a_large_batch_on_stdin_is_validated_whole_then_published_in_chunks() {
     let queue = env.names().work_queue("default");
     // The topology exists before the first attempt, so "nothing published" is a depth of 0.
     let config = chime_shared::Config::from_toml_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    drop(chime_producer::EnqueueClient::connect(std::sync::Arc::new(config)).await.unwrap());
+    drop(chime_producer::EnqueueClient::connect(config).await.unwrap());
     let tmp = env.dir.join("tmp");
     std::fs::create_dir_all(&tmp).unwrap();
     let envs = [("TMPDIR", tmp.as_os_str())];

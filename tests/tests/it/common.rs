@@ -1,6 +1,6 @@
 //! In-process workers and a counting ledger for the tests.
 
-use chime_shared::config::Config;
+use chime_shared::config::ValidConfig;
 use chime_shared::health::Health;
 use chime_worker::{JobContext, JobError, Registry, Stats, Worker, WorkerError, raw_handler_fn};
 use std::collections::HashMap;
@@ -64,7 +64,7 @@ pub struct Running {
 }
 
 impl Running {
-    pub async fn start(config: Config, registry: Registry, concurrency: usize) -> Self {
+    pub async fn start(config: ValidConfig, registry: Registry, concurrency: usize) -> Self {
         if std::env::var_os("RUST_LOG").is_some() {
             chime_daemon::telemetry::init_tracing();
         }

@@ -52,8 +52,9 @@ pub async fn drain_dlq(dlq: &str, expect: usize) -> Vec<(Vec<u8>, HashMap<String
 #[tokio::test]
 async fn malformed_unknown_and_oversized_messages_go_to_the_dlq_without_retries() {
     let env = TestEnv::new("malformed");
-    let mut config = env.config("classic", "", "unknown_job_grace = \"1s\"", COUNT_JOB);
+    let mut config = env.config("classic", "", "unknown_job_grace = \"1s\"", COUNT_JOB).into_config();
     config.amqp.max_message_bytes = 4096;
+    let config = config.validated().unwrap();
     let ledger = Ledger::default();
     let worker = Running::start(config.clone(), counting_registry(&ledger), 2).await;
     let conn = connect_amqp().await;
@@ -148,7 +149,7 @@ async fn permanent_errors_die_at_once_while_panics_and_timeouts_retry_then_die()
         }),
     );
     let worker = Running::start(config.clone(), reg, 4).await;
-    let client = chime_producer::EnqueueClient::connect(std::sync::Arc::new(config)).await.unwrap();
+    let client = chime_producer::EnqueueClient::connect(config).await.unwrap();
     for job in ["perm", "boom", "slow"] {
         client.enqueue(chime_producer::EnqueueRequest::new(job)).await.unwrap();
     }

@@ -67,7 +67,7 @@ async fn hundred_dead_letters_listed_then_replayed_by_two_operators_at_once() {
         }),
     );
     let worker = Running::start(config.clone(), reg, 8).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let reqs: Vec<_> =
         (0..100u64).map(|n| EnqueueRequest::new("count").payload(serde_json::json!({"n": n}))).collect();
     client.enqueue_batch(&reqs).await.unwrap();
@@ -143,7 +143,7 @@ async fn purge_by_age_and_by_id() {
     let env = TestEnv::new("purge");
     let text = env.config_text("classic", "", "", COUNT_JOB);
     let path = env.write_config(&text);
-    let config = Arc::new(chime_shared::Config::from_toml_str(&text).unwrap());
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
     let client = DlqClient::connect(config).await.unwrap(); // declares the topology
     publish_dead(&env, 2, chrono::Utc::now() - chrono::Duration::days(10)).await;
     publish_dead(&env, 2, chrono::Utc::now()).await;
@@ -191,21 +191,20 @@ async fn webhook() -> (std::net::SocketAddr, Bodies) {
 }
 
 /// A config whose DLQ alerts (checked every 100 ms) go to a fresh webhook receiver.
-async fn alerting(env: &TestEnv, hold: Duration, threshold: u64) -> (chime_shared::Config, Bodies) {
+async fn alerting(env: &TestEnv, hold: Duration, threshold: u64) -> (chime_shared::ValidConfig, Bodies) {
     let (addr, bodies) = webhook().await;
-    let mut config = env.config("classic", "", "", COUNT_JOB);
+    let mut config = env.config("classic", "", "", COUNT_JOB).into_config();
     config.alerts.webhook = Some(format!("http://{addr}/alerts"));
     config.alerts.interval = Duration::from_millis(100);
     config.alerts.for_ = hold;
     config.alerts.dlq_threshold = threshold;
-    (config, bodies)
+    (config.validated().unwrap(), bodies)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dlq_alert_fires_then_resolves_once_each() {
     let env = TestEnv::new("alerts");
     let (config, bodies) = alerting(&env, Duration::from_millis(500), 2).await;
-    let config = Arc::new(config);
     let health = chime_shared::health::Health::default();
     let token = CancellationToken::new();
     let monitor = tokio::spawn(chime_cli::monitor::run(config.clone(), health.clone(), token.clone()));
@@ -265,8 +264,7 @@ async fn purge_asks_on_a_terminal() {
     let env = TestEnv::new("purgetty");
     let text = env.config_text("classic", "", "", COUNT_JOB);
     let path = env.write_config(&text);
-    let client =
-        DlqClient::connect(Arc::new(chime_shared::Config::from_toml_str(&text).unwrap())).await.unwrap();
+    let client = DlqClient::connect(chime_shared::Config::from_toml_str(&text).unwrap()).await.unwrap();
     publish_dead(&env, 3, chrono::Utc::now()).await;
     let out = purge_on_a_tty(&path, "n").await;
     assert!(
@@ -287,8 +285,7 @@ async fn an_ambiguous_id_prefix_acts_on_nothing_and_lists_the_matches() {
     let env = TestEnv::new("ambiguous");
     let text = env.config_text("classic", "", "", COUNT_JOB);
     let path = env.write_config(&text);
-    let client =
-        DlqClient::connect(Arc::new(chime_shared::Config::from_toml_str(&text).unwrap())).await.unwrap();
+    let client = DlqClient::connect(chime_shared::Config::from_toml_str(&text).unwrap()).await.unwrap();
     publish_dead(&env, 3, chrono::Utc::now()).await;
     let all = client.list("default", &Filter::default()).await.unwrap();
     let prefix = &all[0].id[..8];
@@ -332,7 +329,7 @@ async fn monitor_follows_leadership() {
     chime_shared::topology::declare(&conn, &config, &["default".into()]).await.unwrap();
     publish_dead(&env, 1, chrono::Utc::now()).await;
     let (lead_tx, lead_rx) = tokio::sync::watch::channel(false);
-    let (_config_tx, config_rx) = tokio::sync::watch::channel(Arc::new(config));
+    let (_config_tx, config_rx) = tokio::sync::watch::channel(config);
     let token = CancellationToken::new();
     let monitor = tokio::spawn(chime_cli::monitor::run_while(lead_rx, config_rx, token.clone()));
     // A standby stays silent: the DLQ is above the threshold for 10 alert holds.

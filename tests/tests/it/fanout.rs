@@ -89,7 +89,7 @@ async fn a_sharded_schedule_runs_every_shard_of_every_slot_once() {
     worker.stop().await;
 
     // No worker: the members wait in the queue, and inspect says none has started.
-    let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
     let done = client.enqueue(EnqueueRequest::new("adhoc-split").key("run-2")).await.unwrap();
     assert_eq!(done.members.len(), 4);
     let (code, out, _) = chime(&path, &["inspect", &done.key.to_string()], None);
@@ -184,7 +184,7 @@ async fn shards_workers_takes_the_count_of_live_workers_on_the_queue() {
         }
     })
     .await;
-    let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
     let done = client.enqueue(EnqueueRequest::new("wide")).await.unwrap();
     assert_eq!(done.members.len(), 2, "one shard per live worker");
     match client.wait(done.key, Duration::from_secs(30)).await.unwrap() {

@@ -44,7 +44,7 @@ async fn an_unroutable_delayed_message_never_holds_back_the_delay_chain() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("\"ghost\""), "{err}");
     // A publisher that does not check (another tool, an older release) gets them in anyway.
-    let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
     for i in 0..40 {
         let e = Envelope::new(
             "count",
@@ -67,7 +67,7 @@ async fn an_unroutable_delayed_message_never_holds_back_the_delay_chain() {
     wait_until("the valid delayed job ran", Duration::from_secs(20), || async { l.get(1000) == 1 }).await;
     // The 40 wait in the prefix's unroutable queue, visible to `chime dlq`.
     wait_depth(&env.names().unroutable_queue(), 40, Duration::from_secs(20)).await;
-    let dlq = DlqClient::connect(Arc::new(config)).await.unwrap();
+    let dlq = DlqClient::connect(config).await.unwrap();
     let dead = dlq.list(UNROUTABLE, &Filter::default()).await.unwrap();
     assert_eq!(dead.len(), 40);
     assert!(dead.iter().all(|d| d.reason == "unroutable"));
@@ -110,7 +110,7 @@ async fn exec_children_get_a_clean_environment_and_bounded_output() {
         ("ALLOWED_VAR", "yes"),
     ];
     let worker = Child::worker_env(&env.dir, &path, "w", &secrets);
-    let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
     client.enqueue(EnqueueRequest::new("envdump")).await.unwrap();
     let d = dump.clone();
     wait_until("the job dumped its environment", Duration::from_secs(30), || {
@@ -130,7 +130,7 @@ async fn exec_children_get_a_clean_environment_and_bounded_output() {
     client.enqueue(EnqueueRequest::new("loud")).await.unwrap();
     wait_depth(&env.names().dlq("default"), 1, Duration::from_secs(120)).await;
     let peak_mib = worker.peak_rss_kib() / 1024;
-    let dlq = DlqClient::connect(Arc::new(config)).await.unwrap();
+    let dlq = DlqClient::connect(config).await.unwrap();
     let dead = dlq.list("default", &Filter::default()).await.unwrap();
     let error = dead[0].error.clone().unwrap_or_default();
     assert!(error.ends_with("THE-END") && error.len() <= 1000, "the stderr tail: {} bytes", error.len());
@@ -155,7 +155,7 @@ async fn secrets_in_urls_never_reach_logs_or_dead_letters() {
     let config = Config::from_toml_str(&text).unwrap();
     let worker = Child::worker(&env.dir, &path, &[], "w");
     let watch = Child::chime(&env.dir, &path, &["watch"], "watch");
-    let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
     client.enqueue(EnqueueRequest::new("hook")).await.unwrap();
     client.enqueue(EnqueueRequest::new("slack")).await.unwrap();
     wait_depth(&env.names().dlq("default"), 2, Duration::from_secs(30)).await;
@@ -164,7 +164,7 @@ async fn secrets_in_urls_never_reach_logs_or_dead_letters() {
         w.log_text().contains("alert webhook failed")
     })
     .await;
-    let dlq = DlqClient::connect(Arc::new(config)).await.unwrap();
+    let dlq = DlqClient::connect(config).await.unwrap();
     let errors: Vec<String> = dlq
         .list("default", &Filter::default())
         .await
@@ -221,7 +221,7 @@ async fn control_characters_never_reach_logs_or_terminals_raw() {
     )
     .unwrap();
     evil["job"] = "evil\nINFO forged line".into();
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap(); // declares the topology
+    let client = EnqueueClient::connect(config).await.unwrap(); // declares the topology
     publish_raw(&env, &serde_json::to_vec(&evil).unwrap()).await;
     client.enqueue(EnqueueRequest::new("noisy")).await.unwrap();
     wait_depth(&env.names().dlq("default"), 2, Duration::from_secs(30)).await;
@@ -249,7 +249,7 @@ async fn a_poisoned_record_is_dead_lettered_and_nothing_else_pauses() {
         redis::cmd("SET").arg(env.names().idem_key(&key)).arg("garbage").query_async(&mut r).await.unwrap();
     let ledger = Ledger::default();
     let worker = Running::start(config.clone(), counting_registry(&ledger), 4).await;
-    let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
     client.enqueue(EnqueueRequest::new("count").key("poisoned").payload(json!({"n": 0}))).await.unwrap();
     for n in 1..=5 {
         client.enqueue(EnqueueRequest::new("count").payload(json!({"n": n}))).await.unwrap();
@@ -258,7 +258,7 @@ async fn a_poisoned_record_is_dead_lettered_and_nothing_else_pauses() {
     wait_until("the other jobs ran", Duration::from_secs(30), || async { (1..=5).all(|n| l.get(n) == 1) })
         .await;
     wait_depth(&env.names().dlq("default"), 1, Duration::from_secs(30)).await;
-    let dlq = DlqClient::connect(Arc::new(config)).await.unwrap();
+    let dlq = DlqClient::connect(config).await.unwrap();
     let dead = dlq.list("default", &Filter::default()).await.unwrap();
     assert_eq!(dead[0].reason, "bad_record", "{dead:?}");
     dlq.close().await;
@@ -306,8 +306,7 @@ async fn fifty_prefixes_share_a_broker_limited_to_1024_open_files() {
         let mut env = TestEnv::new(&format!("h-fifty{i}"));
         env.amqp_url = rabbit.url();
         let config = env.config("quorum", "", "", COUNT_JOB);
-        let client =
-            EnqueueClient::connect(Arc::new(config)).await.unwrap_or_else(|e| panic!("prefix {i}: {e}"));
+        let client = EnqueueClient::connect(config).await.unwrap_or_else(|e| panic!("prefix {i}: {e}"));
         client
             .enqueue(EnqueueRequest::new("count").payload(json!({"n": i})).delay(Duration::from_secs(1)))
             .await
@@ -453,14 +452,14 @@ async fn http_jobs_follow_redirects_only_within_their_origin() {
     );
     let config = env.config("classic", "", "", &jobs);
     let worker = Running::start(config.clone(), chime_worker::Registry::new(), 1).await;
-    let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
     for job in ["host", "port"] {
         client.enqueue(EnqueueRequest::new(job).payload(json!({"secret": "body"}))).await.unwrap();
     }
     let w = &worker;
     wait_until("dead-lettered", Duration::from_secs(20), || async { w.dead_lettered() == 2 }).await;
     assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), 0, "the body went to another origin");
-    let dlq = DlqClient::connect(Arc::new(config)).await.unwrap();
+    let dlq = DlqClient::connect(config).await.unwrap();
     let dead = dlq.list("default", &Filter::default()).await.unwrap();
     for d in &dead {
         assert_eq!(d.reason, "permanent");

@@ -5,7 +5,6 @@ use chime_producer::{EnqueueClient, EnqueueRequest};
 use chime_shared::config::Config;
 use lapin::options::ExchangeDeleteOptions;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::*;
@@ -56,7 +55,7 @@ async fn a_long_job_survives_redis_restarting_empty_under_it() {
     let path = env.write_config(&text);
     let config = Config::from_toml_str(&text).unwrap();
     let mut worker = Child::worker(&env.dir, &path, &[], "w");
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let job = client.enqueue(EnqueueRequest::new("long").key("long-1")).await.unwrap();
     wait_line(&ledger, "start", Duration::from_secs(30), "the job started").await;
     // Three seconds in (three renewals of a 3 s lease), Redis dies and comes back empty.
@@ -102,7 +101,7 @@ async fn a_dead_letter_survives_a_failed_dlq_publish() {
     let names = env.names();
     wait_consumer(&names.work_queue("default")).await;
     // The client declares the topology when it connects: delete the exchange after that.
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let conn = connect_amqp().await;
     let ch = conn.create_channel().await.unwrap();
     ch.exchange_delete(names.dead_exchange().as_str().into(), ExchangeDeleteOptions::default())

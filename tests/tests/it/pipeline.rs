@@ -2,7 +2,6 @@
 
 use chime_producer::{EnqueueClient, EnqueueRequest};
 use serde_json::json;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::common::*;
@@ -12,7 +11,7 @@ async fn enqueue_runs_once(queue_type: &str) {
     let config = env.config(queue_type, "", "", COUNT_JOB);
     let ledger = Ledger::default();
     let worker = Running::start(config.clone(), counting_registry(&ledger), 4).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let done = client.enqueue(EnqueueRequest::new("count").payload(json!({"n": 7}))).await.unwrap();
     assert_eq!(done.queue, "default");
     let w = &worker;
@@ -43,7 +42,7 @@ async fn thousand_jobs_over_three_workers_run_exactly_once() {
     for _ in 0..3 {
         workers.push(Running::start(config.clone(), counting_registry(&ledger), 8).await);
     }
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let reqs: Vec<_> = (0..1000u64).map(|n| EnqueueRequest::new("count").payload(json!({"n": n}))).collect();
     let started = Instant::now();
     let report = client.enqueue_batch(&reqs).await.unwrap();
@@ -80,7 +79,7 @@ async fn same_key_enqueued_twice_runs_once() {
     // A busy copy comes back after the owner's remaining lease: keep it short here.
     let config = env.config("quorum", "lease = \"2s\"", "", COUNT_JOB);
     let ledger = Ledger::default();
-    let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
     // Two copies delivered concurrently (the first still running when the second arrives)
     // and a third copy later: one execution, two duplicates absorbed.
     let req = EnqueueRequest::new("count").payload(json!({"n": 1, "sleep_ms": 300})).key("order-1");

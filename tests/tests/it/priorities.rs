@@ -41,7 +41,7 @@ async fn high_jobs_pass_a_low_backlog_on_quorum_and_classic_queues() {
         let mut env = TestEnv::new(&format!("prio-{queue_type}"));
         env.queues = vec!["default".into(), "flat".into()];
         let config = env.config(queue_type, "", "concurrency = 4", JOBS);
-        let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+        let client = EnqueueClient::connect(config.clone()).await.unwrap();
         // A backlog of 1,000 low jobs and 100 normal ones, waiting before any worker runs.
         let low: Vec<EnqueueRequest> =
             (0..1000).map(|n| EnqueueRequest::new("bulk").payload(serde_json::json!({"n": n}))).collect();

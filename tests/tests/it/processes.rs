@@ -2,7 +2,6 @@
 
 use chime_producer::{EnqueueClient, EnqueueRequest};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::*;
@@ -33,7 +32,7 @@ async fn worker_killed_mid_job_completes_elsewhere_after_the_lease_once() {
     let config = chime_shared::Config::from_toml_str(&text).unwrap();
 
     let mut a = Child::worker(&env.dir, &path, &[], "a");
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let job = client.enqueue(EnqueueRequest::new("work")).await.unwrap();
     let key = job.key.to_string();
     wait_started(&ledger).await;
@@ -90,7 +89,7 @@ async fn sigterm_drains_in_flight_jobs_and_exits_zero() {
     let path = env.write_config(&text);
     let config = chime_shared::Config::from_toml_str(&text).unwrap();
     let mut w = Child::worker(&env.dir, &path, &["--concurrency", "2"], "w");
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let job = client.enqueue(EnqueueRequest::new("work")).await.unwrap();
     wait_started(&ledger).await;
     w.signal(15);
@@ -110,7 +109,7 @@ async fn drain_deadline_stops_the_job_kills_its_process_group_and_requeues() {
     let path = env.write_config(&text);
     let config = chime_shared::Config::from_toml_str(&text).unwrap();
     let mut w = Child::worker(&env.dir, &path, &[], "w");
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let job = client.enqueue(EnqueueRequest::new("work")).await.unwrap();
     wait_started(&ledger).await;
     w.signal(15);
@@ -145,7 +144,7 @@ async fn exec_gets_payload_on_stdin_and_facts_in_env() {
     );
     let config = env.config("classic", "", "", &jobs);
     let worker = Running::start(config.clone(), chime_worker::Registry::new(), 1).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let job = client
         .enqueue(EnqueueRequest::new("show").payload(serde_json::json!({"greeting": "hi"})).key("k-1"))
         .await

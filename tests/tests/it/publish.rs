@@ -24,7 +24,7 @@ async fn concurrent_enqueues_each_get_their_own_verdict_when_some_are_unroutable
     let mut env = TestEnv::new("pub-order");
     env.queues = vec!["default".into(), "gone".into()];
     let jobs = "[[jobs]]\nname = \"live\"\nhandler = \"noop\"\n[[jobs]]\nname = \"lost\"\nhandler = \"noop\"\nqueue = \"gone\"\n";
-    let config = Arc::new(env.config("quorum", "", "", jobs));
+    let config = env.config("quorum", "", "", jobs);
     let client = Arc::new(EnqueueClient::connect(config).await.unwrap());
     let conn = connect_amqp().await;
     // The queue disappears after the client declared it: its jobs are now unroutable.

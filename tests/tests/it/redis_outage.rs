@@ -2,7 +2,6 @@
 
 use chime_producer::{EnqueueClient, EnqueueRequest};
 use serde_json::json;
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::*;
@@ -15,7 +14,7 @@ async fn redis_restart_loses_nothing_and_pauses_intake() {
     let config = env.config("quorum", "timeout = \"500ms\"", "", COUNT_JOB);
     let ledger = Ledger::default();
     let worker = Running::start(config.clone(), counting_registry(&ledger), 4).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let total = 300u64;
     let reqs: Vec<_> =
         (0..total).map(|n| EnqueueRequest::new("count").payload(json!({"n": n, "sleep_ms": 10}))).collect();

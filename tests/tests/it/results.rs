@@ -73,7 +73,7 @@ async fn an_exec_job_killed_halfway_resumes_from_its_checkpoint_on_another_worke
     assert_eq!(code, 0);
     assert!(out.contains(&format!(r#"result    {{"counted":10,"from":{resumed}}}"#)), "{out}");
     assert!(!out.contains("checkpoint"), "a success clears the checkpoint:\n{out}");
-    let client = EnqueueClient::connect(Arc::new(env.config("quorum", "", "", &jobs))).await.unwrap();
+    let client = EnqueueClient::connect(env.config("quorum", "", "", &jobs)).await.unwrap();
     let finished = client.wait(key.parse().unwrap(), Duration::from_secs(5)).await.unwrap();
     assert_eq!(
         finished,
@@ -134,7 +134,7 @@ async fn a_retry_resumes_from_its_checkpoint_and_wait_returns_the_typed_result()
     );
     registry.register("broken", raw_handler_fn(|_, _| async { Err(JobError::permanent("no such account")) }));
     let worker = Running::start(config.clone(), registry, 8).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
 
     let done = client.enqueue(Import { rows: 10 }).await.unwrap();
     let finished = client.wait(done.key, Duration::from_secs(60)).await.unwrap();

@@ -31,7 +31,7 @@ async fn a_job_failing_twice_then_succeeding_runs_three_times() {
         }),
     );
     let worker = Running::start(config.clone(), reg, 2).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     client.enqueue(EnqueueRequest::new("flaky")).await.unwrap();
     let w = &worker;
     wait_until("success after two retries", Duration::from_secs(30), || async { w.succeeded() == 1 }).await;
@@ -63,7 +63,7 @@ async fn a_job_that_always_fails_runs_max_attempts_times_then_is_dead_lettered()
         }),
     );
     let worker = Running::start(config.clone(), reg, 2).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let job = client.enqueue(EnqueueRequest::new("bad").key("k")).await.unwrap();
     let w = &worker;
     wait_until("dead-lettered", Duration::from_secs(30), || async { w.dead_lettered() == 1 }).await;
@@ -99,7 +99,7 @@ async fn delayed_jobs_arrive_in_order_within_a_second_of_their_due_time() {
         }),
     );
     let worker = Running::start(config.clone(), reg, 4).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let start = Instant::now();
     for d in [7u64, 1, 3] {
         client
@@ -127,7 +127,7 @@ async fn a_one_year_delay_is_accepted_and_waits_in_level_24() {
     use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
     let env = TestEnv::new("year");
     let config = env.config("classic", "", "", "[[jobs]]\nname = \"later\"\nhandler = \"noop\"\n");
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let year = Duration::from_secs(365 * 86_400);
     let job = client.enqueue(EnqueueRequest::new("later").delay(year)).await.unwrap();
     let level = delay::first_level(year.as_secs()).unwrap();

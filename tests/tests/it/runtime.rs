@@ -34,7 +34,7 @@ async fn concurrency_is_bounded_per_process() {
         }),
     );
     let worker = Running::start(config.clone(), reg, 3).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let reqs: Vec<_> = (0..20).map(|_| EnqueueRequest::new("gauge")).collect();
     client.enqueue_batch(&reqs).await.unwrap();
     let w = &worker;
@@ -51,7 +51,7 @@ async fn lease_is_renewed_while_a_long_handler_runs() {
     let config = env.config("quorum", "lease = \"1s\"\ndone_retention = \"1h\"", "", COUNT_JOB);
     let ledger = Ledger::default();
     let worker = Running::start(config.clone(), counting_registry(&ledger), 2).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let req = EnqueueRequest::new("count").payload(serde_json::json!({"n": 1, "sleep_ms": 2500})).key("long");
     client.enqueue(req.clone()).await.unwrap();
     client.enqueue(req).await.unwrap();
@@ -99,7 +99,7 @@ async fn http_handler_maps_statuses_and_sends_the_key() {
         .collect();
     let config = env.config("classic", "", "", &jobs);
     let worker = Running::start(config.clone(), Registry::new(), 3).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let ok = client.enqueue(EnqueueRequest::new("h-ok").payload(serde_json::json!({"x": 1}))).await.unwrap();
     client.enqueue(EnqueueRequest::new("h-bad")).await.unwrap();
     client.enqueue(EnqueueRequest::new("h-busy")).await.unwrap();
@@ -156,7 +156,7 @@ async fn worker_process_serves_livez_readyz_and_metrics() {
     );
     assert_eq!(get("/livez").await.unwrap().0, 200);
     let config = chime_shared::Config::from_toml_str(&text).unwrap();
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     client.enqueue(EnqueueRequest::new("n")).await.unwrap();
     wait_until("metrics count the job", Duration::from_secs(20), || async {
         get("/metrics")
@@ -186,7 +186,7 @@ async fn a_long_job_does_not_hold_back_the_acks_of_finished_ones() {
     let config = env.config("quorum", "", "prefetch = 4", COUNT_JOB);
     let ledger = Ledger::default();
     let worker = Running::start(config.clone(), counting_registry(&ledger), 4).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     client
         .enqueue(EnqueueRequest::new("count").payload(serde_json::json!({"n": 0, "sleep_ms": 30_000})))
         .await
@@ -269,7 +269,7 @@ async fn a_job_concurrency_limit_bounds_heavy_runs_and_light_jobs_pass_them() {
             }
         }),
     );
-    let client = EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
     // Heavy first, alone: two run, two more are taken in and wait for the limit (the
     // prefetch is set to 4; left to its default it would be the limit's 2). Only then the light ones, which need those two waiting runs'
     // worker-wide slots.
@@ -352,7 +352,7 @@ async fn a_global_concurrency_limit_holds_across_workers() {
     let registry = || runs.registry("scarce", Duration::from_millis(150));
     let a = Running::start(config.clone(), registry(), 4).await;
     let b = Running::start(config.clone(), registry(), 4).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let reqs: Vec<_> = (0..16).map(|i| EnqueueRequest::new("scarce").key(format!("s{i}"))).collect();
     assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, 16);
     let r = &runs;
@@ -413,7 +413,7 @@ async fn a_dead_workers_global_slot_lapses() {
         }),
     );
     let worker = Running::start(config.clone(), reg, 4).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     client.enqueue(EnqueueRequest::new("solo").key("one")).await.unwrap();
     let w = &worker;
     wait_until("the job ran", Duration::from_secs(30), || async { w.succeeded() == 1 }).await;
@@ -444,7 +444,7 @@ async fn a_global_slot_outlives_the_lease_while_its_run_goes_on() {
     let registry = || runs.registry("long", Duration::from_secs(3));
     let a = Running::start(config.clone(), registry(), 4).await;
     let b = Running::start(config.clone(), registry(), 4).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     let reqs: Vec<_> = (0..2).map(|i| EnqueueRequest::new("long").key(format!("l{i}"))).collect();
     assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, 2);
     let r = &runs;
@@ -484,7 +484,7 @@ async fn a_slot_redis_lost_is_taken_again_by_the_running_run() {
         }),
     );
     let worker = Running::start(config.clone(), reg, 4).await;
-    let client = EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
     client.enqueue(EnqueueRequest::new("held").key("one")).await.unwrap();
     let run = &running;
     wait_until("the run started", Duration::from_secs(30), || async { run.load(Ordering::SeqCst) == 1 })

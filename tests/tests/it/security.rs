@@ -1,7 +1,6 @@
 //! The second security review: each test reproduces one of its findings (issue "Security,
 //! round two") and fails on the code it was found in.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::io::AsyncReadExt;
@@ -106,7 +105,7 @@ async fn reading_a_dlq_of_huge_dead_letters_holds_none_of_their_bodies() {
         "[[jobs]]\nname = \"big\"\nhandler = \"noop\"\n",
     ));
     let config = chime_shared::Config::from_toml_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let dlq = chime_cli::dlq::DlqClient::connect(Arc::new(config)).await.unwrap(); // declares
+    let dlq = chime_cli::dlq::DlqClient::connect(config).await.unwrap(); // declares
     let filler = "x".repeat(4 * 1024 * 1024);
     let mut first_key = None;
     for i in 0..40 {

@@ -123,7 +123,7 @@ async fn history_can_be_switched_off() {
     let ledger = Ledger::default();
     let config = env.config("classic", "", "", &format!("[history]\nenabled = false\n{JOBS}"));
     let worker = Running::start(config.clone(), registry(&ledger), 4).await;
-    let client = chime_producer::EnqueueClient::connect(Arc::new(config)).await.unwrap();
+    let client = chime_producer::EnqueueClient::connect(config).await.unwrap();
     client
         .enqueue(chime_producer::EnqueueRequest::new("count").payload(serde_json::json!({"n": 5})))
         .await
@@ -178,7 +178,7 @@ async fn streams_are_capped_by_length_and_age() {
     let config = env.config("classic", "", "", &jobs);
     let ledger = Ledger::default();
     let worker = Running::start(config.clone(), registry(&ledger), 32).await;
-    let client = chime_producer::EnqueueClient::connect(Arc::new(config.clone())).await.unwrap();
+    let client = chime_producer::EnqueueClient::connect(config.clone()).await.unwrap();
     let reqs: Vec<_> = (0..1000)
         .map(|n| chime_producer::EnqueueRequest::new("count").payload(serde_json::json!({ "n": n })))
         .collect();

@@ -84,7 +84,7 @@ struct TwoTickers {
 
 /// Config file with an every-second `beat` schedule (ticker lease 2 s), and a running worker
 /// whose handler records each slot in the returned ledger.
-async fn beat_stack(env: &TestEnv) -> (std::path::PathBuf, Config, Ledger, Running) {
+async fn beat_stack(env: &TestEnv) -> (std::path::PathBuf, chime_shared::ValidConfig, Ledger, Running) {
     let text = env.config_text(
         "quorum",
         "",

@@ -15,7 +15,7 @@ async fn declaring_twice_is_fine_and_a_mismatch_names_queue_and_argument() {
     topology::declare(&conn, &quorum, &["default".into()]).await.unwrap();
 
     // Only the delivery limit differs: the error names exactly that argument.
-    let mut limit = quorum.clone();
+    let mut limit = quorum.clone().into_config();
     limit.amqp.delivery_limit = 7;
     let err = topology::declare(&conn, &limit, &["default".into()]).await.unwrap_err();
     match &err {
@@ -65,7 +65,7 @@ async fn quorum_replicas_caps_the_copies_of_each_queue_on_a_cluster() {
     let conn = connect_amqp_to(&cluster.urls()[0]).await;
     let mut capped_env = TestEnv::new("topo-replicas");
     capped_env.amqp_url = cluster.urls()[0].clone();
-    let mut capped = capped_env.config("quorum", "", "", "");
+    let mut capped = capped_env.config("quorum", "", "", "").into_config();
     capped.amqp.quorum_replicas = Some(1);
     topology::declare(&conn, &capped, &["default".into()]).await.unwrap();
     let mut every_env = TestEnv::new("topo-every");

@@ -1,6 +1,6 @@
 //! `chime-worker`: parses flags, wires config → tracing → metrics → health → `Worker::run`.
 
-use chime_shared::config::Config;
+use chime_shared::config::{Config, ValidConfig};
 use chime_shared::health::Health;
 use chime_worker::{Registry, Reloader, Worker};
 use clap::Parser;
@@ -49,7 +49,7 @@ fn main() {
     std::process::exit(rt.block_on(run(args, config)));
 }
 
-async fn run(args: Args, config: Config) -> i32 {
+async fn run(args: Args, config: ValidConfig) -> i32 {
     let listen = args.listen.clone().or_else(|| config.worker.listen.clone());
     let path = args.config.clone();
     let health = Health::default();

@@ -491,7 +491,7 @@ fn harness() -> Harness {
         }),
     );
     let jobs = resolve_jobs(&config, &registry, &["default".to_string()]).unwrap();
-    let core = Core::new(Arc::new(config), registry, jobs, "test".into());
+    let core = Core::new(config, registry, jobs, "test".into());
     Harness { core, store: FakeStore::new(), outbox: FakeOutbox::default(), runs, saw_cancel, starts }
 }
 

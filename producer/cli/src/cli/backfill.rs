@@ -3,7 +3,8 @@
 //! duplicate), paced, with a progress bar on a terminal and a summary.
 
 use chime_producer::{EnqueueClient, Prepared};
-use chime_shared::config::{Config, JobConfig, Overlap};
+use chime_shared::config::ValidConfig;
+use chime_shared::config::{JobConfig, Overlap};
 use chime_shared::envelope::{self, Envelope, Source};
 use chime_shared::history::HistoryReader;
 use chime_shared::schedule::Schedule;
@@ -11,7 +12,6 @@ use chime_shared::topology::Names;
 use chrono::{DateTime, LocalResult, NaiveDate, NaiveDateTime, SecondsFormat, TimeZone, Utc};
 use chrono_tz::Tz;
 use std::io::{IsTerminal, Write};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::failure::{Failure, from_enqueue, runtime, usage};
@@ -72,7 +72,7 @@ impl SlotState {
     }
 }
 
-pub async fn run(config: Config, args: BackfillArgs) -> Result<(), Failure> {
+pub async fn run(config: ValidConfig, args: BackfillArgs) -> Result<(), Failure> {
     let job = config
         .job(&args.job)
         .ok_or_else(|| usage(anyhow::anyhow!("unknown job {:?} (not in the config's [[jobs]])", args.job)))?
@@ -131,7 +131,6 @@ pub async fn run(config: Config, args: BackfillArgs) -> Result<(), Failure> {
             job.overlap.as_str()
         );
     }
-    let config = Arc::new(config);
     let client = EnqueueClient::connect(config.clone()).await.map_err(from_enqueue)?;
     let progress = Progress::new(slots.len());
     let started = Instant::now();

@@ -1,9 +1,8 @@
 //! `chime dlq list|show|replay|purge`.
 
-use chime_shared::config::Config;
+use chime_shared::config::ValidConfig;
 use clap::{Args, Subcommand};
 use std::io::{BufRead, IsTerminal, Write};
-use std::sync::Arc;
 
 use super::failure::{Failure, runtime, usage};
 use super::table;
@@ -63,8 +62,8 @@ pub struct Select {
     pub json: bool,
 }
 
-pub async fn run(config: Config, cmd: DlqCommand) -> Result<(), Failure> {
-    let client = DlqClient::connect(Arc::new(config)).await.map_err(runtime)?.named("chime dlq");
+pub async fn run(config: ValidConfig, cmd: DlqCommand) -> Result<(), Failure> {
+    let client = DlqClient::connect(config).await.map_err(runtime)?.named("chime dlq");
     let result = dispatch(&client, cmd).await;
     client.close().await;
     result

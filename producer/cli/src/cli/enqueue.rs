@@ -2,11 +2,10 @@
 
 use anyhow::Context as _;
 use chime_producer::{EnqueueClient, EnqueueError, EnqueueRequest, Prepared, parse_batch_line, prepare};
-use chime_shared::config::Config;
+use chime_shared::config::{Config, ValidConfig};
 use chime_shared::history::HistoryReader;
 use clap::Args;
 use std::io::{BufRead, Read, Write};
-use std::sync::Arc;
 use std::time::Instant;
 
 use super::failure::{Failure, from_enqueue, runtime, usage};
@@ -129,7 +128,7 @@ fn timing(
     Ok((delay, at))
 }
 
-pub async fn run(config: Arc<Config>, args: EnqueueArgs) -> Result<(), Failure> {
+pub async fn run(config: ValidConfig, args: EnqueueArgs) -> Result<(), Failure> {
     if config.job(&args.job).is_none() {
         return Err(usage(EnqueueError::UnknownJob(args.job)));
     }
@@ -436,7 +435,7 @@ impl Requests<'_> {
 }
 
 async fn enqueue_batch(
-    config: Arc<Config>,
+    config: ValidConfig,
     args: &EnqueueArgs,
     source: &str,
     delay: Option<std::time::Duration>,

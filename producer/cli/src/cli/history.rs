@@ -2,12 +2,12 @@
 //! letter).
 
 use chime_shared::config::Config;
+use chime_shared::config::ValidConfig;
 use chime_shared::history::{HistoryReader, KeyRecord, Outcome, Query, RunEvent};
 use chime_shared::redact::escape_control;
 use chime_shared::topology::Names;
 use chrono::{DateTime, Utc};
 use clap::Args;
-use std::sync::Arc;
 use uuid::Uuid;
 
 use super::failure::{Failure, runtime, usage};
@@ -166,7 +166,7 @@ pub fn print_runs(events: &[RunEvent]) {
     table::print(&t);
 }
 
-pub async fn history(config: Config, args: HistoryArgs) -> Result<(), Failure> {
+pub async fn history(config: ValidConfig, args: HistoryArgs) -> Result<(), Failure> {
     let q = query(&args)?;
     let reader = reader(&config).await?;
     let found = reader.search(&config.all_queues(), &q).await.map_err(runtime)?;
@@ -186,7 +186,7 @@ pub async fn history(config: Config, args: HistoryArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-pub async fn inspect(config: Config, args: InspectArgs) -> Result<(), Failure> {
+pub async fn inspect(config: ValidConfig, args: InspectArgs) -> Result<(), Failure> {
     let key = match (&args.key, &args.job, &args.user_key, &args.slot) {
         (Some(k), _, _, _) => parse_key(k)?,
         (None, Some(job), Some(k), _) => chime_shared::envelope::adhoc_key(job, k),
@@ -214,7 +214,6 @@ pub async fn inspect(config: Config, args: InspectArgs) -> Result<(), Failure> {
     if queues.is_empty() {
         queues = config.all_queues();
     }
-    let config = Arc::new(config);
     let dlq = DlqClient::connect(config.clone()).await.map_err(runtime)?.named("chime inspect");
     let filter = Filter { keys: vec![key], ..Filter::default() };
     let mut dead = Vec::new();

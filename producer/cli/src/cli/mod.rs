@@ -15,7 +15,6 @@ mod web;
 use chime_shared::config::Config;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
-use std::sync::Arc;
 
 pub use failure::Failure;
 use failure::usage;
@@ -163,7 +162,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             );
             Ok(())
         }
-        Command::Enqueue(args) => enqueue::run(Arc::new(config), args).await,
+        Command::Enqueue(args) => enqueue::run(config, args).await,
         Command::Dlq(cmd) => dlq::run(config, cmd).await,
         Command::Watch { listen } => watch::run(config, listen).await,
         Command::Tick { listen } => ops::tick(config, path, listen).await,

@@ -1,6 +1,6 @@
 //! `chime tick`, `chime jobs list|next`, `chime status`.
 
-use chime_shared::config::Config;
+use chime_shared::config::{Config, ValidConfig};
 use chime_shared::delay;
 use chime_shared::health::Health;
 use chime_shared::schedule::Schedule;
@@ -8,7 +8,6 @@ use chime_shared::topology::{self, Names};
 use chrono::{DateTime, Utc};
 use clap::Subcommand;
 use std::path::PathBuf;
-use std::sync::Arc;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -111,7 +110,7 @@ pub fn jobs(config: &Config, cmd: JobsCommand) -> Result<(), Failure> {
 
 /// `chime tick`: the ticker daemon. SIGHUP, or a change of the config file, reloads the
 /// schedules; SIGTERM/SIGINT gives the lease up and exits.
-pub async fn tick(config: Config, path: PathBuf, listen: Option<String>) -> Result<(), Failure> {
+pub async fn tick(config: ValidConfig, path: PathBuf, listen: Option<String>) -> Result<(), Failure> {
     scheduled_jobs(&config).map_err(|(job, e)| usage(anyhow::anyhow!("job {job}: {e}")))?;
     let listen = listen.or_else(|| config.ticker.listen.clone());
     let health = Health::new(&["redis"]);
@@ -124,7 +123,7 @@ pub async fn tick(config: Config, path: PathBuf, listen: Option<String>) -> Resu
         info!(%addr, "serving /metrics, /livez, /readyz");
         tokio::spawn(chime_daemon::server::serve(listener, health.clone(), recorder, token.clone()));
     }
-    let (tx, rx) = watch::channel(Arc::new(config));
+    let (tx, rx) = watch::channel(config);
     let id = format!(
         "{}:{}",
         chime_shared::names::process_name(),
@@ -140,7 +139,7 @@ pub async fn tick(config: Config, path: PathBuf, listen: Option<String>) -> Resu
 }
 
 /// Signals and config-file changes: reload on SIGHUP or a changed file, stop on SIGTERM/SIGINT.
-async fn reloads(path: PathBuf, tx: watch::Sender<Arc<Config>>, token: CancellationToken) {
+async fn reloads(path: PathBuf, tx: watch::Sender<ValidConfig>, token: CancellationToken) {
     let reload = || match Config::load(Some(&path)).and_then(|c| {
         scheduled_jobs(&c).map_err(|(job, e)| chime_shared::ConfigError::Invalid {
             key: format!("jobs ({job}).schedule"),
@@ -150,7 +149,7 @@ async fn reloads(path: PathBuf, tx: watch::Sender<Arc<Config>>, token: Cancellat
     }) {
         Ok(c) => {
             info!(path = %path.display(), "config reloaded");
-            tx.send_replace(Arc::new(c));
+            tx.send_replace(c);
         }
         Err(e) => warn!(error = %e, "config reload rejected; keeping the running config"),
     };
@@ -184,7 +183,7 @@ struct JobRow {
 }
 
 /// `chime status`: depths, consumers, the leader and per-job slots.
-pub async fn status(config: Config, json: bool) -> Result<(), Failure> {
+pub async fn status(config: ValidConfig, json: bool) -> Result<(), Failure> {
     let conn = chime_shared::amqp::connect(&config.amqp, "chime-status").await.map_err(runtime)?;
     let names = Names::new(&config.prefix);
     let mut queues = Vec::new();

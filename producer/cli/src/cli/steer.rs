@@ -1,13 +1,13 @@
 //! `chime pause|resume (queue Q | schedule J)`, `chime run JOB` and `chime workers`.
 
 use chime_producer::{EnqueueClient, EnqueueRequest};
+use chime_shared::config::ValidConfig;
 use chime_shared::config::{CatchUp, Config};
 use chime_shared::control::{self, PauseFlag, Target, WorkerBeat};
 use chime_shared::envelope::{self, Envelope, Source};
 use chime_shared::topology::Names;
 use chrono::{DateTime, Utc};
 use clap::Subcommand;
-use std::sync::Arc;
 
 use super::failure::{Failure, from_enqueue, runtime, usage};
 use super::table;
@@ -76,7 +76,7 @@ fn since(flag: &PauseFlag) -> String {
     )
 }
 
-pub async fn pause(config: Config, target: PauseTarget, by: &str) -> Result<(), Failure> {
+pub async fn pause(config: ValidConfig, target: PauseTarget, by: &str) -> Result<(), Failure> {
     let (kind, name) = match &target {
         PauseTarget::Queue { name } => {
             check_queue(&config, name)?;
@@ -105,7 +105,7 @@ pub async fn pause(config: Config, target: PauseTarget, by: &str) -> Result<(), 
     Ok(())
 }
 
-pub async fn resume(config: Config, target: ResumeTarget) -> Result<(), Failure> {
+pub async fn resume(config: ValidConfig, target: ResumeTarget) -> Result<(), Failure> {
     let names = Names::new(&config.prefix);
     match target {
         ResumeTarget::Queue { name } => {
@@ -129,7 +129,7 @@ pub async fn resume(config: Config, target: ResumeTarget) -> Result<(), Failure>
             };
             println!("resumed schedule {name} (paused {})", since(&flag));
             if catch_up {
-                let n = catch_up_paused(Arc::new(config), &name, flag.at, Utc::now()).await?;
+                let n = catch_up_paused(config, &name, flag.at, Utc::now()).await?;
                 println!("published {n} slot(s) skipped while paused");
             }
         }
@@ -140,7 +140,7 @@ pub async fn resume(config: Config, target: ResumeTarget) -> Result<(), Failure>
 /// Publishes the slots of `job` in `(from, until]` that its catch-up policy and window allow,
 /// under their scheduled keys (a slot that did run is absorbed as a duplicate).
 async fn catch_up_paused(
-    config: Arc<Config>,
+    config: ValidConfig,
     job: &str,
     from: DateTime<Utc>,
     until: DateTime<Utc>,
@@ -175,11 +175,11 @@ async fn catch_up_paused(
 }
 
 /// `chime run JOB`: the job now, ad hoc, with its configured payload and a key of its own.
-pub async fn run_now(config: Config, job: String, json: bool) -> Result<(), Failure> {
+pub async fn run_now(config: ValidConfig, job: String, json: bool) -> Result<(), Failure> {
     if config.job(&job).is_none() {
         return Err(usage(anyhow::anyhow!("unknown job {job:?} (not in the config's [[jobs]])")));
     }
-    let client = EnqueueClient::connect(Arc::new(config)).await.map_err(from_enqueue)?;
+    let client = EnqueueClient::connect(config).await.map_err(from_enqueue)?;
     let done = client.enqueue(EnqueueRequest::new(&job)).await.map_err(from_enqueue)?;
     if json {
         println!(
@@ -247,7 +247,7 @@ pub fn print_workers(workers: &[WorkerBeat]) {
     }
 }
 
-pub async fn workers(config: Config, json: bool) -> Result<(), Failure> {
+pub async fn workers(config: ValidConfig, json: bool) -> Result<(), Failure> {
     let workers = list_workers(&config).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&workers).unwrap_or_default());

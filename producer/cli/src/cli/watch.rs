@@ -1,13 +1,12 @@
 //! `chime watch`: the DLQ monitor alone, for deployments without a ticker.
 
 use anyhow::Context as _;
-use chime_shared::config::Config;
-use std::sync::Arc;
+use chime_shared::config::ValidConfig;
 
 use super::failure::{Failure, usage};
 
 /// Watches DLQ depths and raises alerts until SIGTERM/SIGINT.
-pub async fn run(config: Config, listen: Option<String>) -> Result<(), Failure> {
+pub async fn run(config: ValidConfig, listen: Option<String>) -> Result<(), Failure> {
     use chime_shared::health::Health;
     let health = Health::new(&["amqp"]);
     let token = tokio_util::sync::CancellationToken::new();
@@ -24,6 +23,6 @@ pub async fn run(config: Config, listen: Option<String>) -> Result<(), Failure> 
         let _ = chime_daemon::signals::next_stop().await;
         t.cancel();
     });
-    crate::monitor::run(Arc::new(config), health, token).await;
+    crate::monitor::run(config, health, token).await;
     Ok(())
 }

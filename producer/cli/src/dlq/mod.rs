@@ -20,14 +20,13 @@ pub mod lock;
 pub use letter::{BodyKept, DeadLetter};
 
 use chime_shared::amqp::{self, AmqpError};
-use chime_shared::config::Config;
+use chime_shared::config::ValidConfig;
 use chime_shared::envelope::{Envelope, Source};
 use chime_shared::idempotency::{IdemError, IdemStore};
 use chime_shared::topology::{self, Names, TopologyError};
 use chrono::{DateTime, Utc};
 use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions};
 use lapin::{Channel, Connection};
-use std::sync::Arc;
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -129,7 +128,7 @@ pub struct PassReport {
 pub struct DlqClient {
     conn: Connection,
     channel: Channel,
-    config: Arc<Config>,
+    config: ValidConfig,
     names: Names,
     store: IdemStore,
     /// What this client is (`chime dlq`, `chime web`), for the lock's holder.
@@ -137,7 +136,7 @@ pub struct DlqClient {
 }
 
 impl DlqClient {
-    pub async fn connect(config: Arc<Config>) -> Result<Self, DlqError> {
+    pub async fn connect(config: ValidConfig) -> Result<Self, DlqError> {
         let conn = amqp::connect(&config.amqp, "chime-dlq").await?;
         topology::declare(&conn, &config, &config.all_queues()).await?;
         let channel = conn.create_channel().await?;

@@ -14,6 +14,7 @@
 //! are deterministic, so the duplicates a split brain can still cause are absorbed by workers.
 
 use chime_shared::amqp;
+use chime_shared::config::ValidConfig;
 use chime_shared::config::{CatchUp, Config};
 use chime_shared::envelope;
 use chime_shared::health::Health;
@@ -221,14 +222,14 @@ pub struct Ticker {
     id: String,
     store: TickerStore,
     health: Health,
-    config_rx: watch::Receiver<Arc<Config>>,
+    config_rx: watch::Receiver<ValidConfig>,
     leading: watch::Sender<bool>,
 }
 
 impl Ticker {
     /// `config_rx` carries the current config; send a new one to reload the schedules.
     pub fn new(
-        config_rx: watch::Receiver<Arc<Config>>,
+        config_rx: watch::Receiver<ValidConfig>,
         id: String,
         health: Health,
     ) -> Result<Self, redis::RedisError> {

@@ -281,7 +281,7 @@ pub async fn scenario(c: &Ctx) -> Option<f64> {
     let qt = c.o.queue_type.clone();
     let secs = c.o.seconds;
     let env = TestEnv::new("bench-con");
-    let config = Arc::new(bench_config(&env, &qt, ""));
+    let config = bench_config(&env, &qt, "");
     let client = EnqueueClient::connect(config.clone()).await.unwrap();
     let q = env.names().work_queue("default");
     // Sized so that one drain takes about --seconds at ~20k jobs/s.
@@ -397,7 +397,7 @@ pub async fn defaults(c: &Ctx) {
     let o = &c.o;
     let qt = c.o.queue_type.clone();
     let env = TestEnv::new("bench-defaults");
-    let config = Arc::new(bench_config(&env, &qt, ""));
+    let config = bench_config(&env, &qt, "");
     let client = EnqueueClient::connect(config).await.unwrap();
     let n = 100_000;
     let settings = [
@@ -437,7 +437,7 @@ pub async fn history(c: &Ctx) {
     let qt = c.o.queue_type.clone();
     let secs = c.o.seconds;
     let env = TestEnv::new("bench-hist");
-    let config = Arc::new(bench_config(&env, &qt, ""));
+    let config = bench_config(&env, &qt, "");
     let client = EnqueueClient::connect(config.clone()).await.unwrap();
     let n = 20_000 * secs as usize;
     let (mut on, mut off, mut ratios) = (Vec::new(), Vec::new(), Vec::new());

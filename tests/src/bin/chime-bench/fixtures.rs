@@ -1,14 +1,14 @@
 //! What every scenario starts from: configs, prepared envelopes, purges, binaries.
 
 use chime_producer::Prepared;
-use chime_shared::config::Config;
+use chime_shared::config::ValidConfig;
 use chime_shared::envelope::{self, Envelope, Source};
 use chime_tests::*;
 use lapin::Connection;
 use lapin::options::QueuePurgeOptions;
 use std::time::Duration;
 
-pub fn bench_config(env: &TestEnv, queue_type: &str, worker: &str) -> Config {
+pub fn bench_config(env: &TestEnv, queue_type: &str, worker: &str) -> ValidConfig {
     env.config(queue_type, "", worker, "[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n")
 }
 

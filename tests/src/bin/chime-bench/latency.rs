@@ -313,7 +313,7 @@ pub async fn scenario(c: &Ctx) {
         "[[jobs]]\nname = \"lat\"\nhandler = \"lat\"\nmax_attempts = 1\n",
     );
     let path = env.write_config(&text);
-    let config = Arc::new(chime_shared::config::Config::from_toml_str(&text).unwrap());
+    let config = chime_shared::config::Config::from_toml_str(&text).unwrap();
     let client = Arc::new(EnqueueClient::connect(config).await.unwrap());
     let mut worker = LatWorker::start(&path).await;
     let queue = env.names().work_queue("default");
@@ -420,7 +420,7 @@ pub async fn priority(c: &Ctx) {
                 [[jobs]]\nname = \"urgent\"\nhandler = \"lat\"\npriority = \"high\"\nmax_attempts = 1\n";
     let text = env.config_text(&c.o.queue_type, "", "", jobs);
     let path = env.write_config(&text);
-    let config = Arc::new(chime_shared::config::Config::from_toml_str(&text).unwrap());
+    let config = chime_shared::config::Config::from_toml_str(&text).unwrap();
     let client = Arc::new(EnqueueClient::connect(config).await.unwrap());
     let probe = connect_amqp().await;
     let low_queue = env

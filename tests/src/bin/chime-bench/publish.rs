@@ -8,7 +8,6 @@ use chime_tests::*;
 use lapin::options::ConfirmSelectOptions;
 use lapin::{BasicProperties, Connection};
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How a raw publisher sends: up to `window` confirms outstanding, and `group` publishes handed
@@ -165,7 +164,7 @@ pub async fn scenario(c: &Ctx) {
     let qt = c.o.queue_type.clone();
     let n = 10_000 * c.o.seconds as usize;
     let env = TestEnv::new("bench-pub");
-    let config = Arc::new(bench_config(&env, &qt, ""));
+    let config = bench_config(&env, &qt, "");
     let client = EnqueueClient::connect(config.clone()).await.unwrap();
     let q = env.names().work_queue("default");
     let batch = envelopes(n, false);
@@ -250,7 +249,7 @@ pub async fn batch_memory(c: &Ctx) {
     let conn = &c.conn;
     let qt = c.o.queue_type.clone();
     let env = TestEnv::new("bench-batchmem");
-    let config = Arc::new(bench_config(&env, &qt, ""));
+    let config = bench_config(&env, &qt, "");
     let _declared = EnqueueClient::connect(config).await.unwrap();
     let q = env.names().work_queue("default");
     let text = env.config_text(&qt, "", "", "[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n");
@@ -298,7 +297,7 @@ pub async fn properties(c: &Ctx) {
     let qt = c.o.queue_type.clone();
     let n = 10_000 * c.o.seconds as usize;
     let env = TestEnv::new("bench-props");
-    let config = Arc::new(bench_config(&env, &qt, ""));
+    let config = bench_config(&env, &qt, "");
     let _declared = EnqueueClient::connect(config).await.unwrap();
     let q = env.names().work_queue("default");
     let work = env.names().work_exchange();
@@ -354,7 +353,7 @@ pub async fn baseline(c: &Ctx) {
     let conn = &c.conn;
     let qt = c.o.queue_type.clone();
     let env = TestEnv::new("bench-base");
-    let config = Arc::new(bench_config(&env, &qt, ""));
+    let config = bench_config(&env, &qt, "");
     let _declared = EnqueueClient::connect(config).await.unwrap();
     let q = env.names().work_queue("default");
     let body = envelopes(1, false)[0].envelope.encode();

@@ -95,7 +95,7 @@ async fn run(
     }
     let mut clients = Vec::new();
     for text in &configs {
-        let cfg = Arc::new(chime_shared::config::Config::from_toml_str(text).unwrap());
+        let cfg = chime_shared::config::Config::from_toml_str(text).unwrap();
         clients.push(Arc::new(EnqueueClient::connect(cfg).await.unwrap()));
     }
     let batches: Vec<Arc<Vec<Prepared>>> = (0..QUEUES)

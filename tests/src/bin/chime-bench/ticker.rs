@@ -9,7 +9,6 @@ use chime_tests::*;
 use futures_util::StreamExt;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// 100,000 schedules in an in-process ticker; a raw consumer timestamps each delivery
@@ -21,7 +20,7 @@ pub async fn ticker(
     secs: u64,
     hourly: bool,
 ) -> (usize, f64, f64, f64, u64, f64) {
-    let mut config = bench_config(env, queue_type, "");
+    let mut config = bench_config(env, queue_type, "").into_config();
     config.ticker.lease = Duration::from_secs(10);
     let template: JobConfig =
         toml::from_str("name = \"x\"\nhandler = \"noop\"\nschedule = \"0 * * * * *\"\ncatch_up = \"none\"\n")
@@ -66,7 +65,7 @@ pub async fn ticker(
             }
         }
     });
-    let (tx, rx) = tokio::sync::watch::channel(Arc::new(config));
+    let (tx, rx) = tokio::sync::watch::channel(config.validated().unwrap());
     let pid = std::process::id();
     let rss_before = rss_kb(pid);
     let planning = Instant::now();

@@ -4,7 +4,7 @@
 //! when the DLQ is small, in the background (pages say "as of") when it is large. Actions never
 //! use the cache: they name one exact id and the pass that performs them checks it again.
 
-use chime_shared::config::Config;
+use chime_shared::config::ValidConfig;
 use chrono::{DateTime, Utc};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -40,14 +40,14 @@ pub enum View {
 }
 
 pub struct DlqCache {
-    config: Arc<Config>,
+    config: ValidConfig,
     client: tokio::sync::Mutex<Option<DlqClient>>,
     snapshots: Mutex<HashMap<String, Snapshot>>,
     running: Mutex<std::collections::HashSet<String>>,
 }
 
 impl DlqCache {
-    pub fn new(config: Arc<Config>) -> Self {
+    pub fn new(config: ValidConfig) -> Self {
         Self {
             config,
             client: tokio::sync::Mutex::new(None),
@@ -127,7 +127,7 @@ impl DlqCache {
 }
 
 /// The connected client (connecting if there is none).
-async fn checkout(slot: &mut Option<DlqClient>, config: &Arc<Config>) -> Result<DlqClient, DlqError> {
+async fn checkout(slot: &mut Option<DlqClient>, config: &ValidConfig) -> Result<DlqClient, DlqError> {
     match slot.take() {
         Some(c) => Ok(c),
         None => Ok(DlqClient::connect(config.clone()).await?.named("chime web")),

@@ -25,7 +25,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use base64::Engine;
 use chime_producer::{EnqueueClient, EnqueueRequest};
-use chime_shared::config::Config;
+use chime_shared::config::ValidConfig;
 use chime_shared::history::HistoryReader;
 use chime_shared::topology::Names;
 use clap::Args;
@@ -124,7 +124,7 @@ fn ct_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// Everything the handlers share.
 pub struct Web {
-    pub config: Arc<Config>,
+    pub config: ValidConfig,
     pub names: Names,
     pub reader: HistoryReader,
     pub ticker: TickerStore,
@@ -156,7 +156,7 @@ struct Rate {
 impl Web {
     /// Connects to Redis and RabbitMQ.
     pub async fn connect(
-        config: Arc<Config>,
+        config: ValidConfig,
         read_only: bool,
         auth: Auth,
         hosts: hosts::AllowedHosts,
@@ -285,7 +285,7 @@ async fn resolve(listen: &str) -> Result<Vec<SocketAddr>, Failure> {
 }
 
 /// `chime web`: serves until SIGTERM/SIGINT.
-pub async fn run(config: Config, args: WebArgs) -> Result<(), Failure> {
+pub async fn run(config: ValidConfig, args: WebArgs) -> Result<(), Failure> {
     let auth = Auth::from_env().map_err(usage_text)?;
     let addrs = resolve(&args.listen).await?;
     if !auth.required() && !addrs.iter().all(|a| a.ip().is_loopback()) {
@@ -301,7 +301,7 @@ pub async fn run(config: Config, args: WebArgs) -> Result<(), Failure> {
         .map_err(|e| usage(anyhow::anyhow!(format!("cannot listen on {}: {e}", args.listen))))?;
     let bound = listener.local_addr().map_err(|e| runtime(anyhow::anyhow!(format!("{e}"))))?;
     let hosts = hosts::AllowedHosts::new(bound, &args.allow_hosts).map_err(usage_text)?;
-    let web = Web::connect(Arc::new(config), args.read_only, auth.clone(), hosts)
+    let web = Web::connect(config, args.read_only, auth.clone(), hosts)
         .await
         .map_err(|e| runtime(anyhow::anyhow!(format!("{e:#}"))))?;
     let token = CancellationToken::new();
