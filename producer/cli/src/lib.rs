@@ -1,10 +1,7 @@
-//! The `chime` command and the daemons it runs: the ticker (`chime tick`), the DLQ tools
-//! (`chime dlq`), the alert monitor (`chime watch`). Not a library for services: they depend
-//! on `chime-producer` (enqueue) or `chime-worker` (handlers).
+//! The `chime` command, a thin binary over the libraries: the ticker and the alert monitor
+//! (`chime tick`, `chime watch`) are `chime-scheduler`; this crate adds the command line, the
+//! DLQ tools (`chime dlq`) and the dashboard (`chime web`). Not a library for services: they
+//! depend on `chime-producer` (enqueue), `chime-worker` (handlers) or `chime-scheduler`.
 
 pub mod cli;
 pub mod dlq;
-pub mod lease;
-pub mod monitor;
-pub mod overlap;
-pub mod ticker;

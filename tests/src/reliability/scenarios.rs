@@ -50,7 +50,7 @@ pub async fn leader_sigkill() -> Outcome {
     let a = s.ticker("a");
     let b = s.ticker("b");
     wait_runs(&s, 3, Duration::from_secs(30)).await;
-    let store = chime_cli::lease::TickerStore::connect(&s.config.redis, &s.config.prefix).unwrap();
+    let store = chime_scheduler::lease::TickerStore::connect(&s.config.redis, &s.config.prefix).unwrap();
     let leader = store.leader().await.unwrap().unwrap().id;
     let pid: i32 = leader.split(':').nth(1).unwrap().parse().unwrap();
     let victim = if pid == a.pid() { &a } else { &b };

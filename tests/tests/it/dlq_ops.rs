@@ -207,7 +207,7 @@ async fn dlq_alert_fires_then_resolves_once_each() {
     let (config, bodies) = alerting(&env, Duration::from_millis(500), 2).await;
     let health = chime_shared::health::Health::default();
     let token = CancellationToken::new();
-    let monitor = tokio::spawn(chime_cli::monitor::run(config.clone(), health.clone(), token.clone()));
+    let monitor = tokio::spawn(chime_scheduler::monitor::run(config.clone(), health.clone(), token.clone()));
     let h = health.clone();
     wait_until("monitor connected", Duration::from_secs(10), || {
         let h = h.clone();
@@ -331,7 +331,7 @@ async fn monitor_follows_leadership() {
     let (lead_tx, lead_rx) = tokio::sync::watch::channel(false);
     let (_config_tx, config_rx) = tokio::sync::watch::channel(config);
     let token = CancellationToken::new();
-    let monitor = tokio::spawn(chime_cli::monitor::run_while(lead_rx, config_rx, token.clone()));
+    let monitor = tokio::spawn(chime_scheduler::monitor::run_while(lead_rx, config_rx, token.clone()));
     // A standby stays silent: the DLQ is above the threshold for 10 alert holds.
     let start = std::time::Instant::now();
     while start.elapsed() < Duration::from_secs(2) {

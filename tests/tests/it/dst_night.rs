@@ -4,7 +4,7 @@
 //! schedule's slots (`chime jobs next`'s), each fanned out in full, once, and the overlap
 //! policy holds through the repeated hour and the takeover.
 
-use chime_cli::lease::TickerStore;
+use chime_scheduler::lease::TickerStore;
 use chime_shared::envelope::scheduled_key;
 use chrono::{DateTime, SecondsFormat, Utc};
 use std::collections::BTreeMap;

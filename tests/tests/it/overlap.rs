@@ -2,7 +2,7 @@
 //! progress is not published (counted, in the history); with `buffer_one`, one such slot waits
 //! and runs when the previous run ends, across a leader failover.
 
-use chime_cli::lease::TickerStore;
+use chime_scheduler::lease::TickerStore;
 use chime_worker::{JobContext, JobError, Registry, raw_handler_fn};
 use chrono::{DateTime, Utc};
 use std::sync::{Arc, Mutex};

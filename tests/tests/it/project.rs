@@ -351,6 +351,7 @@ fn library_crates_compile_only_what_they_use() {
         ("chime-shared", 205),
         ("chime-producer", 206),
         ("chime-worker", 206),
+        ("chime-scheduler", 206),
         ("enqueue-service", 208),
         ("invoice-worker", 208),
     ];

@@ -1,6 +1,6 @@
 //! `chime tick` as real processes: failover, catch-up policies, split brain, broker restart.
 
-use chime_cli::lease::TickerStore;
+use chime_scheduler::lease::TickerStore;
 use chime_shared::Config;
 use chime_worker::{JobContext, JobError, Registry, raw_handler_fn};
 use chrono::{DateTime, Utc};

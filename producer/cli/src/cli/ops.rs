@@ -14,8 +14,8 @@ use tracing::{info, warn};
 
 use super::failure::{Failure, runtime, usage};
 use super::table;
-use crate::lease::TickerStore;
-use crate::ticker::{Ticker, scheduled_jobs};
+use chime_scheduler::lease::TickerStore;
+use chime_scheduler::ticker::{Ticker, scheduled_jobs};
 use chime_shared::control::{self, Target};
 
 #[derive(Debug, Subcommand)]
@@ -131,7 +131,7 @@ pub async fn tick(config: ValidConfig, path: PathBuf, listen: Option<String>) ->
     );
     let ticker = Ticker::new(rx.clone(), id, health).map_err(runtime)?;
     // The DLQ monitor runs on the leader only, so one replica sends the alerts.
-    let monitor = tokio::spawn(crate::monitor::run_while(ticker.leadership(), rx, token.clone()));
+    let monitor = tokio::spawn(chime_scheduler::monitor::run_while(ticker.leadership(), rx, token.clone()));
     tokio::spawn(reloads(path, tx, token.clone()));
     ticker.run(token).await;
     let _ = monitor.await;

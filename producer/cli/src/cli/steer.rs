@@ -11,7 +11,7 @@ use clap::Subcommand;
 
 use super::failure::{Failure, from_enqueue, runtime, usage};
 use super::table;
-use crate::ticker::scheduled_jobs;
+use chime_scheduler::ticker::scheduled_jobs;
 
 #[derive(Debug, Subcommand)]
 pub enum PauseTarget {

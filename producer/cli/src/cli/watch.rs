@@ -23,6 +23,6 @@ pub async fn run(config: ValidConfig, listen: Option<String>) -> Result<(), Fail
         let _ = chime_daemon::signals::next_stop().await;
         t.cancel();
     });
-    crate::monitor::run(config, health, token).await;
+    chime_scheduler::monitor::run(config, health, token).await;
     Ok(())
 }

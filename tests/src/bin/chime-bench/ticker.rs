@@ -70,9 +70,12 @@ pub async fn ticker(
     let rss_before = rss_kb(pid);
     let planning = Instant::now();
     let token = tokio_util::sync::CancellationToken::new();
-    let t =
-        chime_cli::ticker::Ticker::new(rx, format!("bench:{pid}"), chime_shared::health::Health::default())
-            .unwrap();
+    let t = chime_scheduler::ticker::Ticker::new(
+        rx,
+        format!("bench:{pid}"),
+        chime_shared::health::Health::default(),
+    )
+    .unwrap();
     let run = tokio::spawn(t.run(token.clone()));
     // Measure a steady window after the first slot arrives.
     wait_until("first slot delivered", Duration::from_secs(60), || {

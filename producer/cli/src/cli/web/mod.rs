@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use super::failure::{Failure, runtime, usage};
-use crate::lease::TickerStore;
+use chime_scheduler::lease::TickerStore;
 
 /// Where `chime web` listens unless `--listen` says otherwise.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8090";

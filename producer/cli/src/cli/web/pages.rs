@@ -16,7 +16,7 @@ use super::Web;
 use super::dlq_cache::{Snapshot, View};
 use super::html::{Frame, ago, at, button, cut, enc, esc, page, table};
 use crate::dlq::{DeadLetter, UNROUTABLE};
-use crate::ticker::scheduled_jobs;
+use chime_scheduler::ticker::scheduled_jobs;
 
 /// Dead letters per DLQ page.
 const DLQ_PAGE: usize = 100;

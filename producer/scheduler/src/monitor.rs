@@ -153,28 +153,50 @@ fn fingerprint(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
-/// Sends notifications in order: log, then the webhook with retries.
+/// Sends notifications in order: log, then the webhook (when this build has one).
 async fn sender(mut rx: mpsc::UnboundedReceiver<Notification>, config: ValidConfig) {
     let names = Names::new(&config.prefix);
-    // No redirects for alerts: an Alertmanager URL never moves, and a redirect would resend
-    // the body elsewhere.
-    let http =
-        reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap_or_default();
+    let webhook = Webhook::new(&config);
     while let Some(n) = rx.recv().await {
         if n.firing {
             warn!(queue = %n.queue, depth = n.depth, "DLQ alert firing");
         } else {
             info!(queue = %n.queue, depth = n.depth, "DLQ alert resolved");
         }
-        let Some(url) = &config.alerts.webhook else { continue };
-        let shown = chime_shared::redact::redact(url);
-        let body = webhook_body(&n, &names, config.alerts.dlq_threshold);
+        if let Some(w) = &webhook {
+            w.send(&n, &webhook_body(&n, &names, config.alerts.dlq_threshold)).await;
+        }
+    }
+}
+
+/// The alert webhook (`alerts.webhook`), retried with backoff.
+#[cfg(feature = "webhook")]
+struct Webhook {
+    url: String,
+    http: reqwest::Client,
+}
+
+#[cfg(feature = "webhook")]
+impl Webhook {
+    fn new(config: &ValidConfig) -> Option<Self> {
+        // No redirects for alerts: an Alertmanager URL never moves, and a redirect would resend
+        // the body elsewhere.
+        let http = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .unwrap_or_default();
+        config.alerts.webhook.clone().map(|url| Self { url, http })
+    }
+
+    async fn send(&self, n: &Notification, body: &serde_json::Value) {
+        let shown = chime_shared::redact::redact(&self.url);
         let send = || async {
-            let r = http
-                .post(url)
+            let r = self
+                .http
+                .post(&self.url)
                 .timeout(Duration::from_secs(10))
                 .header("content-type", "application/json")
-                .body(serde_json::to_vec(&body).unwrap_or_default())
+                .body(serde_json::to_vec(body).unwrap_or_default())
                 .send()
                 .await
                 .map_err(reqwest::Error::without_url)?;
@@ -195,6 +217,24 @@ async fn sender(mut rx: mpsc::UnboundedReceiver<Notification>, config: ValidConf
             warn!(url = %shown, %error, queue = %n.queue, "alert webhook gave up; the log line above stands");
         }
     }
+}
+
+/// Without the `webhook` feature: a configured webhook is reported once, alerts are logged.
+#[cfg(not(feature = "webhook"))]
+struct Webhook;
+
+#[cfg(not(feature = "webhook"))]
+impl Webhook {
+    fn new(config: &ValidConfig) -> Option<Self> {
+        if config.alerts.webhook.is_some() {
+            warn!(
+                "alerts.webhook is set, but this build of chime-scheduler has no `webhook` feature: alerts go to the log only"
+            );
+        }
+        None
+    }
+
+    async fn send(&self, _: &Notification, _: &serde_json::Value) {}
 }
 
 /// Polls DLQ depths and raises alerts until `token` is cancelled; reconnects as needed.
