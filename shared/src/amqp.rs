@@ -118,12 +118,19 @@ async fn handshake_timeout(url: &str) -> String {
     }
 }
 
+/// The TLS connector of `amqps://` URLs (none in a build without the `tls` feature).
+#[cfg(feature = "tls")]
+type Tls = std::sync::Arc<lapin::tcp::RustlsConnector>;
+#[cfg(not(feature = "tls"))]
+type Tls = NoTls;
+
+/// No TLS connector can exist in a build without TLS.
+#[cfg(not(feature = "tls"))]
+#[derive(Clone)]
+enum NoTls {}
+
 /// One connection to `url` over TCP, or over TLS with `tls` for `amqps://`.
-async fn connect_one(
-    url: &str,
-    props: ConnectionProperties,
-    tls: Option<std::sync::Arc<lapin::tcp::RustlsConnector>>,
-) -> lapin::Result<Connection> {
+async fn connect_one(url: &str, props: ConnectionProperties, tls: Option<Tls>) -> lapin::Result<Connection> {
     use lapin::tcp::AsyncTcpStream;
     use lapin::uri::{AMQPScheme, AMQPUri};
     let uri: AMQPUri =
@@ -136,11 +143,11 @@ async fn connect_one(
         let stream = AsyncTcpStream::connect(&runtime, addrs).await?;
         match (uri.scheme, &tls) {
             (AMQPScheme::AMQP, _) => Ok(stream),
+            #[cfg(feature = "tls")]
             (AMQPScheme::AMQPS, Some(tls)) => Ok(stream.into_rustls(tls, &host).await?),
-            // Never plaintext for amqps:// (the connector exists whenever a URL is amqps://).
-            (AMQPScheme::AMQPS, None) => {
-                Err(std::io::Error::other("amqps:// without a TLS connector").into())
-            }
+            // Never plaintext for amqps:// (the connector exists whenever a URL is amqps://
+            // in a build with TLS; without it, validation refuses such a URL).
+            (AMQPScheme::AMQPS, _) => Err(std::io::Error::other("amqps:// without a TLS connector").into()),
         }
     };
     Connection::connector(uri, runtime, connect, props).await
@@ -151,14 +158,17 @@ pub async fn connect(config: &AmqpConfig, connection_name: &str) -> Result<Conne
     let urls = config.url.list();
     let joined = || urls.iter().map(|u| redact(u)).collect::<Vec<_>>().join(", ");
     // TLS files are read at every connect, so renewed certificates are picked up on reconnect.
-    crate::tls::install_crypto_provider();
+    #[cfg(feature = "tls")]
     let tls = if urls.iter().any(|u| u.starts_with("amqps://")) {
+        crate::tls::install_crypto_provider();
         let connector = crate::tls::amqp_tls(&config.tls)
             .map_err(|e| AmqpError::Connect { urls: joined(), last: e.to_string() })?;
         Some(std::sync::Arc::new(connector))
     } else {
         None
     };
+    #[cfg(not(feature = "tls"))]
+    let tls: Option<Tls> = None;
     let mut last = String::from("no URL configured");
     for url in &urls {
         let props = ConnectionProperties::default().with_connection_name(connection_name.into());

@@ -746,6 +746,22 @@ impl TryFrom<Config> for ValidConfig {
     }
 }
 
+/// A TLS URL in a build without chime-shared's `tls` feature: refused by name (never spoken
+/// in plaintext).
+fn no_tls_in_this_build(key: &str, tls_url: bool) -> Result<(), ConfigError> {
+    tls_supported(key, tls_url, cfg!(feature = "tls"))
+}
+
+fn tls_supported(key: &str, tls_url: bool, built_with_tls: bool) -> Result<(), ConfigError> {
+    if tls_url && !built_with_tls {
+        return Err(ConfigError::invalid(
+            key,
+            "is a TLS URL, but this build has no TLS (chime-shared's `tls` feature, on by default);              chime never falls back to plaintext",
+        ));
+    }
+    Ok(())
+}
+
 /// `host:port` → (host, port); `[v6]:port` gives the address without brackets.
 pub fn host_port(s: &str) -> Option<(String, u16)> {
     let (host, port) = s.rsplit_once(':')?;
@@ -1059,6 +1075,7 @@ impl Config {
                 "mixes amqps:// and amqp:// URLs: a failover would drop to plaintext (use one scheme)",
             ));
         }
+        no_tls_in_this_build("amqp.url", tls_urls != 0)?;
         self.check_tls("amqp", tls_urls != 0, &self.amqp.tls, "amqps://")?;
         if self.amqp.delivery_limit == 0 {
             return Err(ConfigError::invalid(
@@ -1096,6 +1113,7 @@ impl Config {
                 ),
             ));
         }
+        no_tls_in_this_build("redis.url", scheme == "rediss")?;
         if self.redis.url.contains("#insecure") {
             return Err(ConfigError::invalid(
                 "redis.url",
@@ -1260,6 +1278,15 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_build_without_tls_refuses_tls_urls_by_name() {
+        let e = tls_supported("redis.url", true, false).unwrap_err().to_string();
+        assert!(e.contains("redis.url") && e.contains("never falls back to plaintext"), "{e}");
+        assert!(tls_supported("redis.url", false, false).is_ok());
+        assert!(tls_supported("amqp.url", true, true).is_ok());
+    }
+
+    #[cfg(feature = "tls")]
     #[test]
     fn sentinel_and_cluster_settings_fit_together() {
         let ok = Config::from_toml_str(

@@ -27,7 +27,9 @@ use redis::{
     Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, RedisResult, Value,
 };
 
-use crate::config::{RedisConfig, TlsConfig};
+use crate::config::RedisConfig;
+#[cfg(feature = "tls")]
+use crate::config::TlsConfig;
 
 /// A self-reconnecting Redis connection to what `[redis]` describes (see the module docs).
 #[derive(Clone)]
@@ -61,6 +63,7 @@ fn config_error(what: String) -> RedisError {
 pub use crate::config::host_port;
 
 /// The TLS files of `[redis.tls]` as redis's certificates (`None` when none are set).
+#[cfg(feature = "tls")]
 fn certificates(tls: &TlsConfig) -> RedisResult<Option<redis::TlsCertificates>> {
     if *tls == TlsConfig::default() {
         return Ok(None);
@@ -77,6 +80,7 @@ fn certificates(tls: &TlsConfig) -> RedisResult<Option<redis::TlsCertificates>> 
 impl RedisConn {
     /// A connection for `config`, made without waiting for Redis: the first command connects.
     pub fn new(config: &RedisConfig) -> RedisResult<Self> {
+        #[cfg(feature = "tls")]
         crate::tls::install_crypto_provider();
         let info = config.url.as_str().into_connection_info()?;
         let settings = info.redis_settings();
@@ -101,6 +105,7 @@ impl RedisConn {
             if let Some(p) = settings.password() {
                 b = b.set_client_to_redis_password(p);
             }
+            #[cfg(feature = "tls")]
             if tls {
                 b = b
                     .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
@@ -142,6 +147,7 @@ impl RedisConn {
             if let Some(p) = settings.password() {
                 b = b.password(p);
             }
+            #[cfg(feature = "tls")]
             if tls {
                 b = b.tls(redis::TlsMode::Secure);
                 if let Some(c) = certificates(&config.tls)? {

@@ -27,6 +27,7 @@ pub struct TlsConfig {
 
 /// Makes rustls's ring provider the process default unless one is set already (a program
 /// that links rustls with another provider too would otherwise have none).
+#[cfg(feature = "tls")]
 pub fn install_crypto_provider() {
     if rustls::crypto::CryptoProvider::get_default().is_none() {
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -105,6 +106,7 @@ impl TlsFiles {
 /// set — as for Redis: a broker with a private CA is not also vouched for by every public CA.
 /// The client certificate is presented when configured. (lapin's own TLS setup would trust the
 /// CA file in addition to the platform's roots.)
+#[cfg(feature = "tls")]
 pub fn amqp_tls(tls: &TlsConfig) -> Result<lapin::tcp::RustlsConnector, TlsFileError> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -145,10 +147,25 @@ pub fn amqp_tls(tls: &TlsConfig) -> Result<lapin::tcp::RustlsConnector, TlsFileE
 /// roots, or against `redis.tls.ca_file` alone when it is set; a client certificate is
 /// presented when configured.
 pub fn redis_client(url: &str, tls: &TlsConfig) -> redis::RedisResult<redis::Client> {
+    #[cfg(feature = "tls")]
     install_crypto_provider();
     if *tls == TlsConfig::default() {
         return redis::Client::open(url);
     }
+    redis_client_with_files(url, tls)
+}
+
+#[cfg(not(feature = "tls"))]
+fn redis_client_with_files(_: &str, _: &TlsConfig) -> redis::RedisResult<redis::Client> {
+    Err(redis::RedisError::from((
+        redis::ErrorKind::InvalidClientConfig,
+        "TLS",
+        "[redis.tls] needs chime-shared's `tls` feature".to_string(),
+    )))
+}
+
+#[cfg(feature = "tls")]
+fn redis_client_with_files(url: &str, tls: &TlsConfig) -> redis::RedisResult<redis::Client> {
     let files = TlsFiles::read("redis.tls", tls).map_err(|e| {
         redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, "TLS", e.to_string()))
     })?;
