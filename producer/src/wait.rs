@@ -1,6 +1,7 @@
 //! [`EnqueueClient::wait`]: how a job ended, and what it returned, read from its key's record.
 
 use chime_shared::history::{HistoryReader, KeyRecord};
+use chime_shared::record::{KeyState, StoredResult};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
@@ -13,12 +14,10 @@ pub enum Finished {
     /// It succeeded.
     Done {
         /// What it returned (a Rust handler's value, an `exec` job's `CHIME_RESULT_FILE`, an
-        /// `http` job's response body), if anything.
-        result: Option<serde_json::Value>,
-        /// Why a result it returned is not there (too large for `results.max_bytes`, past
-        /// `results.retention`).
-        #[serde(skip_serializing_if = "Option::is_none")]
-        result_missing: Option<String>,
+        /// `http` job's response body), or why a result it returned is not there (too large
+        /// for `results.max_bytes`, past `results.retention`); `None` if it returned nothing.
+        #[serde(flatten)]
+        result: Option<StoredResult>,
     },
     /// It was dead-lettered (`chime dlq show` has the whole story).
     Dead {
@@ -54,14 +53,28 @@ pub struct MemberFinished {
 #[derive(Debug, thiserror::Error)]
 pub enum WaitError {
     /// The job did not end within the wait.
-    #[error("job {key} did not finish within {waited:?} (its key is {})", state.as_deref().unwrap_or("not claimed yet: queued, delayed or not enqueued"))]
+    #[error("job {key} did not finish within {waited:?} (its key is {})", state.as_ref().map_or("not claimed yet: queued, delayed or not enqueued", KeyState::as_str))]
     Timeout {
         /// The key waited for.
         key: Uuid,
         /// How long.
         waited: Duration,
-        /// The key's state when the wait ended (`run`, `free` between retries, …).
-        state: Option<String>,
+        /// The key's state when the wait ended (running, free between retries, …).
+        state: Option<KeyState>,
+    },
+    /// A fanned-out run had members that did not end within the wait.
+    #[error(
+        "job {key} did not finish within {waited:?} (a fanned-out run with {open} of {members} members not ended)"
+    )]
+    GroupTimeout {
+        /// The run's key.
+        key: Uuid,
+        /// How long.
+        waited: Duration,
+        /// Members that had not ended.
+        open: usize,
+        /// Members in all.
+        members: usize,
     },
     /// Redis could not be asked.
     #[error("cannot read the job's record from Redis: {0}")]
@@ -70,12 +83,9 @@ pub enum WaitError {
 
 impl Finished {
     fn of(record: &KeyRecord) -> Option<Self> {
-        match record.state.as_deref() {
-            Some("done") => Some(Finished::Done {
-                result: record.result.clone(),
-                result_missing: record.result_missing.clone(),
-            }),
-            Some("dead") => {
+        match record.state {
+            Some(KeyState::Done) => Some(Finished::Done { result: record.result.clone() }),
+            Some(KeyState::Dead) => {
                 let last = record.runs.last();
                 Some(Finished::Dead {
                     reason: last.and_then(|r| r.reason.clone()),
@@ -154,11 +164,7 @@ impl EnqueueClient {
             let left = timeout.saturating_sub(start.elapsed());
             if left.is_zero() {
                 let open = ended.iter().filter(|e| e.is_none()).count();
-                return Err(WaitError::Timeout {
-                    key,
-                    waited: timeout,
-                    state: Some(format!("a fanned-out run with {open} of {} members not ended", ended.len())),
-                });
+                return Err(WaitError::GroupTimeout { key, waited: timeout, open, members: ended.len() });
             }
             tokio::time::sleep(pause.min(left)).await;
             pause = (pause * 2).min(Duration::from_millis(500));

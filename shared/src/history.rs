@@ -20,6 +20,7 @@ use std::collections::HashMap;
 
 use crate::config::RedisConfig;
 use crate::names::Names;
+use crate::record::{KeyState, StoredResult};
 
 /// Most bytes of an error kept in an event.
 pub const ERROR_BYTES: usize = 1024;
@@ -315,8 +316,8 @@ pub struct Found {
 /// A key's idempotency record, decoded.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct KeyRecord {
-    /// `run`, `dying`, `done`, `dead`, `free`; `None` when there is no record.
-    pub state: Option<String>,
+    /// The record's state; `None` when there is no record.
+    pub state: Option<KeyState>,
     /// Owner token of the last claim (`<worker>:<n>`).
     pub owner: Option<String>,
     /// Fence of the last claim (µs of Redis `TIME` at that claim).
@@ -331,32 +332,14 @@ pub struct KeyRecord {
     pub expires_in_ms: Option<i64>,
     /// The dead letter being published, while `dying`: reason.
     pub dying_reason: Option<String>,
-    /// The result the run returned, once `done` (within `results.retention`).
-    pub result: Option<serde_json::Value>,
-    /// Why a `done` run has no result kept (too large, not serialisable, past its retention).
-    pub result_missing: Option<String>,
+    /// What a `done` run returned, or why nothing is kept (too large, not serialisable, past
+    /// `results.retention`).
+    #[serde(flatten)]
+    pub result: Option<StoredResult>,
     /// The last checkpoint saved under the key (JSON), until a run succeeds.
     pub checkpoint: Option<serde_json::Value>,
     /// The key's last runs, oldest first.
     pub runs: Vec<RunEvent>,
-}
-
-/// The result field of a record (`v` + JSON, or `e` + why none was kept) and its expiry
-/// (`rt`, ms): `Ok(value)` or `Err(why not)`; `None` when the run left no result.
-pub fn decode_result(
-    res: Option<&str>,
-    until_ms: Option<i64>,
-    now: DateTime<Utc>,
-) -> Option<Result<serde_json::Value, String>> {
-    let res = res?;
-    if until_ms.is_some_and(|u| u > 0 && u <= now.timestamp_millis()) {
-        return Some(Err("the result is past results.retention".into()));
-    }
-    match res.split_at_checked(1) {
-        Some(("v", json)) => Some(serde_json::from_str(json).map_err(|e| format!("unreadable result: {e}"))),
-        Some(("e", why)) => Some(Err(why.to_string())),
-        _ => Some(Err("unreadable result".into())),
-    }
 }
 
 impl KeyRecord {
@@ -374,18 +357,17 @@ impl KeyRecord {
             .collect();
         runs.sort_by_key(|(n, _)| *n);
         let until = get("rt").and_then(|t| t.parse::<i64>().ok());
-        let result = decode_result(get("res").as_deref(), until, Utc::now());
+        let state = get("s").map(|s| KeyState::parse(&s));
         Self {
-            state: get("s"),
+            lease_until: if state == Some(KeyState::Running) { at("u") } else { None },
+            state,
             owner: get("o"),
             fence: get("f").and_then(|f| f.parse().ok()),
             claimed_at: at("c"),
             finished_at: at("t"),
-            lease_until: if get("s").as_deref() == Some("run") { at("u") } else { None },
             expires_in_ms: (pttl >= 0).then_some(pttl),
             dying_reason: get("r"),
-            result: result.as_ref().and_then(|r| r.as_ref().ok().cloned()),
-            result_missing: result.and_then(|r| r.err()),
+            result: StoredResult::decode(get("res").as_deref(), until, Utc::now()),
             checkpoint: get("cp").map(|c| serde_json::from_str(&c).unwrap_or(serde_json::Value::String(c))),
             runs: runs.into_iter().map(|(_, r)| r).collect(),
         }
@@ -424,14 +406,17 @@ impl HistoryReader {
     pub async fn states(
         &self,
         keys: &[String],
-    ) -> redis::RedisResult<Vec<Option<(String, Option<DateTime<Utc>>)>>> {
+    ) -> redis::RedisResult<Vec<Option<(KeyState, Option<DateTime<Utc>>)>>> {
         let mut pipe = redis::pipe();
         for k in keys {
             pipe.cmd("HMGET").arg(self.names.idem_key(k)).arg("s").arg("t");
         }
         let mut conn = self.conn.clone();
         let rows: Vec<(Option<String>, Option<String>)> = pipe.query_async(&mut conn).await?;
-        Ok(rows.into_iter().map(|(s, t)| s.map(|s| (s, t.as_deref().and_then(from_ms)))).collect())
+        Ok(rows
+            .into_iter()
+            .map(|(s, t)| s.map(|s| (KeyState::parse(&s), t.as_deref().and_then(from_ms))))
+            .collect())
     }
 
     /// Events matching `q` across `queues`, newest first.
@@ -671,7 +656,7 @@ mod tests {
         f.insert("j".into(), event().job);
         f.insert("q".into(), event().queue);
         let r = KeyRecord::decode(&event().key, &f, 5000);
-        assert_eq!(r.state.as_deref(), Some("done"));
+        assert_eq!(r.state, Some(KeyState::Done));
         assert_eq!(r.fence, Some(1_700_000_000_000_123));
         assert_eq!(r.lease_until, None, "no lease once settled");
         assert_eq!(r.expires_in_ms, Some(5000));

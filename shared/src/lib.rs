@@ -39,6 +39,7 @@ pub mod idempotency;
 pub mod job;
 pub use idempotency::limit;
 pub mod names;
+pub mod record;
 pub mod redact;
 pub mod redis_conn;
 pub mod schedule;

@@ -13,6 +13,7 @@ use chime_shared::envelope::{Envelope, header_str, put_header};
 use chime_shared::history::{self, Outcome, RunEvent};
 use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, Recorded, Renewal};
 use chime_shared::limit::SlotTake;
+use chime_shared::record::StoredResult;
 use chime_shared::telemetry::{self, outcome};
 use chrono::{DateTime, Utc};
 use futures_util::FutureExt;
@@ -201,24 +202,8 @@ struct Held {
     key: String,
     owner: String,
     fence: u64,
-    /// The result of a successful run, encoded for the record ([`encode_result`]).
+    /// The result of a successful run, encoded for the record (`StoredResult::encode`).
     result: Option<String>,
-}
-
-/// A run's result as its record keeps it: `v` and the JSON, or `e` and why there is none (too
-/// large, or it did not serialise); the run succeeded either way.
-pub(crate) fn encode_result(result: Result<serde_json::Value, String>, max_bytes: usize) -> String {
-    match result {
-        Ok(v) => {
-            let json = v.to_string();
-            if json.len() > max_bytes {
-                format!("eresult of {} bytes exceeds results.max_bytes ({max_bytes}); not kept", json.len())
-            } else {
-                format!("v{json}")
-            }
-        }
-        Err(e) => format!("e{e}"),
-    }
 }
 
 /// What the history records of a handler run.
@@ -391,7 +376,7 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         error = Some(e);
     }
     let plan = decision::on_run(end, env.attempt, env.max_attempts, &spec.backoff, env.key);
-    let result = result.map(|r| encode_result(r, core.config.results.max_bytes));
+    let result = result.map(|r| StoredResult::encode(r, core.config.results.max_bytes));
     let held = Held { key, owner, fence: fence.load(Ordering::Relaxed), result };
     let mut verdict = Verdict::settled(plan, env, Some(held), Some(spec));
     verdict.run = Some(RunFacts { started_at, duration, error });

@@ -24,7 +24,7 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
     fn claim(&self, key: &str, owner: &str) -> impl Future<Output = Result<Claim, IdemError>> + Send;
     fn renew(&self, key: &str, owner: &str) -> impl Future<Output = Result<Renewal, IdemError>> + Send;
     /// Records the final state (with the encoded result of a `done` run, see
-    /// `process::encode_result`); `run` (when history is on) joins the key's record in the same
+    /// `StoredResult::encode`); `run` (when history is on) joins the key's record in the same
     /// step.
     fn finish(
         &self,

@@ -14,6 +14,7 @@ use chime_shared::config::Overlap;
 use chime_shared::control;
 use chime_shared::group::{self, Fan};
 use chime_shared::names::Names;
+use chime_shared::record::KeyState;
 use chime_shared::redis_conn::RedisConn;
 use chrono::{DateTime, Utc};
 use std::collections::HashMap;
@@ -134,8 +135,8 @@ pub async fn running(
     let states: Vec<Option<String>> = pipe.query_async(conn).await?;
     let expired =
         Utc::now().timestamp_millis() - at > i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
-    Ok(keys.iter().zip(states).any(|(k, s)| match s.as_deref() {
-        Some("done" | "dead") => false,
+    Ok(keys.iter().zip(states).any(|(k, s)| match s.map(|s| KeyState::parse(&s)) {
+        Some(s) if s.settled() => false,
         // No record: not claimed yet (queued, delayed), unless it is too old to have one.
         None => !expired && !gone.contains(k),
         Some(_) => !gone.contains(k),

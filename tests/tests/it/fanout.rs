@@ -192,7 +192,7 @@ async fn shards_workers_takes_the_count_of_live_workers_on_the_queue() {
             let results: Vec<_> = members
                 .iter()
                 .map(|m| match &m.finished {
-                    Finished::Done { result, .. } => result.clone(),
+                    Finished::Done { result } => result.as_ref().and_then(|r| r.value()).cloned(),
                     _ => None,
                 })
                 .collect();

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::common::*;
+use chime_shared::record::StoredResult;
 
 /// Counts rows 0..10 from `$CHIME_CHECKPOINT_FILE`, one every 200 ms, writing each row to the
 /// ledger and the next row to the checkpoint (by rename, so a read never sees half a write);
@@ -78,8 +79,7 @@ async fn an_exec_job_killed_halfway_resumes_from_its_checkpoint_on_another_worke
     assert_eq!(
         finished,
         Finished::Done {
-            result: Some(serde_json::json!({"counted": 10, "from": resumed})),
-            result_missing: None
+            result: Some(StoredResult::Value(serde_json::json!({"counted": 10, "from": resumed})))
         }
     );
 }
@@ -141,8 +141,7 @@ async fn a_retry_resumes_from_its_checkpoint_and_wait_returns_the_typed_result()
     assert_eq!(
         finished,
         Finished::Done {
-            result: Some(serde_json::json!({"rows": 10, "resumed_at": 6})),
-            result_missing: None
+            result: Some(StoredResult::Value(serde_json::json!({"rows": 10, "resumed_at": 6})))
         }
     );
     assert_eq!(*starts.lock().unwrap(), [0, 6], "the retry resumed at the checkpoint");
@@ -153,7 +152,7 @@ async fn a_retry_resumes_from_its_checkpoint_and_wait_returns_the_typed_result()
         .await
         .unwrap();
     match client.wait(big.key, Duration::from_secs(30)).await.unwrap() {
-        Finished::Done { result: None, result_missing: Some(why) } => {
+        Finished::Done { result: Some(StoredResult::Missing(why)) } => {
             assert!(why.contains("exceeds results.max_bytes (1024)"), "{why}")
         }
         other => panic!("expected done without a result, got {other:?}"),

@@ -7,6 +7,7 @@ use chime_shared::config::ValidConfig;
 use chime_shared::config::{JobConfig, Overlap};
 use chime_shared::envelope::{self, Envelope, Source};
 use chime_shared::history::HistoryReader;
+use chime_shared::record::KeyState;
 use chime_shared::schedule::Schedule;
 use chime_shared::topology::Names;
 use chrono::{DateTime, LocalResult, NaiveDate, NaiveDateTime, SecondsFormat, TimeZone, Utc};
@@ -235,11 +236,11 @@ async fn slot_states(
     slots: &[DateTime<Utc>],
 ) -> redis::RedisResult<Vec<SlotState>> {
     let bases: Vec<uuid::Uuid> = slots.iter().map(|s| envelope::scheduled_key(&job.name, *s)).collect();
-    let of = |s: Option<(String, Option<DateTime<Utc>>)>| match s {
+    let of = |s: Option<(KeyState, Option<DateTime<Utc>>)>| match s {
         None => SlotState::None,
-        Some((s, _)) if s == "done" => SlotState::Done,
-        Some((s, _)) if s == "dead" => SlotState::Dead,
-        Some((s, _)) => SlotState::InProgress(s),
+        Some((KeyState::Done, _)) => SlotState::Done,
+        Some((KeyState::Dead, _)) => SlotState::Dead,
+        Some((s, _)) => SlotState::InProgress(s.as_str().to_string()),
     };
     if job.shards.is_none() && !job.broadcast {
         let keys: Vec<String> = bases.iter().map(|k| k.to_string()).collect();

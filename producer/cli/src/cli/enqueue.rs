@@ -216,12 +216,15 @@ fn print_finished(
         println!("{}", serde_json::to_string(&finished).unwrap_or_default());
     }
     match finished {
-        Finished::Done { result, result_missing } => {
+        Finished::Done { result } => {
+            use chime_shared::record::StoredResult;
             if !json {
-                match (result, result_missing) {
-                    (Some(r), _) => println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default()),
-                    (None, Some(why)) => eprintln!("done; no result: {why}"),
-                    (None, None) => eprintln!("done (no result)"),
+                match result {
+                    Some(StoredResult::Value(r)) => {
+                        println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default())
+                    }
+                    Some(StoredResult::Missing(why)) => eprintln!("done; no result: {why}"),
+                    None => eprintln!("done (no result)"),
                 }
             }
             Ok(())
@@ -241,7 +244,9 @@ fn print_finished(
                         _ => m.key.to_string(),
                     };
                     match &m.finished {
-                        Finished::Done { result: Some(r), .. } => println!("{who}: {r}"),
+                        Finished::Done { result: Some(chime_shared::record::StoredResult::Value(r)) } => {
+                            println!("{who}: {r}")
+                        }
                         Finished::Done { .. } => println!("{who}: done"),
                         Finished::Dead { reason, .. } => {
                             let reason = reason.as_deref().unwrap_or("?");
@@ -264,7 +269,7 @@ fn print_finished(
 }
 
 /// A key that already ran to an end: the key, `done` or `dead`, and when.
-type Settled = (String, String, Option<chrono::DateTime<chrono::Utc>>);
+type Settled = (String, chime_shared::record::KeyState, Option<chrono::DateTime<chrono::Utc>>);
 
 /// The keys among `keys` that already ran to an end: their new copies will be absorbed as
 /// duplicates. Empty when Redis cannot be asked.
@@ -280,7 +285,7 @@ async fn settled_among(reader: &HistoryReader, keys: &[String]) -> Vec<Settled> 
     let Ok(states) = reader.states(keys).await else { return Vec::new() };
     keys.iter()
         .zip(states)
-        .filter_map(|(k, s)| s.filter(|(s, _)| s == "done" || s == "dead").map(|(s, t)| (k.clone(), s, t)))
+        .filter_map(|(k, s)| s.filter(|(s, _)| s.settled()).map(|(s, t)| (k.clone(), s, t)))
         .collect()
 }
 
@@ -291,7 +296,7 @@ fn warn_settled(first: Option<&Settled>, count: usize) {
         (_, 0) | (None, _) => {}
         (Some((key, state, at)), 1) => {
             let when = at.map(|t| format!(" at {}", t.format("%Y-%m-%d %H:%M:%S UTC"))).unwrap_or_default();
-            let fate = if state == "dead" {
+            let fate = if *state == chime_shared::record::KeyState::Dead {
                 "it was dead-lettered; `chime dlq replay` runs it again"
             } else {
                 "it will not run again; use a new --key to run the job again"

@@ -4,6 +4,7 @@
 use chime_shared::config::Config;
 use chime_shared::config::ValidConfig;
 use chime_shared::history::{HistoryReader, KeyRecord, Outcome, Query, RunEvent};
+use chime_shared::record::{KeyState, StoredResult};
 use chime_shared::redact::escape_control;
 use chime_shared::topology::Names;
 use chrono::{DateTime, Utc};
@@ -256,7 +257,7 @@ pub async fn inspect(config: ValidConfig, args: InspectArgs) -> Result<(), Failu
 pub struct GroupView {
     pub members: Vec<chime_shared::group::Member>,
     /// State and finish time of each member's key (`None`: no record — not started).
-    pub states: Vec<Option<(String, Option<DateTime<Utc>>)>>,
+    pub states: Vec<Option<(KeyState, Option<DateTime<Utc>>)>>,
     pub records: Vec<KeyRecord>,
     pub done: usize,
     pub missing: usize,
@@ -274,7 +275,7 @@ impl GroupView {
         for k in &keys {
             records.push(reader.record(k).await?);
         }
-        let done = states.iter().filter(|s| s.as_ref().is_some_and(|(s, _)| s == "done")).count();
+        let done = states.iter().filter(|s| s.as_ref().is_some_and(|(s, _)| *s == KeyState::Done)).count();
         let missing = states.iter().filter(|s| s.is_none()).count();
         Ok(Self { members, states, records, done, missing })
     }
@@ -341,10 +342,11 @@ async fn print_group(
     let mut t = crate::cli::table::new(["MEMBER", "KEY", "STATE", "FINISHED (UTC)", "RESULT"], &[]);
     for ((m, s), r) in view.members.iter().zip(&view.states).zip(&view.records) {
         let (state, finished) = match s {
-            Some((state, t)) => (state.clone(), t.map(at).unwrap_or_default()),
+            Some((state, t)) => (state.to_string(), t.map(at).unwrap_or_default()),
             None => ("missing: not started".to_string(), String::new()),
         };
-        let result = r.result.as_ref().map(|v| cut(&v.to_string(), 60)).unwrap_or_default();
+        let result =
+            r.result.as_ref().and_then(|r| r.value()).map(|v| cut(&v.to_string(), 60)).unwrap_or_default();
         t.add_row([GroupView::label(m), m.key.to_string(), state, finished, result]);
     }
     crate::cli::table::print(&t);
@@ -357,15 +359,7 @@ fn print_record(key: &Uuid, r: &KeyRecord) {
         println!("record    none: never claimed, or expired after redis.done_retention (or Redis lost it)");
         return print_key_runs(r);
     };
-    let meaning = match state.as_str() {
-        "run" => "running (claimed; its owner renews the lease)",
-        "done" => "done: later copies are absorbed as duplicates",
-        "dead" => "dead: dead-lettered; later copies are absorbed until it is replayed",
-        "dying" => "dying: its dead letter is being published (a later copy publishes it again)",
-        "free" => "free: released for a retry",
-        _ => "unknown state",
-    };
-    println!("state     {state} — {meaning}");
+    println!("state     {} — {}", escape_control(state.as_str()), state.meaning());
     if let Some(o) = &r.owner {
         println!("owner     {}", escape_control(o));
     }
@@ -391,10 +385,10 @@ fn print_record(key: &Uuid, r: &KeyRecord) {
     if let Some(cp) = &r.checkpoint {
         println!("checkpoint {}", shown(cp));
     }
-    match (&r.result, &r.result_missing) {
-        (Some(v), _) => println!("result    {}", shown(v)),
-        (None, Some(why)) => println!("result    none kept: {why}"),
-        _ => {}
+    match &r.result {
+        Some(StoredResult::Value(v)) => println!("result    {}", shown(v)),
+        Some(StoredResult::Missing(why)) => println!("result    none kept: {}", escape_control(why)),
+        None => {}
     }
     print_key_runs(r);
 }

@@ -307,7 +307,7 @@ async fn schedules_body(web: &Web) -> anyhow::Result<String> {
         let next = j.schedule.next_after(now);
         let outcome = match (&last[i], &states[i]) {
             (None, _) => "-".to_string(),
-            (Some(_), Some((state, _))) => format!("{} {}", esc(state), key_link(&keys[i])),
+            (Some(_), Some((state, _))) => format!("{} {}", esc(state.as_str()), key_link(&keys[i])),
             (Some(_), None) => format!("<span class=\"muted\">no record</span> {}", key_link(&keys[i])),
         };
         let toggle = if flags[i].is_some() {
@@ -591,10 +591,15 @@ async fn group_html(web: &Web, group: &chime_shared::group::GroupRecord) -> redi
         .zip(&view.records)
         .map(|((m, s), r)| {
             let (state, finished) = match s {
-                Some((state, t)) => (esc(state), t.map(at).unwrap_or_default()),
+                Some((state, t)) => (esc(state.as_str()), t.map(at).unwrap_or_default()),
                 None => ("<b class=\"warn missing\">missing: not started</b>".to_string(), String::new()),
             };
-            let result = r.result.as_ref().map(|v| esc(&cut(&v.to_string(), 60))).unwrap_or_default();
+            let result = r
+                .result
+                .as_ref()
+                .and_then(|r| r.value())
+                .map(|v| cut(&v.to_string(), 60))
+                .unwrap_or_default();
             vec![esc(&GroupView::label(m)), key_link(&m.key.to_string()), state, finished, result]
         })
         .collect();
@@ -612,15 +617,12 @@ fn record_html(key: &Uuid, r: &KeyRecord) -> String {
             "<dt>Record</dt><dd>none: never claimed, or expired after <code>redis.done_retention</code> (or Redis lost it)</dd>",
         ),
         Some(state) => {
-            let meaning = match state.as_str() {
-                "run" => "running (claimed; its owner renews the lease)",
-                "done" => "done: later copies are absorbed as duplicates",
-                "dead" => "dead: dead-lettered; later copies are absorbed until it is replayed",
-                "dying" => "dying: its dead letter is being published",
-                "free" => "free: released for a retry",
-                _ => "unknown state",
-            };
-            let _ = write!(dl, "<dt>State</dt><dd><b id=\"state\">{}</b> — {meaning}</dd>", esc(state));
+            let _ = write!(
+                dl,
+                "<dt>State</dt><dd><b id=\"state\">{}</b> — {}</dd>",
+                esc(state.as_str()),
+                esc(state.meaning())
+            );
             let mut row = |k: &str, v: Option<String>| {
                 if let Some(v) = v {
                     let _ = write!(dl, "<dt>{k}</dt><dd>{v}</dd>");
