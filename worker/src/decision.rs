@@ -1,5 +1,8 @@
 //! The per-delivery decision, as a table of pure functions: what the claim said and how the
-//! run ended decide a [`Plan`]; `process` carries it out, and the order of its steps is the
+//! run ended decide a [`Plan`] (the key is not held: nothing to record on it) or a
+//! [`HeldPlan`] (this delivery holds the key's claim, whose fence every record needs); the two
+//! types keep a plan that needs the claim from being reached without one. `process` carries
+//! the plan out, and the order of its steps is the
 //! invariant: **a delivery is acked only after its outcome is durable where the next reader
 //! looks** — `done` recorded in Redis, or the retry or dead-letter copy confirmed by the broker.
 //!
@@ -49,7 +52,6 @@ pub(crate) enum RunEnd {
 pub(crate) enum Settled {
     Duplicate,
     Expired,
-    LeaseTaken,
 }
 
 /// Why a copy is sent round again unchanged.
@@ -60,51 +62,83 @@ pub(crate) enum Redelay {
     UnknownJob(DateTime<Utc>),
 }
 
-/// What a dead letter does to the key's record.
+/// What a dead letter sent by the key's holder does to the key's record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum KeyMark {
-    /// No usable key (malformed, too large, unknown job): nothing recorded.
-    None,
     /// A run failed for good: mark `dying` before publishing, `dead` after.
     MarkDying,
     /// The claim found the key `dying` and made us its owner: `dead` after publishing.
     AlreadyDying,
 }
 
+/// Settling a delivery whose key this worker does not hold.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Plan {
     Ack(Settled),
-    /// Nothing decided (Redis unreachable before the claim).
+    /// Nothing decided (Redis unreachable before the claim, a local limit not granted).
     Requeue,
-    RecordDone,
-    Retry {
-        delay: Duration,
-    },
     Redelay {
         delay: Duration,
         why: Redelay,
+    },
+    /// Dead-letter the delivery as it came; no key record is touched (unknown job,
+    /// unreadable record).
+    DeadLetter(DeadInfo),
+}
+
+/// Settling a delivery whose key this worker holds under a fence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum HeldPlan {
+    RecordDone,
+    Retry {
+        delay: Duration,
     },
     DeadLetter {
         dead: DeadInfo,
         mark: KeyMark,
     },
+    /// Another owner claimed the key while we ran: ack, that owner settles its own copy.
+    LeaseTaken,
     /// Stopped at the drain deadline: free the key, requeue.
     Release,
 }
 
-/// After the claim: the fence to run with, or the plan that replaces the run.
-pub(crate) fn on_claim(claim: Result<Claim, &IdemError>) -> Result<u64, Plan> {
+/// What the claim leads to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum AfterClaim {
+    /// Run the handler under this fence.
+    Run(u64),
+    /// Settle without holding the key.
+    Settle(Plan),
+    /// Settle as the key's holder without running (a `dying` key whose dead letter this
+    /// delivery publishes again).
+    Hold { fence: u64, plan: HeldPlan },
+}
+
+/// After the claim.
+pub(crate) fn on_claim(claim: Result<Claim, &IdemError>) -> AfterClaim {
     match claim {
-        // One poisoned record must not pause the worker: this delivery goes to the DLQ.
-        Err(e) if e.is_bad_record() => Err(rejected(DeadReason::BadRecord, &e.to_string())),
-        Err(_) => Err(Plan::Requeue),
-        Ok(Claim::Claimed { fence, .. }) => Ok(fence),
-        Ok(Claim::Done { .. } | Claim::Dead { .. }) => Err(Plan::Ack(Settled::Duplicate)),
+        Err(e) => AfterClaim::Settle(on_redis_error(e)),
+        Ok(Claim::Claimed { fence, .. }) => AfterClaim::Run(fence),
+        Ok(Claim::Done { .. } | Claim::Dead { .. }) => AfterClaim::Settle(Plan::Ack(Settled::Duplicate)),
         // Never drop a busy copy (its owner may die): send it round after the remaining lease.
-        Ok(Claim::Busy { remaining, .. }) => {
-            Err(Plan::Redelay { delay: remaining.max(Duration::from_secs(1)), why: Redelay::Busy })
+        Ok(Claim::Busy { remaining, .. }) => AfterClaim::Settle(Plan::Redelay {
+            delay: remaining.max(Duration::from_secs(1)),
+            why: Redelay::Busy,
+        }),
+        Ok(Claim::Dying { fence, dead }) => {
+            AfterClaim::Hold { fence, plan: HeldPlan::DeadLetter { dead, mark: KeyMark::AlreadyDying } }
         }
-        Ok(Claim::Dying { dead, .. }) => Err(Plan::DeadLetter { dead, mark: KeyMark::AlreadyDying }),
+    }
+}
+
+/// A Redis error before any claim was held (the claim itself, a global slot).
+pub(crate) fn on_redis_error(e: &IdemError) -> Plan {
+    if e.is_bad_record() {
+        // One poisoned record must not pause the worker: this delivery goes to the DLQ.
+        Plan::DeadLetter(rejected(DeadReason::BadRecord, &e.to_string()))
+    } else {
+        Plan::Requeue
     }
 }
 
@@ -115,26 +149,27 @@ pub(crate) fn on_run(
     max_attempts: u32,
     backoff: &BackoffConfig,
     key: Uuid,
-) -> Plan {
+) -> HeldPlan {
     match end {
-        RunEnd::Succeeded => Plan::RecordDone,
-        RunEnd::LeaseTaken => Plan::Ack(Settled::LeaseTaken),
-        RunEnd::Stopped => Plan::Release,
+        RunEnd::Succeeded => HeldPlan::RecordDone,
+        RunEnd::LeaseTaken => HeldPlan::LeaseTaken,
+        RunEnd::Stopped => HeldPlan::Release,
         RunEnd::Failed(failure, error) => match retry::decide(attempt, max_attempts, failure, backoff, key) {
-            Decision::Retry(delay) => Plan::Retry { delay },
+            Decision::Retry(delay) => HeldPlan::Retry { delay },
             Decision::Dead(reason) => {
-                Plan::DeadLetter { dead: dead_info(reason, &error, attempt), mark: KeyMark::MarkDying }
+                HeldPlan::DeadLetter { dead: dead_info(reason, &error, attempt), mark: KeyMark::MarkDying }
             }
         },
         RunEnd::RetryAfter(asked, error) => {
             match retry::decide(attempt, max_attempts, Failure::Transient, backoff, key) {
                 // The handler's delay replaces the backoff (whole seconds, at least one).
                 Decision::Retry(_) => {
-                    Plan::Retry { delay: Duration::from_secs(chime_shared::delay::seconds(asked).max(1)) }
+                    HeldPlan::Retry { delay: Duration::from_secs(chime_shared::delay::seconds(asked).max(1)) }
                 }
-                Decision::Dead(reason) => {
-                    Plan::DeadLetter { dead: dead_info(reason, &error, attempt), mark: KeyMark::MarkDying }
-                }
+                Decision::Dead(reason) => HeldPlan::DeadLetter {
+                    dead: dead_info(reason, &error, attempt),
+                    mark: KeyMark::MarkDying,
+                },
             }
         }
     }
@@ -154,22 +189,18 @@ pub(crate) fn unknown_job(
             delay: left.clamp(Duration::from_secs(1), Duration::from_secs(10)),
             why: Redelay::UnknownJob(since),
         },
-        _ => Plan::DeadLetter {
-            dead: dead_info(
-                DeadReason::UnknownJob,
-                &format!(
-                    "no handler for job {job:?} on any worker within worker.unknown_job_grace ({grace:?})"
-                ),
-                attempt.saturating_sub(1),
-            ),
-            mark: KeyMark::None,
-        },
+        _ => Plan::DeadLetter(dead_info(
+            DeadReason::UnknownJob,
+            &format!("no handler for job {job:?} on any worker within worker.unknown_job_grace ({grace:?})"),
+            attempt.saturating_sub(1),
+        )),
     }
 }
 
-/// A delivery that is not a job (malformed, too large): straight to the DLQ.
-pub(crate) fn rejected(reason: DeadReason, error: &str) -> Plan {
-    Plan::DeadLetter { dead: dead_info(reason, error, 0), mark: KeyMark::None }
+/// A delivery that is not a job (malformed, too large) or whose key record is unreadable:
+/// straight to the DLQ, no key record touched.
+pub(crate) fn rejected(reason: DeadReason, error: &str) -> DeadInfo {
+    dead_info(reason, error, 0)
 }
 
 pub(crate) fn dead_info(reason: DeadReason, error: &str, attempts: u32) -> DeadInfo {
@@ -216,48 +247,52 @@ mod tests {
 
     #[test]
     fn claims_map_to_plans() {
-        assert_eq!(on_claim(Ok(Claim::Claimed { fence: 7, checkpoint: None })), Ok(7));
-        assert_eq!(on_claim(Ok(Claim::Done { fence: 7 })), Err(Plan::Ack(Settled::Duplicate)));
-        assert_eq!(on_claim(Ok(Claim::Dead { fence: 7 })), Err(Plan::Ack(Settled::Duplicate)));
+        let settle = AfterClaim::Settle;
+        assert_eq!(on_claim(Ok(Claim::Claimed { fence: 7, checkpoint: None })), AfterClaim::Run(7));
+        assert_eq!(on_claim(Ok(Claim::Done { fence: 7 })), settle(Plan::Ack(Settled::Duplicate)));
+        assert_eq!(on_claim(Ok(Claim::Dead { fence: 7 })), settle(Plan::Ack(Settled::Duplicate)));
         let busy = Claim::Busy { fence: 1, remaining: Duration::from_millis(300) };
         assert_eq!(
             on_claim(Ok(busy)),
-            Err(Plan::Redelay { delay: Duration::from_secs(1), why: Redelay::Busy })
+            settle(Plan::Redelay { delay: Duration::from_secs(1), why: Redelay::Busy })
         );
         let dead = DeadInfo { reason: "permanent".into(), error: "x".into(), attempts: 2 };
         assert_eq!(
-            on_claim(Ok(Claim::Dying { fence: 1, dead: dead.clone() })),
-            Err(Plan::DeadLetter { dead, mark: KeyMark::AlreadyDying })
+            on_claim(Ok(Claim::Dying { fence: 4, dead: dead.clone() })),
+            AfterClaim::Hold { fence: 4, plan: HeldPlan::DeadLetter { dead, mark: KeyMark::AlreadyDying } }
         );
         let down = IdemError::Protocol("down".into());
-        assert_eq!(on_claim(Err(&down)), Err(Plan::Requeue));
+        assert_eq!(on_claim(Err(&down)), settle(Plan::Requeue));
         let bad = IdemError::BadRecord("WRONGTYPE".into());
-        assert!(matches!(on_claim(Err(&bad)), Err(Plan::DeadLetter { mark: KeyMark::None, .. })));
+        let AfterClaim::Settle(Plan::DeadLetter(dead)) = on_claim(Err(&bad)) else {
+            panic!("an unreadable record dead-letters the delivery");
+        };
+        assert_eq!(dead.reason, "bad_record");
     }
 
     #[test]
     fn runs_map_to_plans() {
         let k = Uuid::nil();
-        assert_eq!(on_run(RunEnd::Succeeded, 1, 3, &backoff(), k), Plan::RecordDone);
-        assert_eq!(on_run(RunEnd::LeaseTaken, 1, 3, &backoff(), k), Plan::Ack(Settled::LeaseTaken));
-        assert_eq!(on_run(RunEnd::Stopped, 1, 3, &backoff(), k), Plan::Release);
+        assert_eq!(on_run(RunEnd::Succeeded, 1, 3, &backoff(), k), HeldPlan::RecordDone);
+        assert_eq!(on_run(RunEnd::LeaseTaken, 1, 3, &backoff(), k), HeldPlan::LeaseTaken);
+        assert_eq!(on_run(RunEnd::Stopped, 1, 3, &backoff(), k), HeldPlan::Release);
         assert!(matches!(
             on_run(RunEnd::Failed(Failure::Transient, "e".into()), 1, 3, &backoff(), k),
-            Plan::Retry { .. }
+            HeldPlan::Retry { .. }
         ));
         let asked = RunEnd::RetryAfter(Duration::from_millis(42_500), "429".into());
         assert_eq!(
             on_run(asked.clone(), 1, 3, &backoff(), k),
-            Plan::Retry { delay: Duration::from_secs(43) }
+            HeldPlan::Retry { delay: Duration::from_secs(43) }
         );
-        assert!(matches!(on_run(asked, 3, 3, &backoff(), k), Plan::DeadLetter { .. }));
-        let Plan::DeadLetter { dead, mark } =
+        assert!(matches!(on_run(asked, 3, 3, &backoff(), k), HeldPlan::DeadLetter { .. }));
+        let HeldPlan::DeadLetter { dead, mark } =
             on_run(RunEnd::Failed(Failure::Timeout, "t".into()), 3, 3, &backoff(), k)
         else {
             panic!("exhausted attempts dead-letter");
         };
         assert_eq!((dead.reason.as_str(), dead.attempts, mark), ("timeout", 3, KeyMark::MarkDying));
-        let Plan::DeadLetter { dead, .. } =
+        let HeldPlan::DeadLetter { dead, .. } =
             on_run(RunEnd::Failed(Failure::Permanent, "é".repeat(800)), 1, 3, &backoff(), k)
         else {
             panic!("permanent failures dead-letter");
@@ -284,9 +319,9 @@ mod tests {
             unknown_job("j", 1, since, at(55), grace),
             Plan::Redelay { delay: Duration::from_secs(5), why: Redelay::UnknownJob(since) }
         );
-        let Plan::DeadLetter { dead, mark } = unknown_job("j", 1, since, at(60), grace) else {
+        let Plan::DeadLetter(dead) = unknown_job("j", 1, since, at(60), grace) else {
             panic!("past the grace");
         };
-        assert_eq!((dead.reason.as_str(), mark), ("unknown_job", KeyMark::None));
+        assert_eq!(dead.reason.as_str(), "unknown_job");
     }
 }

@@ -27,7 +27,7 @@ use tracing::{Instrument, Span, debug, error, info, info_span, warn};
 use uuid::Uuid;
 
 use crate::ack::{AckSink, Ticket};
-use crate::decision::{self, KeyMark, Plan, Redelay, RunEnd, Settled};
+use crate::decision::{self, AfterClaim, HeldPlan, KeyMark, Plan, Redelay, RunEnd, Settled};
 use crate::handler::{JobContext, JobError};
 use crate::retry::{DeadReason, Failure};
 use crate::state::{Core, JobSpec, Stats};
@@ -213,23 +213,32 @@ struct RunFacts {
     error: Option<String>,
 }
 
-/// A plan, with what carrying it out needs.
-struct Verdict {
-    plan: Plan,
-    env: Option<Envelope>,
-    held: Option<Held>,
-    /// The job's definition, for its interned metric handles.
-    spec: Option<Arc<JobSpec>>,
-    /// The handler run, if one happened.
-    run: Option<RunFacts>,
+/// A plan, with exactly what carrying it out needs: a plan that records on the key comes
+/// with the claim it records under.
+enum Verdict {
+    /// Not a job (too large, malformed): dead-letter the bytes as they came.
+    Rejected(DeadInfo),
+    /// A job whose key this delivery does not hold.
+    Unheld {
+        env: Envelope,
+        /// The job's definition (for its interned metric handles), if this worker has it.
+        spec: Option<Arc<JobSpec>>,
+        plan: Plan,
+    },
+    /// A job whose key this delivery holds.
+    Held {
+        env: Envelope,
+        spec: Arc<JobSpec>,
+        held: Held,
+        plan: HeldPlan,
+        /// The handler run, if one happened.
+        run: Option<RunFacts>,
+    },
 }
 
 impl Verdict {
-    fn bare(plan: Plan) -> Self {
-        Self { plan, env: None, held: None, spec: None, run: None }
-    }
-    fn settled(plan: Plan, env: Envelope, held: Option<Held>, spec: Option<Arc<JobSpec>>) -> Self {
-        Self { plan, env: Some(env), held, spec, run: None }
+    fn unheld(plan: Plan, env: Envelope, spec: Option<Arc<JobSpec>>) -> Self {
+        Self::Unheld { env, spec, plan }
     }
 }
 
@@ -258,14 +267,14 @@ pub(crate) async fn handle<S: KeyStore, O: Outbox, A: AckSink>(
     let (label, verdict, span) = if incoming.data.len() > max {
         warn!(queue = %incoming.queue, size = incoming.data.len(), max, "message too large");
         let error = format!("{} bytes, above amqp.max_message_bytes ({max})", incoming.data.len());
-        (unknown(), Verdict::bare(decision::rejected(DeadReason::TooLarge, &error)), Span::none())
+        (unknown(), Verdict::Rejected(decision::rejected(DeadReason::TooLarge, &error)), Span::none())
     } else {
         match Envelope::decode(&incoming.data) {
             Err(e) => {
                 warn!(queue = %incoming.queue, route = %incoming.route, error = %e, "malformed message");
                 (
                     unknown(),
-                    Verdict::bare(decision::rejected(DeadReason::Malformed, &e.to_string())),
+                    Verdict::Rejected(decision::rejected(DeadReason::Malformed, &e.to_string())),
                     Span::none(),
                 )
             }
@@ -292,7 +301,7 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         let plan =
             decision::unknown_job(&env.job, env.attempt, since, now, core.config.worker.unknown_job_grace);
         warn!(plan = ?plan, "no handler for this job on this worker");
-        return Verdict::settled(plan, env, None, None);
+        return Verdict::unheld(plan, env, None);
     };
     // A backfilled slot is past on purpose: its deadline runs from the backfill.
     let due_at = if env.backfill { Some(env.enqueued_at) } else { env.slot };
@@ -300,14 +309,14 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         let late = (Utc::now() - slot).to_std().unwrap_or(Duration::ZERO);
         if late > deadline {
             warn!(%slot, late_ms = late.as_millis() as u64, "slot picked up past its deadline; skipped as expired");
-            return Verdict::settled(Plan::Ack(Settled::Expired), env, None, Some(spec));
+            return Verdict::unheld(Plan::Ack(Settled::Expired), env, Some(spec));
         }
     }
     // Held until the run is over (dropped at the end of this function).
     let _job_permit = match &spec.limit {
         Some(limit) => match job_permit(core, limit, &incoming.slot).await {
             Some(p) => Some(p),
-            None => return Verdict::settled(Plan::Requeue, env, None, Some(spec)),
+            None => return Verdict::unheld(Plan::Requeue, env, Some(spec)),
         },
         None => None,
     };
@@ -315,11 +324,10 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     let _global_slot = match spec.global {
         Some(limit) => match global_slot(core, store, &spec, &env.job, &owner, limit, &incoming.slot).await {
             Ok(Some(slot)) => Some(slot),
-            Ok(None) => return Verdict::settled(Plan::Requeue, env, None, Some(spec)),
+            Ok(None) => return Verdict::unheld(Plan::Requeue, env, Some(spec)),
             Err(e) => {
                 slot_error(core, &e);
-                let plan = decision::on_claim(Err(&e)).err().unwrap_or(Plan::Requeue);
-                return Verdict::settled(plan, env, None, Some(spec));
+                return Verdict::unheld(decision::on_redis_error(&e), env, Some(spec));
             }
         },
         None => None,
@@ -336,20 +344,17 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         }
         Ok(_) => {}
     }
-    let dying_fence = match &claim {
-        Ok(Claim::Dying { fence, .. }) => Some(*fence),
-        _ => None,
-    };
     let checkpoint = match &claim {
         Ok(Claim::Claimed { checkpoint, .. }) => checkpoint.clone(),
         _ => None,
     };
     let fence = match decision::on_claim(claim.as_ref().map(Clone::clone)) {
-        Ok(fence) => fence,
-        Err(plan) => {
-            // A `dying` claim made us the owner of the dead letter to publish again.
-            let held = dying_fence.map(|fence| Held { key, owner, fence, result: None });
-            return Verdict::settled(plan, env, held, Some(spec));
+        AfterClaim::Run(fence) => fence,
+        AfterClaim::Settle(plan) => return Verdict::unheld(plan, env, Some(spec)),
+        // A `dying` claim made us the owner of the dead letter to publish again.
+        AfterClaim::Hold { fence, plan } => {
+            let held = Held { key, owner, fence, result: None };
+            return Verdict::Held { env, spec, held, plan, run: None };
         }
     };
     let metrics = spec.metrics(&env.job);
@@ -378,9 +383,7 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     let plan = decision::on_run(end, env.attempt, env.max_attempts, &spec.backoff, env.key);
     let result = result.map(|r| StoredResult::encode(r, core.config.results.max_bytes));
     let held = Held { key, owner, fence: fence.load(Ordering::Relaxed), result };
-    let mut verdict = Verdict::settled(plan, env, Some(held), Some(spec));
-    verdict.run = Some(RunFacts { started_at, duration, error });
-    verdict
+    Verdict::Held { env, spec, held, plan, run: Some(RunFacts { started_at, duration, error }) }
 }
 
 /// Why a run was stopped before it returned.
@@ -604,180 +607,228 @@ async fn carry_out<S: KeyStore, O: Outbox, A: AckSink>(
     verdict: Verdict,
     ticket: Ticket<A>,
 ) {
-    let Verdict { plan, env, held, spec, run } = verdict;
-    let stats = &core.stats;
-    // The run's event when history is on; `finish` puts it in the key's record, `record`
-    // in the stream (and in the record unless `finish` did).
-    let event = |outcome: Outcome, reason: Option<&str>, error: Option<&str>| {
-        store
-            .records_history()
-            .then(|| run_event(core, incoming, env.as_ref(), run.as_ref(), outcome, reason, error))
-    };
-    let record_event = |e: Option<RunEvent>, logged: bool| {
-        if let Some(e) = e {
-            store.record_run(&e, logged);
-        }
-    };
-    let record = |outcome: Outcome, reason: Option<&str>, error: Option<&str>| {
-        record_event(event(outcome, reason, error), false)
-    };
-    let run_error = run.as_ref().and_then(|r| r.error.as_deref());
+    let base = Settle { core, store, outbox, incoming, label, env: None, run: None, interned: None };
     // The hot outcomes use the job's interned handles; the rest look the series up.
-    let interned = spec.as_ref().zip(env.as_ref()).map(|(s, e)| s.metrics(&e.job));
-    let completed = |o: &'static str| match (interned, o) {
-        (Some(m), outcome::SUCCEEDED) => m.succeeded.increment(1),
-        (Some(m), outcome::DUPLICATE) => m.duplicate.increment(1),
-        _ => metrics::counter!(telemetry::JOBS_COMPLETED, "job" => label.to_string(), "outcome" => o)
-            .increment(1),
-    };
-    match plan {
-        Plan::Ack(why) => {
-            match why {
-                Settled::Duplicate => {
-                    debug!("duplicate absorbed");
-                    Stats::bump(&stats.duplicates);
-                    completed(outcome::DUPLICATE);
-                }
-                Settled::Expired => {
-                    Stats::bump(&stats.expired);
-                    completed(outcome::EXPIRED);
-                    record(Outcome::Expired, None, None);
-                }
-                Settled::LeaseTaken => {
-                    Stats::bump(&stats.lost_lease);
-                    record(Outcome::LostLease, None, run_error);
-                }
+    match verdict {
+        Verdict::Rejected(dead) => base.dead_letter(&dead, None, ticket).await,
+        Verdict::Unheld { env, spec, plan } => {
+            let interned = spec.as_ref().map(|s| s.metrics(&env.job));
+            Settle { env: Some(&env), interned, ..base }.unheld(plan, ticket).await
+        }
+        Verdict::Held { env, spec, held, plan, run } => {
+            let interned = Some(spec.metrics(&env.job));
+            Settle { env: Some(&env), run: run.as_ref(), interned, ..base }
+                .held(&env, &held, plan, ticket)
+                .await
+        }
+    }
+}
+
+/// What settling one delivery refers to.
+struct Settle<'a, S, O> {
+    core: &'a Core,
+    store: &'a S,
+    outbox: &'a O,
+    incoming: &'a Incoming,
+    /// The job's metric label (`unknown` for a job this worker has no handler for).
+    label: &'a str,
+    env: Option<&'a Envelope>,
+    run: Option<&'a RunFacts>,
+    interned: Option<&'a crate::state::JobMetrics>,
+}
+
+impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
+    /// The run's event when history is on; `finish` puts it in the key's record, `record`
+    /// in the stream (and in the record unless `finish` did).
+    fn event(&self, outcome: Outcome, reason: Option<&str>, error: Option<&str>) -> Option<RunEvent> {
+        self.store
+            .records_history()
+            .then(|| run_event(self.core, self.incoming, self.env, self.run, outcome, reason, error))
+    }
+
+    fn record_event(&self, e: Option<RunEvent>, logged: bool) {
+        if let Some(e) = e {
+            self.store.record_run(&e, logged);
+        }
+    }
+
+    fn record(&self, outcome: Outcome, reason: Option<&str>, error: Option<&str>) {
+        self.record_event(self.event(outcome, reason, error), false)
+    }
+
+    fn run_error(&self) -> Option<&str> {
+        self.run.and_then(|r| r.error.as_deref())
+    }
+
+    fn completed(&self, o: &'static str) {
+        match (self.interned, o) {
+            (Some(m), outcome::SUCCEEDED) => m.succeeded.increment(1),
+            (Some(m), outcome::DUPLICATE) => m.duplicate.increment(1),
+            _ => {
+                metrics::counter!(telemetry::JOBS_COMPLETED, "job" => self.label.to_string(), "outcome" => o)
+                    .increment(1)
             }
-            ticket.ack().await;
         }
-        Plan::Requeue => {
-            Stats::bump(&stats.requeued);
-            ticket.requeue().await;
-        }
-        Plan::RecordDone => {
-            let Some(h) = held else { return ticket.requeue().await };
-            let done = event(Outcome::Succeeded, None, None);
-            if let Some(logged) = record_until_done(core, store, &h, done.as_ref()).await {
-                Stats::bump(&stats.succeeded);
-                completed(outcome::SUCCEEDED);
-                record_event(done, logged);
-                info!("job succeeded");
+    }
+
+    fn stats(&self) -> &Stats {
+        &self.core.stats
+    }
+
+    async fn requeue<A: AckSink>(&self, ticket: Ticket<A>) {
+        Stats::bump(&self.stats().requeued);
+        ticket.requeue().await;
+    }
+
+    /// A delivery whose key it does not hold.
+    async fn unheld<A: AckSink>(&self, plan: Plan, ticket: Ticket<A>) {
+        match plan {
+            Plan::Ack(Settled::Duplicate) => {
+                debug!("duplicate absorbed");
+                Stats::bump(&self.stats().duplicates);
+                self.completed(outcome::DUPLICATE);
                 ticket.ack().await;
-            } else {
-                error!(
-                    "drain deadline passed before `done` could be recorded; requeueing (the job may run again)"
-                );
-                Stats::bump(&stats.requeued);
-                record(
-                    Outcome::Stopped,
-                    None,
-                    Some("succeeded, but `done` could not be recorded before the drain deadline"),
-                );
-                ticket.requeue().await;
             }
+            Plan::Ack(Settled::Expired) => {
+                Stats::bump(&self.stats().expired);
+                self.completed(outcome::EXPIRED);
+                self.record(Outcome::Expired, None, None);
+                ticket.ack().await;
+            }
+            Plan::Requeue => self.requeue(ticket).await,
+            Plan::Redelay { delay, why } => {
+                let Some(env) = self.env else { return self.requeue(ticket).await };
+                let mut headers = FieldTable::default();
+                if let Redelay::UnknownJob(since) = why {
+                    put_header(&mut headers, UNKNOWN_SINCE, &since.to_rfc3339());
+                }
+                match self.outbox.delayed(&env.route(), env, delay, headers).await {
+                    Ok(()) => {
+                        debug!(?delay, ?why, "copy sent round again");
+                        Stats::bump(&self.stats().redelayed);
+                        ticket.ack().await;
+                    }
+                    Err(e) => {
+                        error!(error = %e, "cannot send the copy round again; requeueing");
+                        self.requeue(ticket).await;
+                    }
+                }
+            }
+            Plan::DeadLetter(dead) => self.dead_letter(&dead, None, ticket).await,
         }
-        Plan::Retry { delay } => {
-            let (Some(env), Some(h)) = (env.as_ref(), held) else { return ticket.requeue().await };
-            let mut next = env.clone();
-            next.attempt += 1;
-            next.id = Uuid::now_v7();
-            let sent = outbox.delayed(&next.route(), &next, delay, FieldTable::default()).await;
-            let retried = if sent.is_ok() { event(Outcome::Retried, None, run_error) } else { None };
-            // Free the key either way: the retry (or the requeued copy) must be able to claim it.
-            let freed = best_effort(core, "free the key", || {
-                store.finish(&h.key, &h.owner, h.fence, Final::Free, None, retried.as_ref())
-            })
-            .await;
-            match sent {
-                Ok(()) => {
-                    info!(retry_in = ?delay, attempt = next.attempt, "retry published");
-                    Stats::bump(&stats.retried);
-                    completed(outcome::RETRIED);
-                    record_event(retried, logged(freed));
+    }
+
+    /// A delivery that holds its key under `h`.
+    async fn held<A: AckSink>(&self, env: &Envelope, h: &Held, plan: HeldPlan, ticket: Ticket<A>) {
+        let (core, store) = (self.core, self.store);
+        match plan {
+            HeldPlan::RecordDone => {
+                let done = self.event(Outcome::Succeeded, None, None);
+                if let Some(logged) = record_until_done(core, store, h, done.as_ref()).await {
+                    Stats::bump(&self.stats().succeeded);
+                    self.completed(outcome::SUCCEEDED);
+                    self.record_event(done, logged);
+                    info!("job succeeded");
                     ticket.ack().await;
-                }
-                Err(e) => {
-                    error!(error = %e, "cannot publish the retry; requeueing");
-                    Stats::bump(&stats.requeued);
-                    ticket.requeue().await;
-                }
-            }
-        }
-        Plan::Redelay { delay, why } => {
-            let Some(env) = env else { return ticket.requeue().await };
-            let mut headers = FieldTable::default();
-            if let Redelay::UnknownJob(since) = why {
-                put_header(&mut headers, UNKNOWN_SINCE, &since.to_rfc3339());
-            }
-            match outbox.delayed(&env.route(), &env, delay, headers).await {
-                Ok(()) => {
-                    debug!(?delay, ?why, "copy sent round again");
-                    Stats::bump(&stats.redelayed);
-                    ticket.ack().await;
-                }
-                Err(e) => {
-                    error!(error = %e, "cannot send the copy round again; requeueing");
-                    Stats::bump(&stats.requeued);
-                    ticket.requeue().await;
+                } else {
+                    error!(
+                        "drain deadline passed before `done` could be recorded; requeueing (the job may run again)"
+                    );
+                    self.record(
+                        Outcome::Stopped,
+                        None,
+                        Some("succeeded, but `done` could not be recorded before the drain deadline"),
+                    );
+                    self.requeue(ticket).await;
                 }
             }
-        }
-        Plan::DeadLetter { dead, mark } => {
-            if mark == KeyMark::MarkDying
-                && let Some(h) = &held
-            {
-                let marked = best_effort(core, "mark the key dying", || {
-                    store.mark_dying(&h.key, &h.owner, h.fence, &dead)
+            HeldPlan::Retry { delay } => {
+                let mut next = env.clone();
+                next.attempt += 1;
+                next.id = Uuid::now_v7();
+                let sent = self.outbox.delayed(&next.route(), &next, delay, FieldTable::default()).await;
+                let retried =
+                    if sent.is_ok() { self.event(Outcome::Retried, None, self.run_error()) } else { None };
+                // Free the key either way: the retry (or the requeued copy) must be able to claim it.
+                let freed = best_effort(core, "free the key", || {
+                    store.finish(&h.key, &h.owner, h.fence, Final::Free, None, retried.as_ref())
                 })
                 .await;
-                if marked == Some(Recorded::NotOurs) {
-                    warn!(
-                        "another owner took this key over before it was dead-lettered; that owner settles it"
-                    );
-                    Stats::bump(&stats.lost_lease);
-                    record(Outcome::LostLease, None, run_error);
-                    return ticket.ack().await;
-                }
-            }
-            let props = dead_letter_properties(core, incoming, &dead);
-            match outbox.dead_letter(&incoming.queue, &incoming.data, props).await {
-                Ok(()) => {
-                    let error = chime_shared::redact::redact_text(&dead.error);
-                    let died = event(Outcome::DeadLettered, Some(&dead.reason), Some(&error));
-                    let mut recorded = None;
-                    if let Some(h) = &held {
-                        recorded = best_effort(core, "record dead", || {
-                            store.finish(&h.key, &h.owner, h.fence, Final::Dead, None, died.as_ref())
-                        })
-                        .await;
+                match sent {
+                    Ok(()) => {
+                        info!(retry_in = ?delay, attempt = next.attempt, "retry published");
+                        Stats::bump(&self.stats().retried);
+                        self.completed(outcome::RETRIED);
+                        self.record_event(retried, logged(freed));
+                        ticket.ack().await;
                     }
-                    warn!(reason = %dead.reason, error = %chime_shared::redact::escape_control(&error), queue = %incoming.queue, "dead-lettered");
-                    Stats::bump(&stats.dead_lettered);
-                    completed(outcome::DEAD_LETTERED);
-                    record_event(died, logged(recorded));
-                    ticket.ack().await;
-                }
-                Err(e) => {
-                    // The key stays `dying` (or unrecorded): the redelivered copy dead-letters again.
-                    error!(error = %e, "cannot publish to the DLQ; requeueing");
-                    Stats::bump(&stats.requeued);
-                    ticket.requeue().await;
+                    Err(e) => {
+                        error!(error = %e, "cannot publish the retry; requeueing");
+                        self.requeue(ticket).await;
+                    }
                 }
             }
-        }
-        Plan::Release => {
-            let stopped = event(Outcome::Stopped, None, run_error);
-            let mut freed = None;
-            if let Some(h) = &held {
-                freed = best_effort(core, "free the key", || {
+            HeldPlan::DeadLetter { dead, mark } => self.dead_letter(&dead, Some((h, mark)), ticket).await,
+            HeldPlan::LeaseTaken => {
+                Stats::bump(&self.stats().lost_lease);
+                self.record(Outcome::LostLease, None, self.run_error());
+                ticket.ack().await;
+            }
+            HeldPlan::Release => {
+                let stopped = self.event(Outcome::Stopped, None, self.run_error());
+                let freed = best_effort(core, "free the key", || {
                     store.finish(&h.key, &h.owner, h.fence, Final::Free, None, stopped.as_ref())
                 })
                 .await;
+                info!("job stopped by the drain deadline; requeued");
+                self.record_event(stopped, logged(freed));
+                self.requeue(ticket).await;
             }
-            info!("job stopped by the drain deadline; requeued");
-            Stats::bump(&stats.requeued);
-            record_event(stopped, logged(freed));
-            ticket.requeue().await;
+        }
+    }
+
+    /// Publishes the delivery to its queue's DLQ, then (as the key's holder) records `dead`.
+    async fn dead_letter<A: AckSink>(
+        &self,
+        dead: &DeadInfo,
+        held: Option<(&Held, KeyMark)>,
+        ticket: Ticket<A>,
+    ) {
+        let (core, store, incoming) = (self.core, self.store, self.incoming);
+        if let Some((h, KeyMark::MarkDying)) = held {
+            let marked =
+                best_effort(core, "mark the key dying", || store.mark_dying(&h.key, &h.owner, h.fence, dead))
+                    .await;
+            if marked == Some(Recorded::NotOurs) {
+                warn!("another owner took this key over before it was dead-lettered; that owner settles it");
+                Stats::bump(&self.stats().lost_lease);
+                self.record(Outcome::LostLease, None, self.run_error());
+                return ticket.ack().await;
+            }
+        }
+        let props = dead_letter_properties(core, incoming, dead);
+        match self.outbox.dead_letter(&incoming.queue, &incoming.data, props).await {
+            Ok(()) => {
+                let error = chime_shared::redact::redact_text(&dead.error);
+                let died = self.event(Outcome::DeadLettered, Some(&dead.reason), Some(&error));
+                let mut recorded = None;
+                if let Some((h, _)) = held {
+                    recorded = best_effort(core, "record dead", || {
+                        store.finish(&h.key, &h.owner, h.fence, Final::Dead, None, died.as_ref())
+                    })
+                    .await;
+                }
+                warn!(reason = %dead.reason, error = %chime_shared::redact::escape_control(&error), queue = %incoming.queue, "dead-lettered");
+                Stats::bump(&self.stats().dead_lettered);
+                self.completed(outcome::DEAD_LETTERED);
+                self.record_event(died, logged(recorded));
+                ticket.ack().await;
+            }
+            Err(e) => {
+                // The key stays `dying` (or unrecorded): the redelivered copy dead-letters again.
+                error!(error = %e, "cannot publish to the DLQ; requeueing");
+                self.requeue(ticket).await;
+            }
         }
     }
 }
