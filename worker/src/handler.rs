@@ -55,6 +55,8 @@ pub(crate) struct RunState {
     pub(crate) result_max_bytes: usize,
     /// `checkpoints.poll` (how often an `exec` job's checkpoint file is read).
     pub(crate) poll: Duration,
+    /// Outside a worker ([`crate::testing::TestRun`]): checkpoints are kept here instead.
+    pub(crate) kept: Option<std::sync::Mutex<Vec<String>>>,
 }
 
 impl fmt::Debug for RunState {
@@ -168,7 +170,16 @@ impl JobContext {
             )));
         }
         let Some(saves) = &self.run.saves else {
-            return Err(JobError::transient("checkpoints are not available outside a worker"));
+            let Some(kept) = &self.run.kept else {
+                return Err(JobError::transient("checkpoints are not available outside a worker"));
+            };
+            if let Ok(mut kept) = kept.lock() {
+                kept.push(json.clone());
+            }
+            if let Ok(mut last) = self.run.checkpoint.lock() {
+                *last = Some(json);
+            }
+            return Ok(());
         };
         let (done, answer) = tokio::sync::oneshot::channel();
         saves
@@ -434,7 +445,7 @@ where
 }
 
 struct TypedHandler<J, F, Args> {
-    f: F,
+    f: Arc<F>,
     states: States,
     _marker: std::marker::PhantomData<fn(J, Args)>,
 }
@@ -452,10 +463,22 @@ impl<J: Job, F: JobFn<J, Args>, Args: 'static> Handler for TypedHandler<J, F, Ar
     }
 }
 
+/// A registered handler: ready, or typed and bound to the states when it is taken out (so a
+/// state may be registered before or after the handlers that use it).
+#[derive(Clone)]
+enum Entry {
+    Ready(Arc<dyn Handler>),
+    Typed {
+        bind: Arc<dyn Fn(States) -> Arc<dyn Handler> + Send + Sync>,
+        /// The state type the handler takes, if it is missing.
+        needs: fn(&States) -> Result<(), &'static str>,
+    },
+}
+
 /// Job name → handler, the options of jobs defined in Rust, and the shared states.
 #[derive(Clone, Default)]
 pub struct Registry {
-    handlers: HashMap<String, Arc<dyn Handler>>,
+    handlers: HashMap<String, Entry>,
     options: HashMap<String, JobOptions>,
     states: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
     /// Problems found while registering, reported when the worker is built.
@@ -468,7 +491,8 @@ impl Registry {
         Self::default()
     }
 
-    /// Registers `state` for handlers that take `State<S>` (register it before them).
+    /// Registers `state` for handlers that take `State<S>`, before or after them; a handler
+    /// whose state is missing when the worker is built is an error naming the type.
     pub fn state<S: Clone + Send + Sync + 'static>(&mut self, state: S) -> &mut Self {
         self.states.insert(TypeId::of::<S>(), Arc::new(state));
         self
@@ -495,23 +519,17 @@ impl Registry {
     /// let mut registry = Registry::new();
     /// registry.state(Mailer).job(send_welcome);
     /// ```
-    pub fn job<J: Job, Args: 'static>(&mut self, f: impl JobFn<J, Args>) -> &mut Self {
-        fn check<J: Job, Args, F: JobFn<J, Args>>(_: &F, states: &States) -> Result<(), &'static str> {
-            F::needs(states)
-        }
-        let states = States(Arc::new(self.states.clone()));
-        if let Err(missing) = check(&f, &states) {
-            self.errors.push(format!(
-                "job {:?} takes State<{missing}>, which was not registered before it (Registry::state)",
-                J::NAME
-            ));
-        }
+    pub fn job<J: Job, Args: 'static, F: JobFn<J, Args>>(&mut self, f: F) -> &mut Self {
         let options = J::options();
         if let Err(e) = options.validate() {
             self.errors.push(format!("job {:?}: {}::options().{e}", J::NAME, std::any::type_name::<J>()));
         }
-        let handler = TypedHandler::<J, _, Args> { f, states, _marker: std::marker::PhantomData };
-        self.handlers.insert(J::NAME.to_string(), Arc::new(handler));
+        let f = Arc::new(f);
+        let bind = move |states: States| -> Arc<dyn Handler> {
+            Arc::new(TypedHandler::<J, F, Args> { f: f.clone(), states, _marker: std::marker::PhantomData })
+        };
+        let entry = Entry::Typed { bind: Arc::new(bind), needs: F::needs };
+        self.handlers.insert(J::NAME.to_string(), entry);
         self.options.insert(J::NAME.to_string(), options);
         self
     }
@@ -519,13 +537,24 @@ impl Registry {
     /// Registers `handler` for the job (or `[[jobs]] handler = "…"` name) `name`, replacing an
     /// earlier one.
     pub fn register(&mut self, name: impl Into<String>, handler: Arc<dyn Handler>) -> &mut Self {
-        self.handlers.insert(name.into(), handler);
+        self.handlers.insert(name.into(), Entry::Ready(handler));
         self
     }
 
-    /// The handler registered under `name`.
+    /// The handler registered under `name`, with the states registered so far.
     pub fn get(&self, name: &str) -> Option<Arc<dyn Handler>> {
-        self.handlers.get(name).cloned()
+        self.handlers.get(name).map(|entry| self.bound(entry))
+    }
+
+    fn bound(&self, entry: &Entry) -> Arc<dyn Handler> {
+        match entry {
+            Entry::Ready(handler) => handler.clone(),
+            Entry::Typed { bind, .. } => bind(self.states()),
+        }
+    }
+
+    fn states(&self) -> States {
+        States(Arc::new(self.states.clone()))
     }
 
     /// Whether a handler is registered under `name`.
@@ -533,9 +562,9 @@ impl Registry {
         self.handlers.contains_key(name)
     }
 
-    /// Registered names and their handlers.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &Arc<dyn Handler>)> {
-        self.handlers.iter().map(|(k, v)| (k.as_str(), v))
+    /// Registered names and their handlers (with the states registered so far).
+    pub fn iter(&self) -> impl Iterator<Item = (&str, Arc<dyn Handler>)> {
+        self.handlers.iter().map(|(k, v)| (k.as_str(), self.bound(v)))
     }
 
     /// The options of a job registered with [`Registry::job`].
@@ -548,8 +577,25 @@ impl Registry {
         self.options.values().map(JobOptions::queue_name)
     }
 
-    pub(crate) fn errors(&self) -> &[String] {
-        &self.errors
+    /// What keeps the registry from making a worker: options a config entry could not have,
+    /// and states a handler takes that were never registered.
+    pub(crate) fn errors(&self) -> Vec<String> {
+        let states = self.states();
+        let mut errors = self.errors.clone();
+        let mut missing: Vec<_> = self
+            .handlers
+            .iter()
+            .filter_map(|(name, entry)| match entry {
+                Entry::Typed { needs, .. } => needs(&states).err().map(|ty| (name, ty)),
+                Entry::Ready(_) => None,
+            })
+            .map(|(name, ty)| {
+                format!("job {name:?} takes State<{ty}>, which was never registered (Registry::state)")
+            })
+            .collect();
+        missing.sort();
+        errors.extend(missing);
+        errors
     }
 }
 
@@ -678,17 +724,27 @@ mod tests {
         assert_eq!(c.last_checkpoint::<u64>(), None);
     }
 
-    #[test]
-    fn a_state_registered_after_its_handler_is_an_error_naming_the_type() {
+    #[tokio::test]
+    async fn a_state_may_come_before_or_after_its_handler_and_a_missing_one_is_named() {
         #[derive(Clone)]
-        struct Pool;
-        async fn handle(_: JobContext, _: SendWelcome, _: State<Pool>) -> Result<(), JobError> {
-            Ok(())
+        struct Pool(u64);
+        async fn handle(_: JobContext, job: SendWelcome, State(pool): State<Pool>) -> Result<u64, JobError> {
+            Ok(job.user_id + pool.0)
         }
         let mut registry = Registry::new();
-        registry.job(handle).state(Pool);
+        registry.job(handle);
         let errors = registry.errors();
         assert_eq!(errors.len(), 1);
         assert!(errors[0].contains("send_welcome") && errors[0].contains("Pool"), "{errors:?}");
+        registry.state(Pool(100));
+        assert!(registry.errors().is_empty());
+        let c = ctx();
+        registry
+            .get("send_welcome")
+            .unwrap()
+            .call(c.clone(), serde_json::json!({"user_id": 1}))
+            .await
+            .unwrap();
+        assert_eq!(*c.run.result.lock().unwrap(), Some(Ok(serde_json::json!(101))));
     }
 }

@@ -49,6 +49,7 @@ pub mod retry;
 pub mod runtime;
 mod state;
 mod store;
+pub mod testing;
 
 pub use chime_shared::job::{Job, JobOptions};
 pub use handler::{Handler, JobContext, JobError, JobFn, Registry, State, handler_fn, raw_handler_fn};

@@ -418,6 +418,7 @@ async fn run<S: KeyStore>(
         max_bytes: core.config.checkpoints.max_bytes,
         result_max_bytes: core.config.results.max_bytes,
         poll: core.config.checkpoints.poll,
+        kept: None,
     });
     let end = run_handler(core, store, spec, env, key, owner, fence, state.clone(), save_rx).await;
     let result = state.result.lock().ok().and_then(|mut r| r.take());

@@ -149,8 +149,8 @@ pub(crate) fn resolve_jobs(
     registry: &Registry,
     queues: &[String],
 ) -> Result<Jobs, ConfigError> {
-    if let Some(e) = registry.errors().first() {
-        return Err(ConfigError::Invalid { key: "registry".into(), message: e.clone() });
+    if let Some(e) = registry.errors().into_iter().next() {
+        return Err(ConfigError::Invalid { key: "registry".into(), message: e });
     }
     let mut jobs = Jobs::new();
     for (i, job) in config.jobs.iter().enumerate() {
