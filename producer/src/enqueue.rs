@@ -51,6 +51,10 @@ pub struct EnqueueRequest {
     /// of the same name overrides it. `None` for jobs known only by name.
     #[serde(skip)]
     pub options: Option<JobOptions>,
+    /// Why a typed job cannot be enqueued (its payload does not serialise, its options are
+    /// invalid): `(field, message)`, reported by `prepare` (so `enqueue` fails, naming it).
+    #[serde(skip)]
+    invalid: Option<(String, String)>,
 }
 
 impl EnqueueRequest {
@@ -60,23 +64,21 @@ impl EnqueueRequest {
     }
 
     /// A request for a typed job: its name and options from the [`Job`] impl, its payload the
-    /// job itself. Chain `.key(…)`, `.delay(…)` as for any request.
-    pub fn job<J: Job>(job: &J) -> Result<Self, EnqueueError> {
-        let payload = serde_json::to_value(job).map_err(|e| EnqueueError::Invalid {
-            field: "payload".into(),
-            message: format!("{} does not serialise: {e}", J::NAME),
-        })?;
+    /// job itself. Chain `.key(…)`, `.delay(…)` as for any request. A job whose payload does
+    /// not serialise, or whose options are invalid, fails when it is enqueued
+    /// ([`EnqueueError::Invalid`] naming the field).
+    pub fn job<J: Job>(job: &J) -> Self {
         let options = J::options();
-        options.validate().map_err(|e| EnqueueError::Invalid {
-            field: format!("{}::options().{}", J::NAME, e.field),
-            message: e.message,
-        })?;
-        Ok(Self {
-            job: J::NAME.to_string(),
-            payload: Some(payload),
-            options: Some(options),
-            ..Default::default()
-        })
+        let mut invalid =
+            options.validate().err().map(|e| (format!("{}::options().{}", J::NAME, e.field), e.message));
+        let payload = match serde_json::to_value(job) {
+            Ok(payload) => Some(payload),
+            Err(e) => {
+                invalid = Some(("payload".into(), format!("{} does not serialise: {e}", J::NAME)));
+                None
+            }
+        };
+        Self { job: J::NAME.to_string(), payload, options: Some(options), invalid, ..Default::default() }
     }
 
     /// Sets the payload (JSON).
@@ -120,17 +122,17 @@ impl EnqueueRequest {
 /// What [`EnqueueClient::enqueue`] takes: an [`EnqueueRequest`], or any typed [`Job`].
 pub trait IntoRequest {
     /// The request to publish.
-    fn into_request(self) -> Result<EnqueueRequest, EnqueueError>;
+    fn into_request(self) -> EnqueueRequest;
 }
 
 impl IntoRequest for EnqueueRequest {
-    fn into_request(self) -> Result<EnqueueRequest, EnqueueError> {
-        Ok(self)
+    fn into_request(self) -> EnqueueRequest {
+        self
     }
 }
 
 impl<J: Job> IntoRequest for J {
-    fn into_request(self) -> Result<EnqueueRequest, EnqueueError> {
+    fn into_request(self) -> EnqueueRequest {
         EnqueueRequest::job(&self)
     }
 }
@@ -358,7 +360,7 @@ impl EnqueueClient {
     /// Publishes one job — an [`EnqueueRequest`] or a typed [`Job`] — and waits for its
     /// confirm.
     pub async fn enqueue(&self, req: impl IntoRequest) -> Result<Enqueued, EnqueueError> {
-        let p = self.prepare(&req.into_request()?)?;
+        let p = self.prepare(&req.into_request())?;
         self.check_queue(&p).await?;
         self.enqueue_prepared(&p).await
     }
@@ -656,6 +658,9 @@ impl EnqueueClient {
 /// typed job's own options), the queue name and the attempt count must be valid, and the
 /// envelope must fit `amqp.max_message_bytes`.
 pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, EnqueueError> {
+    if let Some((field, message)) = &req.invalid {
+        return Err(EnqueueError::Invalid { field: field.clone(), message: message.clone() });
+    }
     let entry = config.job(&req.job);
     let options = match (&req.options, entry) {
         (_, Some(entry)) => entry.over(&req.options.clone().unwrap_or_default()),
@@ -820,19 +825,51 @@ mod tests {
     #[test]
     fn typed_jobs_need_no_entry_and_an_entry_overrides_their_options() {
         let bare = Config::from_toml_str("").unwrap();
-        let p = prepare(&bare, &EnqueueRequest::job(&SendWelcome { user_id: 1 }).unwrap()).unwrap();
+        let p = prepare(&bare, &EnqueueRequest::job(&SendWelcome { user_id: 1 })).unwrap();
         assert_eq!((p.envelope.queue.as_str(), p.envelope.max_attempts), ("mail", 7));
         assert_eq!(p.envelope.payload, serde_json::json!({"user_id": 1}));
         assert_eq!(p.declare_queue.as_deref(), Some("mail"), "the client declares a typed job's queue");
         let tuned =
             Config::from_toml_str("[[jobs]]\nname='send_welcome'\nhandler='send_welcome'\nmax_attempts=2\n")
                 .unwrap();
-        let p = prepare(&tuned, &EnqueueRequest::job(&SendWelcome { user_id: 1 }).unwrap()).unwrap();
+        let p = prepare(&tuned, &EnqueueRequest::job(&SendWelcome { user_id: 1 })).unwrap();
         assert_eq!(
             (p.envelope.queue.as_str(), p.envelope.max_attempts),
             ("mail", 2),
             "attempts from the entry"
         );
+        // A typed job that cannot be enqueued says why when it is enqueued, naming the field.
+        #[derive(serde::Deserialize)]
+        struct Careless;
+        impl serde::Serialize for Careless {
+            fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+                Err(serde::ser::Error::custom("no"))
+            }
+        }
+        impl Job for Careless {
+            const NAME: &'static str = "careless";
+            fn options() -> JobOptions {
+                JobOptions::default().concurrency(0)
+            }
+        }
+        let Err(EnqueueError::Invalid { field, .. }) = prepare(&bare, &EnqueueRequest::job(&Careless)) else {
+            panic!("a payload that does not serialise is refused");
+        };
+        assert_eq!(field, "payload");
+        #[derive(serde::Serialize, serde::Deserialize)]
+        struct Eager;
+        impl Job for Eager {
+            const NAME: &'static str = "eager";
+            fn options() -> JobOptions {
+                JobOptions::default().concurrency(0)
+            }
+        }
+        let Err(EnqueueError::Invalid { field, message }) =
+            prepare(&bare, &EnqueueRequest::job(&Eager).key("k"))
+        else {
+            panic!("invalid options are refused");
+        };
+        assert_eq!(field, "eager::options().concurrency", "{message}");
         // By name, without the type, the job is unknown to a config that does not define it.
         assert!(matches!(
             prepare(&bare, &EnqueueRequest::new("send_welcome")),

@@ -15,7 +15,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for i in 0..count {
         let invoice = SendInvoice { customer: customer.clone(), cents };
         // A typed job; the key makes a retry of this request harmless.
-        let done = client.enqueue(EnqueueRequest::job(&invoice)?.key(format!("{customer}-{i}"))).await?;
+        let done = client.enqueue(EnqueueRequest::job(&invoice).key(format!("{customer}-{i}"))).await?;
         println!("{}", done.key);
     }
     Ok(())

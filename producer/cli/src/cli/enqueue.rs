@@ -146,17 +146,14 @@ pub async fn run(config: ValidConfig, args: EnqueueArgs) -> Result<(), Failure> 
         .transpose()
         .context("--payload is not valid JSON")
         .map_err(usage)?;
-    let req = EnqueueRequest {
-        job: args.job.clone(),
-        payload,
-        key: args.key.clone(),
-        queue: args.queue.clone(),
-        max_attempts: args.max_attempts,
-        priority: args.priority,
-        delay,
-        at,
-        options: None,
-    };
+    let mut req = EnqueueRequest::new(&args.job);
+    req.payload = payload;
+    req.key = args.key.clone();
+    req.queue = args.queue.clone();
+    req.max_attempts = args.max_attempts;
+    req.priority = args.priority;
+    req.delay = delay;
+    req.at = at;
     // Validate before connecting, so a bad request never touches the broker.
     let key = prepare(&config, &req).map_err(from_enqueue)?.envelope.key;
     // Asked before publishing: a worker may settle this very copy a moment later.
