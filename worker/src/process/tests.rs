@@ -24,7 +24,7 @@ struct Rec {
     state: &'static str,
     owner: String,
     fence: u64,
-    until: std::time::Instant,
+    until: tokio::time::Instant,
     dead: Option<DeadInfo>,
     /// The checkpoint.
     cp: Option<String>,
@@ -66,7 +66,7 @@ impl FakeStore {
             state,
             owner: owner.into(),
             fence: 1,
-            until: std::time::Instant::now() + Duration::from_secs(30),
+            until: tokio::time::Instant::now() + Duration::from_secs(30),
             dead: (state == "dying").then(|| DeadInfo {
                 reason: "permanent".into(),
                 error: "earlier".into(),
@@ -120,7 +120,7 @@ impl KeyStore for FakeStore {
             return Err(Self::err());
         }
         let mut recs = self.recs.lock().unwrap();
-        let now = std::time::Instant::now();
+        let now = tokio::time::Instant::now();
         if let Some(r) = recs.get_mut(key) {
             match r.state {
                 "done" => return Ok(Claim::Done { fence: r.fence }),
@@ -159,7 +159,7 @@ impl KeyStore for FakeStore {
             return Err(Self::err());
         }
         let mut recs = self.recs.lock().unwrap();
-        let until = std::time::Instant::now() + self.lease();
+        let until = tokio::time::Instant::now() + self.lease();
         match recs.get_mut(key) {
             None => {
                 recs.insert(
@@ -223,7 +223,7 @@ impl KeyStore for FakeStore {
             return Err(Self::err());
         }
         let mut recs = self.recs.lock().unwrap();
-        let now = std::time::Instant::now();
+        let now = tokio::time::Instant::now();
         match recs.get(key) {
             Some(r) if !(r.state == "run" && r.owner == owner) => Ok(Recorded::NotOurs),
             found => {
@@ -270,7 +270,7 @@ impl FakeStore {
             Final::Free => "free",
         };
         let mut recs = self.recs.lock().unwrap();
-        let now = std::time::Instant::now();
+        let now = tokio::time::Instant::now();
         match recs.get_mut(key) {
             None => {
                 if state != Final::Free {
@@ -565,7 +565,7 @@ fn expected(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn every_claim_outcome_attempt_and_publish_result_settles_by_the_table() {
     let mut checked = 0;
     for before in [Before::Fresh, Before::Done, Before::Dead, Before::Busy, Before::Dying, Before::RedisDown]
@@ -642,7 +642,7 @@ async fn every_claim_outcome_attempt_and_publish_result_settles_by_the_table() {
     assert_eq!(checked, 6 * 5 * 2 * 2);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_dead_letter_whose_publish_failed_is_dead_lettered_again_by_the_next_copy() {
     let h = harness();
     let env = envelope("job", "permanent", 1, 3);
@@ -660,7 +660,7 @@ async fn a_dead_letter_whose_publish_failed_is_dead_lettered_again_by_the_next_c
     assert_eq!(h.sent().len(), 1);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn done_that_cannot_be_recorded_keeps_the_delivery_unacked_until_the_drain_deadline() {
     let h = harness();
     let env = envelope("job", "ok", 1, 3);
@@ -684,7 +684,7 @@ async fn done_that_cannot_be_recorded_keeps_the_delivery_unacked_until_the_drain
     assert_eq!(*settles.0.lock().unwrap(), ["requeue"]);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn done_recorded_once_redis_answers_again_then_acked() {
     let h = Arc::new(harness());
     let env = envelope("job", "ok", 1, 3);
@@ -700,7 +700,7 @@ async fn done_recorded_once_redis_answers_again_then_acked() {
     assert_eq!(h.store.state(&key), Some("done"));
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_record_lost_mid_run_is_claimed_again_and_the_job_completes() {
     let mut h = harness();
     h.store.lease_ms = 150; // renewed every 50 ms
@@ -719,7 +719,7 @@ async fn a_record_lost_mid_run_is_claimed_again_and_the_job_completes() {
     assert_eq!(Stats::get(&h.core.stats.lost_lease), 0);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_lease_really_taken_over_cancels_the_run_and_leaves_the_key_to_its_owner() {
     let mut h = harness();
     h.store.lease_ms = 150;
@@ -737,7 +737,7 @@ async fn a_lease_really_taken_over_cancels_the_run_and_leaves_the_key_to_its_own
     assert_eq!(Stats::get(&h.core.stats.lost_lease), 1);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn on_timeout_the_token_fires_before_the_future_is_dropped() {
     let h = harness();
     let env = envelope("cooperative", "", 1, 1);
@@ -746,7 +746,7 @@ async fn on_timeout_the_token_fires_before_the_future_is_dropped() {
     assert_eq!(h.sent(), [Sent::Dead { reason: "timeout".into(), attempts: "1".into() }]);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn unknown_jobs_are_sent_round_within_the_grace_then_dead_lettered() {
     let h = harness();
     let env = envelope("not-deployed-yet", "", 1, 3);
@@ -766,7 +766,7 @@ async fn unknown_jobs_are_sent_round_within_the_grace_then_dead_lettered() {
     assert_eq!(h.sent()[1], Sent::Dead { reason: "unknown_job".into(), attempts: "0".into() });
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn malformed_and_too_large_bodies_are_dead_lettered_with_their_reason() {
     let h = harness();
     let garbage = Incoming {
@@ -824,7 +824,7 @@ async fn shut_down_while_running(h: Harness, env: Envelope) -> (Arc<Harness>, Ve
     (h, settled.unwrap())
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn on_shutdown_the_token_fires_and_a_result_within_the_grace_stands() {
     let env = envelope("patient", "", 1, 3);
     let key = env.key.to_string();
@@ -834,7 +834,7 @@ async fn on_shutdown_the_token_fires_and_a_result_within_the_grace_stands() {
     assert_eq!(h.store.state(&key), Some("done"));
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn on_shutdown_a_handler_ignoring_cancellation_is_dropped_and_its_delivery_returned() {
     let env = envelope("stubborn", "", 1, 3);
     let key = env.key.to_string();
@@ -844,7 +844,7 @@ async fn on_shutdown_a_handler_ignoring_cancellation_is_dropped_and_its_delivery
     assert!(h.sent().is_empty(), "no retry and no dead letter for a job that was stopped");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_retry_resumes_from_the_last_checkpoint_and_a_success_keeps_its_result() {
     let h = harness();
     let payload = serde_json::json!({"to": 5, "fail_at": 3});
@@ -880,7 +880,7 @@ async fn a_retry_resumes_from_the_last_checkpoint_and_a_success_keeps_its_result
 
 /// A run of a job with `global_concurrency` takes a slot before its claim and frees it when
 /// the run is over.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_globally_limited_run_holds_a_slot_while_it_runs() {
     let h = harness();
     let env = envelope("limited", "ok", 1, 3);
@@ -892,7 +892,7 @@ async fn a_globally_limited_run_holds_a_slot_while_it_runs() {
 
 /// While every global slot is held elsewhere, the delivery waits (asking again), unsettled and
 /// without running; once one is freed it runs.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_globally_limited_delivery_waits_for_a_free_slot() {
     let h = Arc::new(harness());
     h.store.slots.lock().unwrap().insert("limited".into(), vec!["another worker".into()]);
@@ -912,7 +912,7 @@ async fn a_globally_limited_delivery_waits_for_a_free_slot() {
 
 /// Redis unreachable when the slot is asked for: requeued without a decision, and the worker
 /// told Redis failed.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_slot_that_cannot_be_asked_for_requeues() {
     let h = harness();
     h.core.redis_ok.send_replace(true);
@@ -924,9 +924,9 @@ async fn a_slot_that_cannot_be_asked_for_requeues() {
 }
 
 async fn wait_until_true(what: &str, pred: impl Fn() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !pred() {
-        assert!(std::time::Instant::now() < deadline, "timed out waiting until {what}");
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
