@@ -329,16 +329,26 @@ async fn monitor_follows_leadership() {
     chime_shared::topology::declare(&conn, &config, &["default".into()]).await.unwrap();
     publish_dead(&env, 1, chrono::Utc::now()).await;
     let (lead_tx, lead_rx) = tokio::sync::watch::channel(false);
-    let (_config_tx, config_rx) = tokio::sync::watch::channel(config);
+    let (_config_tx, config_rx) = tokio::sync::watch::channel(config.clone());
     let token = CancellationToken::new();
     let monitor = tokio::spawn(chime_scheduler::monitor::run_while(lead_rx, config_rx, token.clone()));
-    // A standby stays silent: the DLQ is above the threshold for 10 alert holds.
-    let start = std::time::Instant::now();
-    while start.elapsed() < Duration::from_secs(2) {
-        assert!(bodies.lock().unwrap().is_empty(), "a standby sent an alert");
-        tokio::task::yield_now().await;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // A standby stays silent while a leader started at the same moment, on the same DLQ with
+    // the same hold, fires: however slow the machine, the standby had the time to fire too.
+    let (addr, leader_bodies) = webhook().await;
+    let mut leader_config = config.into_config();
+    leader_config.alerts.webhook = Some(format!("http://{addr}/alerts"));
+    let (leader_tx, leader_rx) = tokio::sync::watch::channel(true);
+    let (_leader_config_tx, leader_config_rx) = tokio::sync::watch::channel(leader_config.validated().unwrap());
+    let reference =
+        tokio::spawn(chime_scheduler::monitor::run_while(leader_rx, leader_config_rx, token.clone()));
+    let got = leader_bodies.clone();
+    wait_until("firing notification from the reference leader", Duration::from_secs(20), || {
+        let got = got.clone();
+        async move { !got.lock().unwrap().is_empty() }
+    })
+    .await;
+    assert!(bodies.lock().unwrap().is_empty(), "a standby sent an alert");
+    leader_tx.send_replace(false);
     lead_tx.send_replace(true);
     let got = bodies.clone();
     wait_until("firing notification from the leader", Duration::from_secs(20), || {
@@ -349,6 +359,7 @@ async fn monitor_follows_leadership() {
     lead_tx.send_replace(false);
     token.cancel();
     tokio::time::timeout(Duration::from_secs(10), monitor).await.expect("monitor stops").unwrap();
+    reference.await.unwrap();
     assert_eq!(bodies.lock().unwrap()[0]["status"], "firing");
     let _ = conn.close(200, "".into()).await;
 }

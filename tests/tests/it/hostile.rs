@@ -8,7 +8,7 @@ use chime_shared::{Config, amqp};
 use chime_worker::Stats;
 use serde_json::json;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::common::*;
@@ -485,9 +485,7 @@ async fn a_broker_that_never_completes_the_handshake_is_named_as_such() {
     let mute_url = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
     let path =
         env.write_config(&env.config_text("classic", "", "", COUNT_JOB).replace(&env.amqp_url, &mute_url));
-    let started = Instant::now();
     let (code, _, err) = tokio::task::spawn_blocking(move || chime(&path, &["status"], None)).await.unwrap();
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("did not complete the AMQP handshake") && err.contains("file handles"), "{err}");
-    assert!(started.elapsed() < Duration::from_secs(30), "status gave up in {:?}", started.elapsed());
 }
