@@ -338,7 +338,8 @@ async fn monitor_follows_leadership() {
     let mut leader_config = config.into_config();
     leader_config.alerts.webhook = Some(format!("http://{addr}/alerts"));
     let (leader_tx, leader_rx) = tokio::sync::watch::channel(true);
-    let (_leader_config_tx, leader_config_rx) = tokio::sync::watch::channel(leader_config.validated().unwrap());
+    let (_leader_config_tx, leader_config_rx) =
+        tokio::sync::watch::channel(leader_config.validated().unwrap());
     let reference =
         tokio::spawn(chime_scheduler::monitor::run_while(leader_rx, leader_config_rx, token.clone()));
     let got = leader_bodies.clone();
