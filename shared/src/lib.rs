@@ -31,14 +31,14 @@ pub mod config;
 pub mod control;
 pub mod delay;
 pub use chime_job::duration;
-pub mod envelope;
+pub use chime_protocol::envelope;
 pub mod group;
 pub mod health;
 pub mod history;
 pub mod idempotency;
 pub mod job;
+pub use chime_protocol::names;
 pub use idempotency::limit;
-pub mod names;
 pub mod record;
 pub mod redact;
 pub mod redis_conn;
@@ -54,6 +54,4 @@ pub use topology::Names;
 /// Cases per property test over outside input: `CHIME_FUZZ_CASES`, else `default` (CI runs
 /// the defaults; a longer local run raises it).
 #[doc(hidden)]
-pub fn fuzz_cases(default: u32) -> u32 {
-    std::env::var("CHIME_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
+pub use chime_protocol::fuzz_cases;

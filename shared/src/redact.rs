@@ -91,18 +91,7 @@ pub fn redact_text(text: &str) -> String {
     out
 }
 
-/// Control characters (newlines, terminal escapes) of untrusted text shown as escapes, so a
-/// name or message from the wire cannot forge a log line or drive a terminal.
-pub fn escape_control(text: &str) -> Cow<'_, str> {
-    if !text.chars().any(char::is_control) {
-        return Cow::Borrowed(text);
-    }
-    Cow::Owned(
-        text.chars()
-            .flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] })
-            .collect(),
-    )
-}
+pub use chime_protocol::escape_control;
 
 #[cfg(test)]
 mod tests {

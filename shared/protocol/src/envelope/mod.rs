@@ -116,7 +116,7 @@ pub use chime_job::MAX_ATTEMPTS;
 pub enum DecodeError {
     /// The parser's message can quote the offending bytes: control characters are escaped,
     /// since the reason is logged and sent along in `x-chime-error`.
-    #[error("body is not a chime envelope: {}", crate::redact::escape_control(&.0.to_string()))]
+    #[error("body is not a chime envelope: {}", crate::escape_control(&.0.to_string()))]
     Json(#[from] serde_json::Error),
     /// `v` is not the version this release reads.
     #[error("unsupported envelope version {0} (this release reads v{VERSION})")]

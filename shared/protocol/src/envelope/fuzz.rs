@@ -14,7 +14,7 @@ fn cases() -> u32 {
 fn check_valid(env: &Envelope) -> Result<(), TestCaseError> {
     prop_assert_eq!(env.v, VERSION);
     prop_assert!(env.attempt >= 1 && env.attempt <= env.max_attempts && env.max_attempts <= MAX_ATTEMPTS);
-    prop_assert!(crate::config::valid_name(&env.job) && crate::config::valid_name(&env.queue));
+    prop_assert!(chime_job::valid_name(&env.job) && chime_job::valid_name(&env.queue));
     // A handler sees a shard only of a run that has it.
     match (env.shard, env.shards) {
         (None, None) => {}
