@@ -1,26 +1,23 @@
-//! HTML building blocks: escaping, URL encoding, the page layout, tables and forms. Every
-//! value that did not come from this file goes through [`esc`] or [`enc`].
+//! The dashboard's markup: maud templates (escaped by default: a value can only reach the
+//! page as text, never as markup), the layout, tables and forms, and how values are shown.
 
 use chrono::{DateTime, Utc};
+use maud::{DOCTYPE, Markup, PreEscaped, Render, html};
 use std::fmt::Write;
 
-/// `s` escaped for HTML text and attribute values.
-pub fn esc(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c if c.is_control() && c != '\n' && c != '\t' => {
-                let _ = write!(out, "\\u{{{:x}}}", c as u32);
-            }
-            c => out.push(c),
-        }
+/// Text from outside (Redis, the DLQ, the config): control characters shown as escapes
+/// (`\u{1b}`), then HTML-escaped like any value.
+pub struct Text<'a>(pub &'a str);
+
+impl Render for Text<'_> {
+    fn render_to(&self, buffer: &mut String) {
+        chime_shared::redact::escape_control(self.0).as_ref().render_to(buffer);
     }
-    out
+}
+
+/// Shorthand for [`Text`].
+pub fn t(s: &str) -> Text<'_> {
+    Text(s)
 }
 
 /// `s` percent-encoded for a URL path segment or query value.
@@ -53,13 +50,13 @@ pub fn ago(t: DateTime<Utc>, now: DateTime<Utc>) -> String {
     }
 }
 
-/// The first `n` characters of `s` on one line, with an ellipsis when cut (escaped).
+/// The first `n` characters of `s` on one line, with an ellipsis when cut.
 pub fn cut(s: &str, n: usize) -> String {
     let one_line = s.replace(['\n', '\r'], " ");
     if one_line.chars().count() <= n {
-        esc(&one_line)
+        one_line
     } else {
-        esc(&format!("{}…", one_line.chars().take(n.saturating_sub(1)).collect::<String>()))
+        format!("{}…", one_line.chars().take(n.saturating_sub(1)).collect::<String>())
     }
 }
 
@@ -85,39 +82,50 @@ form.inline{display:inline;margin:0}button{cursor:pointer}button.danger{color:#a
 form.filter input,form.filter select{margin-right:.6em}dl{display:grid;grid-template-columns:max-content auto;gap:.2em 1em}\
 dt{font-weight:600}dd{margin:0}";
 
+/// The navigation: path and label.
+const NAV: [(&str, &str); 5] = [
+    ("/", "Overview"),
+    ("/schedules", "Schedules"),
+    ("/running", "Running"),
+    ("/history", "History"),
+    ("/dlq", "Dead letters"),
+];
+
 /// A whole page: header with navigation, the notice, then `body`. `refresh` reloads the page
 /// every so many seconds (the live pages).
-pub fn page(frame: &Frame, title: &str, active: &str, refresh: Option<u32>, body: &str) -> String {
-    let mut nav = String::new();
-    for (href, label) in [
-        ("/", "Overview"),
-        ("/schedules", "Schedules"),
-        ("/running", "Running"),
-        ("/history", "History"),
-        ("/dlq", "Dead letters"),
-    ] {
-        let class = if label == active { " class=\"on\"" } else { "" };
-        let _ = write!(nav, "<a href=\"{href}\"{class}>{label}</a>");
+pub fn page(frame: &Frame, title: &str, active: &str, refresh: Option<u32>, body: Markup) -> String {
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                @if let Some(s) = refresh { meta http-equiv="refresh" content=(s); }
+                meta name="viewport" content="width=device-width";
+                title { (t(title)) " · chime " (t(frame.prefix)) }
+                // A constant of this file: the one text not escaped.
+                style { (PreEscaped(STYLE)) }
+            }
+            body {
+                header {
+                    b { "chime" }
+                    span { (t(frame.prefix)) }
+                    @for (href, label) in NAV {
+                        a href=(href) class=[(label == active).then_some("on")] { (label) }
+                    }
+                    @if frame.read_only { span.muted { "read-only" } }
+                }
+                main {
+                    h1 { (t(title)) }
+                    @if let Some(n) = &frame.notice { div.notice #notice { (t(n)) } }
+                    (body)
+                }
+            }
+        }
     }
-    let refresh =
-        refresh.map(|s| format!("<meta http-equiv=\"refresh\" content=\"{s}\">")).unwrap_or_default();
-    let notice = frame
-        .notice
-        .as_deref()
-        .map(|n| format!("<div class=\"notice\" id=\"notice\">{}</div>", esc(n)))
-        .unwrap_or_default();
-    let mode = if frame.read_only { "<span class=\"muted\">read-only</span>" } else { "" };
-    format!(
-        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">{refresh}\
-         <meta name=\"viewport\" content=\"width=device-width\"><title>{title} · chime {prefix}</title>\
-         <style>{STYLE}</style></head><body><header><b>chime</b><span>{prefix}</span>{nav}{mode}</header>\
-         <main><h1>{title}</h1>{notice}{body}</main></body></html>",
-        title = esc(title),
-        prefix = esc(frame.prefix),
-    )
+    .into_string()
 }
 
-/// A POST button (hidden when read-only) carrying the CSRF token, where to come back to, and
+/// A POST button (nothing when read-only) carrying the CSRF token, where to come back to, and
 /// `fields`.
 pub fn button(
     frame: &Frame,
@@ -126,42 +134,42 @@ pub fn button(
     back: &str,
     fields: &[(&str, &str)],
     danger: bool,
-) -> String {
-    if frame.read_only {
-        return String::new();
+) -> Markup {
+    html! {
+        @if !frame.read_only {
+            form.inline method="post" action=(action) {
+                input type="hidden" name="csrf" value=(frame.csrf);
+                input type="hidden" name="back" value=(back);
+                @for (k, v) in fields { input type="hidden" name=(k) value=(v); }
+                button type="submit" class=[danger.then_some("danger")] { (label) }
+            }
+        }
     }
-    let mut hidden = String::new();
-    for (k, v) in fields {
-        let _ = write!(hidden, "<input type=\"hidden\" name=\"{}\" value=\"{}\">", esc(k), esc(v));
-    }
-    let class = if danger { " class=\"danger\"" } else { "" };
-    format!(
-        "<form class=\"inline\" method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"csrf\" value=\"{}\">\
-         <input type=\"hidden\" name=\"back\" value=\"{}\">{hidden}<button type=\"submit\"{class}>{}</button></form>",
-        esc(action),
-        esc(frame.csrf),
-        esc(back),
-        esc(label)
-    )
 }
 
-/// A table: `head` names the columns; columns listed in `numeric` align right. Cells are HTML.
-pub fn table(id: &str, head: &[&str], numeric: &[&str], rows: &[Vec<String>]) -> String {
-    let mut out = format!("<table id=\"{}\"><thead><tr>", esc(id));
-    for h in head {
-        let _ = write!(out, "<th>{}</th>", esc(h));
-    }
-    out.push_str("</tr></thead><tbody>");
-    for row in rows {
-        out.push_str("<tr>");
-        for (cell, h) in row.iter().zip(head) {
-            let class = if numeric.contains(h) { " class=\"n\"" } else { "" };
-            let _ = write!(out, "<td{class}>{cell}</td>");
+/// A table: `head` names the columns; columns listed in `numeric` align right.
+pub fn table(id: &str, head: &[&str], numeric: &[&str], rows: &[Vec<Markup>]) -> Markup {
+    html! {
+        table id=(id) {
+            thead { tr { @for h in head { th { (h) } } } }
+            tbody {
+                @for row in rows {
+                    tr {
+                        @for (cell, h) in row.iter().zip(head) {
+                            td class=[numeric.contains(h).then_some("n")] { (cell) }
+                        }
+                    }
+                }
+            }
         }
-        out.push_str("</tr>");
     }
-    out.push_str("</tbody></table>");
-    out
+}
+
+/// A link to a key's page (`-` for none).
+pub fn key_link(key: &str) -> Markup {
+    html! {
+        @if key.is_empty() { "-" } @else { a href={ "/keys/" (enc(key)) } { code { (t(key)) } } }
+    }
 }
 
 #[cfg(test)]
@@ -169,23 +177,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn escaping_leaves_no_markup_and_no_control_bytes() {
-        assert_eq!(
-            esc("<script>alert('x')</script>&\""),
-            "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;&amp;&quot;"
+    fn values_reach_the_page_as_text_never_as_markup() {
+        let f = Frame { prefix: "<p>", read_only: false, csrf: "t", notice: Some("<b>'x'&\"".into()) };
+        let body = html! { p { (t("a\u{1b}[31mb <script>")) } };
+        let page = page(&f, "<title>", "Overview", None, body);
+        assert!(!page.contains("<script>") && !page.contains("<b>'x'") && !page.contains("<title><"), "{page}");
+        assert!(
+            page.contains("&lt;b&gt;'x'&amp;&quot;") && page.contains("a\\u{1b}[31mb &lt;script&gt;"),
+            "{page}"
         );
-        assert_eq!(esc("a\u{1b}[31mb"), "a\\u{1b}[31mb");
         assert_eq!(enc("a b/c?d=e&f"), "a%20b%2Fc%3Fd%3De%26f");
         assert_eq!(enc("0196-ab_c.d~"), "0196-ab_c.d~");
         assert_eq!(cut("line one\nline two", 8), "line on…");
+        let cells = vec![vec![html! { (t("<i>")) }, html! { "1" }]];
+        let table = table("x\"y", &["A", "N"], &["N"], &cells).into_string();
+        assert_eq!(
+            table,
+            "<table id=\"x&quot;y\"><thead><tr><th>A</th><th>N</th></tr></thead><tbody><tr><td>&lt;i&gt;</td>\
+             <td class=\"n\">1</td></tr></tbody></table>"
+        );
     }
 
     #[test]
     fn read_only_pages_have_no_forms() {
         let f = Frame { prefix: "p", read_only: true, csrf: "t", notice: None };
-        assert_eq!(button(&f, "/x", "Go", "/", &[], false), "");
+        assert_eq!(button(&f, "/x", "Go", "/", &[], false).into_string(), "");
         let f = Frame { read_only: false, ..f };
-        let b = button(&f, "/x", "Go", "/back", &[("id", "a\"b")], true);
+        let b = button(&f, "/x", "Go", "/back", &[("id", "a\"b")], true).into_string();
         assert!(b.contains("name=\"csrf\" value=\"t\"") && b.contains("value=\"a&quot;b\""), "{b}");
     }
 }

@@ -1,0 +1,142 @@
+//! `/keys/{key}`: one idempotency key: its record, its fan-out, its runs and dead letters.
+
+use axum::extract::{Path, Query, State};
+use axum::response::Response;
+use chime_shared::history::KeyRecord;
+use maud::{Markup, html};
+use std::sync::Arc;
+use uuid::Uuid;
+
+use super::dlq::{dead_letters_table, dlq_views};
+use super::history::runs_table;
+use super::{Notice, failed, not_found, ok_page};
+use crate::cli::web::Web;
+use crate::cli::web::dlq_cache::View;
+use crate::cli::web::html::{at, cut, key_link, t, table};
+
+pub async fn key(
+    State(web): State<Arc<Web>>,
+    Path(key): Path<String>,
+    Query(notice): Query<Notice>,
+) -> Response {
+    let Ok(key) = Uuid::parse_str(key.trim()) else {
+        return not_found(&web, &format!("{key:?} is not an idempotency key (a UUID)"));
+    };
+    let record = match web.reader.record(&key.to_string()).await {
+        Ok(r) => r,
+        Err(e) => return failed(&web, "Key", e),
+    };
+    let group = match chime_shared::group::read(&mut web.reader.connection(), &web.names, key).await {
+        Ok(Some(group)) => match group_html(&web, &group).await {
+            Ok(html) => Some(html),
+            Err(e) => return failed(&web, "Key", e),
+        },
+        Ok(None) => None,
+        Err(e) => return failed(&web, "Key", e),
+    };
+    let mut found = Vec::new();
+    let mut notes = Vec::new();
+    for (source, view) in dlq_views(&web).await {
+        match view {
+            Ok(View::Ready { snapshot, refreshing }) => {
+                found.extend(snapshot.letters.iter().filter(|d| d.key == Some(key)).cloned());
+                if refreshing {
+                    notes.push(format!("{source} as of {}", at(snapshot.taken_at)));
+                }
+            }
+            Ok(View::Reading) => notes.push(format!("{source}: still reading")),
+            Err(e) => notes.push(format!("{source}: {e}")),
+        }
+    }
+    let mut runs = record.runs.clone();
+    runs.reverse();
+    let body = html! {
+        @if let Some(group) = group { (group) }
+        (record_html(&key, &record))
+        h2 { "Runs" }
+        @if runs.is_empty() {
+            p { "No runs recorded (history off, or the record expired)." }
+        } @else {
+            (runs_table("key-runs", &runs))
+        }
+        h2 { "Dead letters" }
+        @if found.is_empty() {
+            p #no-dead-letters { "None in any DLQ of this prefix." }
+        } @else {
+            (dead_letters_table(&found))
+        }
+        @if !notes.is_empty() { p.muted { (t(&notes.join("; "))) } }
+    };
+    ok_page(&web, &notice, &format!("Key {key}"), "", None, body)
+}
+
+/// A fanned-out run (sharded or broadcast): its members, a missing one marked.
+async fn group_html(web: &Web, group: &chime_shared::group::GroupRecord) -> redis::RedisResult<Markup> {
+    use crate::cli::history::GroupView;
+    let view = GroupView::read(&web.reader, group).await?;
+    let complete = view.done == view.members.len();
+    let rows: Vec<Vec<Markup>> = view
+        .members
+        .iter()
+        .zip(&view.states)
+        .zip(&view.records)
+        .map(|((m, s), r)| {
+            let result = r
+                .result
+                .as_ref()
+                .and_then(|r| r.value())
+                .map(|v| cut(&v.to_string(), 60))
+                .unwrap_or_default();
+            vec![
+                html! { (t(&GroupView::label(m))) },
+                key_link(&m.key.to_string()),
+                html! {
+                    @match s {
+                        Some((state, _)) => (state.as_str()),
+                        None => b.warn.missing { "missing: not started" },
+                    }
+                },
+                html! { @if let Some((_, Some(finished))) = s { (at(*finished)) } },
+                html! { (t(&result)) },
+            ]
+        })
+        .collect();
+    Ok(html! {
+        h2 { "Fan-out" }
+        dl #group {
+            dt { "Job" } dd { (t(&group.job)) " on queue " (t(&group.queue)) }
+            @if let Some(slot) = group.slot { dt { "Slot" } dd { (at(slot)) " UTC" } }
+            dt { "Fan-out" } dd { (t(&GroupView::fan(group))) }
+            dt { "State" } dd { b #group-state class=(if complete { "ok" } else { "warn" }) { (t(&view.summary())) } }
+        }
+        (table("members", &["Member", "Key", "State", "Finished (UTC)", "Result"], &[], &rows))
+        p.muted { "The key below is the whole run's: its members have keys of their own." }
+    })
+}
+
+fn record_html(key: &Uuid, r: &KeyRecord) -> Markup {
+    let expires = r.expires_in_ms.map(|ms| {
+        chime_shared::duration::format(std::time::Duration::from_secs(u64::try_from(ms / 1000).unwrap_or(0)))
+    });
+    html! {
+        dl #record {
+            dt { "Key" } dd { code { (key) } }
+            @match &r.state {
+                None => {
+                    dt { "Record" }
+                    dd { "none: never claimed, or expired after " code { "redis.done_retention" } " (or Redis lost it)" }
+                }
+                Some(state) => {
+                    dt { "State" } dd { b #state { (state.as_str()) } " — " (state.meaning()) }
+                    @if let Some(o) = &r.owner { dt { "Owner" } dd { code { (t(o)) } } }
+                    @if let Some(f) = r.fence { dt { "Fence" } dd { (f) } }
+                    @if let Some(at_) = r.claimed_at { dt { "Claimed" } dd { (at(at_)) " UTC" } }
+                    @if let Some(at_) = r.finished_at { dt { "Finished" } dd { (at(at_)) " UTC" } }
+                    @if let Some(at_) = r.lease_until { dt { "Lease until" } dd { (at(at_)) " UTC" } }
+                    @if let Some(e) = &expires { dt { "Expires" } dd { "in " (e) } }
+                    @if let Some(d) = &r.dying_reason { dt { "Dying reason" } dd { (t(d)) } }
+                }
+            }
+        }
+    }
+}

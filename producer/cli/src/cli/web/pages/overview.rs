@@ -1,0 +1,120 @@
+//! `/`: queues with their depths, DLQs and pause state; the ticker's leader; the workers.
+
+use axum::extract::{Query, State};
+use axum::response::Response;
+use chime_shared::control::{self, Target};
+use chrono::{DateTime, Utc};
+use maud::{Markup, html};
+use std::sync::Arc;
+
+use super::{Notice, dlq_broker_queue, dlq_cell, dlq_sources, failed, frame, ok_page, paused_cell};
+use crate::cli::web::Web;
+use crate::cli::web::html::{ago, button, t, table};
+use crate::dlq::UNROUTABLE;
+
+pub async fn overview(State(web): State<Arc<Web>>, Query(notice): Query<Notice>) -> Response {
+    match body(&web).await {
+        Ok(body) => ok_page(&web, &notice, "Overview", "Overview", Some(10), body),
+        Err(e) => failed(&web, "Overview", e),
+    }
+}
+
+async fn body(web: &Web) -> anyhow::Result<Markup> {
+    let now = Utc::now();
+    let queues = web.config.all_queues();
+    let mut broker: Vec<String> = queues.iter().map(|q| web.names.work_queue(q)).collect();
+    broker.extend(dlq_sources(web).iter().map(|s| dlq_broker_queue(web, s)));
+    let delay_queues: Vec<String> = (0..chime_shared::delay::LEVELS)
+        .map(|l| chime_shared::names::delay_level(web.config.amqp.queue_type, l))
+        .collect();
+    broker.extend(delay_queues.iter().cloned());
+    let depths = web.depths(&broker).await;
+    let mut conn = web.reader.connection();
+    let flags = control::flags(&mut conn, &web.names, Target::Queue, &queues).await?;
+    let workers = control::workers(&mut conn, &web.names).await?;
+    let leader = web.ticker.leader().await?;
+    let threshold = web.config.alerts.dlq_threshold;
+    let f = frame(web, &Notice::default());
+
+    let mut rows = Vec::new();
+    for (i, q) in queues.iter().enumerate() {
+        let running: usize = workers.iter().map(|w| w.running.iter().filter(|r| r.queue == *q).count()).sum();
+        let dlq = depths[queues.len() + i].map(|d| d.0);
+        let (ready, consumers) = match depths[i] {
+            Some((r, c)) => (r.to_string(), c.to_string()),
+            None => ("?".into(), "?".into()),
+        };
+        let rate = web.rate(q).map(|r| format!("{r:.1}/s")).unwrap_or_else(|| "-".into());
+        let (label, op) = if flags[i].is_some() { ("Resume", "resume") } else { ("Pause", "pause") };
+        rows.push(vec![
+            html! { (t(q)) },
+            html! { (ready) },
+            html! { (consumers) },
+            html! { (running) },
+            html! { (rate) },
+            dlq_cell(q, dlq, threshold),
+            paused_cell(&flags[i], now),
+            button(&f, "/actions/queue", label, "/", &[("queue", q), ("op", op)], false),
+        ]);
+    }
+    let unroutable = depths[2 * queues.len()].map(|d| d.0).unwrap_or(0);
+    let delayed: u64 =
+        depths[2 * queues.len() + 1..].iter().map(|d| u64::from(d.map(|d| d.0).unwrap_or(0))).sum();
+    Ok(html! {
+        h2 { "Queues" }
+        (table(
+            "queues",
+            &["Queue", "Ready", "Consumers", "Running", "Finished", "DLQ", "State", ""],
+            &["Ready", "Consumers", "Running", "Finished", "DLQ"],
+            &rows,
+        ))
+        p {
+            "Waiting in the delay chain (retries and " code { "--delay" } ", every prefix on this virtual host): "
+            (delayed) ". Unroutable delayed messages: " (dlq_cell(UNROUTABLE, Some(unroutable), threshold)) "."
+        }
+        h2 { "Ticker" }
+        @match leader {
+            Some(l) => p #leader {
+                "Leader " code { (t(&l.id)) } ", lease held "
+                (format!("{:.1}", l.lease_age_ms as f64 / 1000.0)) "s, expires in "
+                (format!("{:.1}", l.expires_in_ms as f64 / 1000.0)) "s."
+            },
+            None => p #leader .warn { "No ticker holds the lease: scheduled jobs are not being published." },
+        }
+        h2 { "Workers" }
+        (workers_table(&workers, now))
+    })
+}
+
+/// The live workers, from their heartbeats.
+pub(super) fn workers_table(workers: &[control::WorkerBeat], now: DateTime<Utc>) -> Markup {
+    if workers.is_empty() {
+        return html! {
+            p.warn #no-workers {
+                "No live workers (none wrote a heartbeat in the last " (control::BEAT_TTL.as_secs()) "s)."
+            }
+        };
+    }
+    let rows: Vec<Vec<Markup>> = workers
+        .iter()
+        .map(|w| {
+            vec![
+                html! { code { (t(&w.id)) } },
+                html! { (t(&w.version)) },
+                html! { (t(&w.queues.join(", "))) },
+                html! { @if w.paused.is_empty() { "-" } @else { (t(&w.paused.join(", "))) } },
+                html! { (w.concurrency) },
+                html! { (w.running.len()) },
+                html! { (w.settled[0]) },
+                html! { (ago(w.started_at, now).replace(" ago", "")) },
+                html! { (ago(w.seen_at, now)) },
+            ]
+        })
+        .collect();
+    table(
+        "workers",
+        &["Worker", "Version", "Queues", "Paused", "Concurrency", "Running", "Succeeded", "Up", "Seen"],
+        &["Concurrency", "Running", "Succeeded"],
+        &rows,
+    )
+}
