@@ -99,11 +99,12 @@ pub struct TickerStore {
 
 impl TickerStore {
     pub fn connect(config: &RedisConfig, prefix: &str) -> Result<Self, redis::RedisError> {
+        let names = chime_shared::names::Names::new(prefix);
         Ok(Self {
             conn: RedisConn::new(config)?,
-            leader_key: format!("{prefix}:ticker:leader"),
-            wm_key: format!("{prefix}:ticker:wm"),
-            counts_key: format!("{prefix}:ticker:counts"),
+            leader_key: names.ticker_leader(),
+            wm_key: names.ticker_watermarks(),
+            counts_key: names.ticker_counts(),
         })
     }
 

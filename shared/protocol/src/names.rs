@@ -135,6 +135,37 @@ impl Names {
     pub fn group(&self, base_key: &str) -> String {
         format!("{}:group:{base_key}", self.prefix)
     }
+
+    /// The ticker's leader lease (a string: the leader's id, with a TTL).
+    pub fn ticker_leader(&self) -> String {
+        format!("{}:ticker:leader", self.prefix)
+    }
+
+    /// The ticker's watermarks: job → the last slot published (Unix seconds).
+    pub fn ticker_watermarks(&self) -> String {
+        format!("{}:ticker:wm", self.prefix)
+    }
+
+    /// The ticker's counters of missed and paused slots per job.
+    pub fn ticker_counts(&self) -> String {
+        format!("{}:ticker:counts", self.prefix)
+    }
+}
+
+/// The route (a queue of the prefix, `<prefix>.q.<route>`) of a worker's own queue: `@` and
+/// the worker id with every character outside letters, digits, `.`, `_` and `-` spelled `-`.
+pub fn worker_route(worker: &str) -> String {
+    let id: String = worker
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') { c } else { '-' })
+        .collect();
+    format!("@{id}")
+}
+
+/// The route of `queue`'s priority level `level` (`high` or `low`; normal is the queue
+/// itself): `<queue>^<level>` (`^` is outside the name alphabet: no queue is called so).
+pub fn level_route(queue: &str, level: &str) -> String {
+    format!("{queue}^{level}")
 }
 
 /// `<host>:<pid>`: how a worker or ticker names itself in claims, leases and logs unless

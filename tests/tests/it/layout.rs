@@ -9,12 +9,14 @@ fn root() -> PathBuf {
 }
 
 /// The `src/` directories of the workspace's crates.
-const CRATES: [&str; 7] = [
+const CRATES: [&str; 9] = [
     "shared/job/src",
+    "shared/protocol/src",
     "shared/src",
     "shared/daemon/src",
     "producer/src",
     "producer/cli/src",
+    "producer/scheduler/src",
     "worker/src",
     "worker/cli/src",
 ];
@@ -183,4 +185,91 @@ fn the_circle_finder_finds_circles() {
     assert_eq!(c.first(), c.last());
     assert_eq!(c.len(), 4, "{c:?}");
     assert_eq!(named_after("use crate::{config::X, envelope};\ncrate::names::word(x)", "crate::").len(), 3);
+}
+
+/// What follows a `{placeholder}` in a string that spells a broker or Redis name.
+const NAME_SHAPES: [&str; 15] = [
+    ".q.",
+    ".dlq.",
+    ".work\"",
+    ".dead\"",
+    ".unroutable\"",
+    ":idem:",
+    ":ticker:",
+    ":history:",
+    ":workers",
+    ":paused:",
+    ":overlap:",
+    ":limit:",
+    ":group:",
+    ":dlq-lock:",
+    "^",
+];
+
+/// The string literals of `code` that spell a name: a placeholder followed by a name's shape
+/// (`"{prefix}:ticker:leader"`, `"{}.q.{queue}"`, `"{queue}^{}"`), or a worker route (`"@{"`).
+fn spelled_names(code: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for line in code.lines() {
+        for (i, literal) in line.split('"').enumerate() {
+            if i % 2 == 0 {
+                continue;
+            }
+            let quoted = format!("{literal}\"");
+            let shaped =
+                quoted.split('}').skip(1).any(|after| NAME_SHAPES.iter().any(|s| after.starts_with(s)));
+            if shaped || literal.starts_with("@{") {
+                out.push(line.trim().to_string());
+            }
+        }
+    }
+    out
+}
+
+/// ARCHITECTURE.md: no queue, exchange or Redis key name is spelled outside `names`.
+#[test]
+fn names_are_spelled_only_in_names() {
+    let mut found = Vec::new();
+    for dir in CRATES {
+        for file in rust_files(&root().join(dir)) {
+            if file.ends_with("protocol/src/names.rs") {
+                continue;
+            }
+            for line in spelled_names(&code(&file)) {
+                found.push(format!("{}: {line}", file.strip_prefix(root()).unwrap().display()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "names spelled outside names.rs:\n{}", found.join("\n"));
+    // The finder finds what it looks for.
+    assert_eq!(spelled_names(r#"let k = format!("{prefix}:ticker:leader");"#).len(), 1);
+    assert_eq!(
+        spelled_names(r#"format!("{}.q.{queue}", p), format!("{queue}^{}", l), format!("@{id}")"#).len(),
+        3
+    );
+    assert!(spelled_names(r#"format!("{job}@{}", slot); format!("{a}: {b}")"#).is_empty());
+}
+
+/// ARCHITECTURE.md: a worker settles a delivery only through its `Ticket` (the ack batcher
+/// alone calls lapin's ack and nack), and only `process` (every delivery it judged) and
+/// `runtime` (prefetched deliveries never started, given back at shutdown) settle tickets.
+#[test]
+fn deliveries_are_settled_only_through_tickets_where_architecture_says() {
+    let worker = root().join("worker/src");
+    for file in rust_files(&worker) {
+        let name = file.strip_prefix(&worker).unwrap().display().to_string();
+        let code = code(&file);
+        if ["basic_ack(", "basic_nack(", "basic_reject("].iter().any(|c| code.contains(c)) {
+            assert_eq!(name, "ack.rs", "{name} calls lapin's ack/nack itself");
+        }
+        if code.contains(".requeue().await") || code.contains(".ack().await") {
+            assert!(
+                matches!(name.as_str(), "process.rs" | "runtime.rs" | "ack.rs"),
+                "{name} settles deliveries"
+            );
+        }
+        if name == "runtime.rs" {
+            assert!(!code.contains(".ack().await"), "runtime only gives prefetched deliveries back");
+        }
+    }
 }

@@ -8,6 +8,7 @@ mod common;
 mod dead_letters;
 mod deployments;
 mod dlq_ops;
+mod docs;
 mod dst_night;
 mod examples;
 mod fanout;

@@ -222,22 +222,14 @@ pub fn broadcast_key(base: Uuid, worker: &str) -> Uuid {
     Uuid::new_v5(&NAMESPACE, format!("{base}#worker:{worker}").as_bytes())
 }
 
-/// The route (a queue of the prefix, `<prefix>.q.<route>`) of a worker's own queue: `@` and
-/// the worker id with every character outside letters, digits, `.`, `_` and `-` spelled `-`.
-pub fn worker_route(worker: &str) -> String {
-    let id: String = worker
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') { c } else { '-' })
-        .collect();
-    format!("@{id}")
-}
+pub use crate::names::worker_route;
 
 /// The route of `queue`'s level `priority`: the queue itself for `normal`, else
 /// `<queue>^high` or `<queue>^low` (`^` is outside the name alphabet: no queue is called so).
 pub fn priority_route(queue: &str, priority: Priority) -> String {
     match priority {
         Priority::Normal => queue.to_string(),
-        p => format!("{queue}^{}", p.as_str()),
+        p => crate::names::level_route(queue, p.as_str()),
     }
 }
 

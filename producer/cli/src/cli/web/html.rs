@@ -181,7 +181,10 @@ mod tests {
         let f = Frame { prefix: "<p>", read_only: false, csrf: "t", notice: Some("<b>'x'&\"".into()) };
         let body = html! { p { (t("a\u{1b}[31mb <script>")) } };
         let page = page(&f, "<title>", "Overview", None, body);
-        assert!(!page.contains("<script>") && !page.contains("<b>'x'") && !page.contains("<title><"), "{page}");
+        assert!(
+            !page.contains("<script>") && !page.contains("<b>'x'") && !page.contains("<title><"),
+            "{page}"
+        );
         assert!(
             page.contains("&lt;b&gt;'x'&amp;&quot;") && page.contains("a\\u{1b}[31mb &lt;script&gt;"),
             "{page}"
