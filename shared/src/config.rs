@@ -25,6 +25,20 @@ pub use crate::tls::TlsConfig;
 /// Exit code of an `exec` command that means "permanent failure, do not retry".
 pub const DEFAULT_PERMANENT_EXIT_CODE: i32 = 100;
 
+// Each section: its types, defaults and rules together; `Config::validate` runs them and the
+// rules that span sections.
+mod amqp;
+mod jobs;
+mod ops;
+mod store;
+mod workers;
+
+pub use amqp::{AmqpConfig, Urls};
+pub use jobs::{CatchUp, ExecConfig, HandlerConfig, JobConfig, Overlap, Shards};
+pub use ops::{AlertsConfig, CheckpointsConfig, HistoryConfig, ResultsConfig};
+pub use store::RedisConfig;
+pub use workers::{TickerConfig, WorkerConfig};
+
 /// A configuration problem. `Display` names the file and key at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -95,8 +109,12 @@ pub struct Config {
     /// What a run saves to resume from.
     pub checkpoints: CheckpointsConfig,
     /// The jobs.
-    #[serde(deserialize_with = "de_jobs")]
+    #[serde(deserialize_with = "jobs::de_jobs")]
     pub jobs: Vec<JobConfig>,
+    /// Queues known only from the workers' catalog (never read from the file): they join
+    /// [`Config::all_queues`] for the operator tools (see `crate::catalog`).
+    #[serde(skip)]
+    pub catalog_queues: Vec<String>,
 }
 
 impl Default for Config {
@@ -112,608 +130,8 @@ impl Default for Config {
             results: ResultsConfig::default(),
             checkpoints: CheckpointsConfig::default(),
             jobs: Vec::new(),
+            catalog_queues: Vec::new(),
         }
-    }
-}
-
-/// One URL or a list of URLs tried in turn (cluster nodes).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum Urls {
-    /// A single URL.
-    One(String),
-    /// URLs tried in order.
-    Many(Vec<String>),
-}
-
-impl Urls {
-    /// The URLs, in the order they are tried.
-    pub fn list(&self) -> Vec<String> {
-        match self {
-            Urls::One(u) => vec![u.clone()],
-            Urls::Many(v) => v.clone(),
-        }
-    }
-}
-
-/// `[amqp]`: the broker.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AmqpConfig {
-    /// `amqp://user:pass@host:port/vhost`; a list is tried in order (`CHIME_AMQP_URL`,
-    /// comma-separated for several).
-    pub url: Urls,
-    /// Type of the work queues and DLQs.
-    pub queue_type: QueueType,
-    /// Quorum queues only: broker-side safety net against crash loops. Always explicit and
-    /// positive, never -1 (on RabbitMQ 3.10, -1 dead-letters on the first requeue).
-    pub delivery_limit: u32,
-    /// Quorum queues only: how many nodes hold a copy of each of the prefix's queues
-    /// (`x-quorum-initial-group-size`, given when the queue is first declared). Unset, the
-    /// broker puts a copy on every node of the cluster, so that each node added makes every
-    /// message cost more; 3 (or 5) keeps the cost per message flat as the cluster grows.
-    pub quorum_replicas: Option<u32>,
-    /// AMQP heartbeat.
-    #[serde(deserialize_with = "duration::de")]
-    pub heartbeat: Duration,
-    /// How long a publish may wait for its confirm before it counts as failed.
-    #[serde(deserialize_with = "duration::de")]
-    pub publish_timeout: Duration,
-    /// Largest envelope chime publishes; larger payloads are rejected before publishing,
-    /// and larger deliveries are dead-lettered as `too_large`.
-    pub max_message_bytes: usize,
-    /// The broker's `consumer_timeout`: workers warn when a job timeout is not safely below it.
-    #[serde(deserialize_with = "duration::de")]
-    pub consumer_timeout: Duration,
-    /// `[amqp.tls]`: CA and client certificate for `amqps://` URLs.
-    pub tls: TlsConfig,
-}
-
-impl Default for AmqpConfig {
-    fn default() -> Self {
-        Self {
-            url: Urls::One("amqp://guest:guest@127.0.0.1:5672/%2f".into()),
-            queue_type: QueueType::Quorum,
-            delivery_limit: 50,
-            quorum_replicas: None,
-            heartbeat: Duration::from_secs(10),
-            publish_timeout: Duration::from_secs(30),
-            max_message_bytes: 1024 * 1024,
-            consumer_timeout: Duration::from_secs(30 * 60),
-            tls: TlsConfig::default(),
-        }
-    }
-}
-
-/// `[redis]`: the idempotency table, leases and ticker state.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct RedisConfig {
-    /// `redis://host:port/db` (`CHIME_REDIS_URL`).
-    pub url: String,
-    /// How long a claim stays valid without renewal; renewed every third of it.
-    #[serde(deserialize_with = "duration::de")]
-    pub lease: Duration,
-    /// How long `done`/`dead` marks are kept (duplicates within it are absorbed).
-    #[serde(deserialize_with = "duration::de")]
-    pub done_retention: Duration,
-    /// Per-command response timeout; past it Redis counts as unreachable.
-    #[serde(deserialize_with = "duration::de")]
-    pub timeout: Duration,
-    /// `[redis.tls]`: CA and client certificate for a `rediss://` URL.
-    pub tls: TlsConfig,
-    /// Sentinels (`host:port`) to ask for the master `master_name`; `url` then gives only
-    /// the scheme (`rediss://` for TLS), the password and the database.
-    pub sentinels: Vec<String>,
-    /// The master's name in the sentinels' configuration (with `sentinels`).
-    pub master_name: Option<String>,
-    /// Redis Cluster seed nodes (`host:port`); `url` then gives only the scheme and the
-    /// password (the database is always 0).
-    pub cluster: Vec<String>,
-}
-
-impl RedisConfig {
-    /// Where Redis is, for errors and logs (password redacted): the URL, the master and its
-    /// sentinels, or the cluster's seed nodes.
-    pub fn endpoint(&self) -> String {
-        if !self.sentinels.is_empty() {
-            format!(
-                "master {:?} via sentinels {}",
-                self.master_name.as_deref().unwrap_or(""),
-                self.sentinels.join(", ")
-            )
-        } else if !self.cluster.is_empty() {
-            format!("cluster {}", self.cluster.join(", "))
-        } else {
-            redact(&self.url)
-        }
-    }
-}
-
-impl Default for RedisConfig {
-    fn default() -> Self {
-        Self {
-            url: "redis://127.0.0.1:6379/0".into(),
-            lease: Duration::from_secs(30),
-            done_retention: Duration::from_secs(7 * 86_400),
-            timeout: Duration::from_secs(3),
-            tls: TlsConfig::default(),
-            sentinels: Vec::new(),
-            master_name: None,
-            cluster: Vec::new(),
-        }
-    }
-}
-
-/// `[worker]`: `chime-worker` and custom worker binaries.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct WorkerConfig {
-    /// Queues to consume; empty means every queue named by a job (plus `default`).
-    pub queues: Vec<String>,
-    /// Jobs run at once per process (default 256: handlers are futures; `exec` and `http`
-    /// jobs have lower limits of their own, `jobs[].concurrency`).
-    pub concurrency: usize,
-    /// Unacked deliveries per queue consumer; defaults to `concurrency`, or to the sum of
-    /// the limits of the queue's jobs when each has one.
-    pub prefetch: Option<u16>,
-    /// Drain deadline on SIGTERM/SIGINT.
-    #[serde(deserialize_with = "duration::de")]
-    pub shutdown_timeout: Duration,
-    /// Handler timeout for jobs that set none.
-    #[serde(deserialize_with = "duration::de")]
-    pub default_timeout: Duration,
-    /// Address of `/metrics`, `/livez`, `/readyz` (overridden by `--listen`).
-    pub listen: Option<String>,
-    /// Runtime threads of a `chime-worker` process; 0 = one per CPU core.
-    pub threads: usize,
-    /// A job this worker has no handler for is sent round again for this long (a rolling
-    /// deploy may bring the worker that knows it) before it is dead-lettered as `unknown_job`.
-    #[serde(deserialize_with = "duration::de")]
-    pub unknown_job_grace: Duration,
-    /// On timeout or at the drain deadline a handler's cancellation token fires first; the
-    /// handler gets this long to stop on its own before its future is dropped.
-    #[serde(deserialize_with = "duration::de")]
-    pub cancel_grace: Duration,
-    /// Variables of the worker's environment passed to every `exec` job's program. Nothing
-    /// else is (besides `PATH`, `HOME`, locale, `TZ`, `TMPDIR` and the job's `CHIME_*` facts):
-    /// the worker's own secrets (`CHIME_AMQP_URL`, `CHIME_REDIS_URL`, …) never reach a job.
-    pub pass_env: Vec<String>,
-}
-
-impl Default for WorkerConfig {
-    fn default() -> Self {
-        Self {
-            queues: Vec::new(),
-            concurrency: 256,
-            prefetch: None,
-            shutdown_timeout: Duration::from_secs(30),
-            default_timeout: Duration::from_secs(300),
-            listen: None,
-            threads: 0,
-            unknown_job_grace: Duration::from_secs(300),
-            cancel_grace: Duration::from_secs(5),
-            pass_env: Vec::new(),
-        }
-    }
-}
-
-/// `[ticker]`: `chime tick`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TickerConfig {
-    /// Address of the ticker's `/metrics`, `/livez`, `/readyz` (overridden by `--listen`).
-    pub listen: Option<String>,
-    /// Leader lease: a standby takes over within one lease after the leader dies.
-    #[serde(deserialize_with = "duration::de")]
-    pub lease: Duration,
-    /// Warn (and export the gauge) when the local clock differs from Redis `TIME` by more.
-    #[serde(deserialize_with = "duration::de")]
-    pub max_clock_skew: Duration,
-}
-
-impl Default for TickerConfig {
-    fn default() -> Self {
-        Self { listen: None, lease: Duration::from_secs(10), max_clock_skew: Duration::from_millis(200) }
-    }
-}
-
-/// `[alerts]`: DLQ depth alerting.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AlertsConfig {
-    /// DLQ depth that counts as an alert.
-    pub dlq_threshold: u64,
-    /// How long the depth must stay at or above the threshold before `firing`.
-    #[serde(deserialize_with = "duration::de", rename = "for")]
-    pub for_: Duration,
-    /// Alertmanager-compatible webhook URL (log only when unset).
-    pub webhook: Option<String>,
-    /// How often DLQ depths are read.
-    #[serde(deserialize_with = "duration::de")]
-    pub interval: Duration,
-}
-
-impl Default for AlertsConfig {
-    fn default() -> Self {
-        Self {
-            dlq_threshold: 1,
-            for_: Duration::from_secs(60),
-            webhook: None,
-            interval: Duration::from_secs(15),
-        }
-    }
-}
-
-/// `[history]`: one event per run in a Redis stream per queue, and a key's last runs in its
-/// idempotency record.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct HistoryConfig {
-    /// Record runs (default `true`).
-    pub enabled: bool,
-    /// Most runs kept per queue (default 1,000,000): the stream is cut to `max_len / 8`
-    /// entries of up to 8 runs ([`crate::history::RUNS_PER_ENTRY`]).
-    pub max_len: u64,
-    /// Runs older than this are trimmed (default 24 h; as new runs are written).
-    #[serde(deserialize_with = "duration::de")]
-    pub max_age: Duration,
-    /// Runs kept in a key's record for `chime inspect` (default 20, at most 100).
-    pub runs_per_key: u32,
-}
-
-impl Default for HistoryConfig {
-    fn default() -> Self {
-        Self { enabled: true, max_len: 1_000_000, max_age: Duration::from_secs(86_400), runs_per_key: 20 }
-    }
-}
-
-/// `[results]`: the value a successful run returns (a Rust handler's return value, an `exec`
-/// job's standard output, an `http` job's response body), kept in its key's record.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ResultsConfig {
-    /// Largest result kept, in bytes of JSON (default 65,536; at most 1,048,576). A larger
-    /// result does not fail the run: its record says the result was too large.
-    pub max_bytes: usize,
-    /// How long a result is kept (default: as long as the record, `redis.done_retention`).
-    /// Longer keeps the record that long; shorter hides the result from readers after it.
-    #[serde(deserialize_with = "duration::de_opt")]
-    pub retention: Option<Duration>,
-}
-
-impl Default for ResultsConfig {
-    fn default() -> Self {
-        Self { max_bytes: 65_536, retention: None }
-    }
-}
-
-/// `[checkpoints]`: what a run saves (`JobContext::checkpoint`, or an `exec` job's
-/// `CHIME_CHECKPOINT_FILE`) so that a retry or a redelivered copy resumes from it.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct CheckpointsConfig {
-    /// Largest checkpoint, in bytes (default 65,536; at most 1,048,576): a larger one is an
-    /// error of the save (the run goes on; the previous checkpoint stands).
-    pub max_bytes: usize,
-    /// How often a running `exec` job's checkpoint file is read back (default `"1s"`).
-    #[serde(deserialize_with = "duration::de")]
-    pub poll: Duration,
-}
-
-impl Default for CheckpointsConfig {
-    fn default() -> Self {
-        Self { max_bytes: 65_536, poll: Duration::from_secs(1) }
-    }
-}
-
-/// Missed-slot policy of a schedule, after an outage of every ticker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CatchUp {
-    /// Every missed slot within the window, oldest first.
-    All,
-    /// Only the newest missed slot.
-    Latest,
-    /// Nothing from the outage; resume at the next slot.
-    None,
-}
-
-/// What the ticker does with a slot whose previous run is still in progress (not yet done or
-/// dead: queued, running, or between retries).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Overlap {
-    /// Publish it anyway (runs may overlap).
-    #[default]
-    Allow,
-    /// Skip it (counted in `chime_slots_overlapped_total`, recorded in the history).
-    Skip,
-    /// Hold it until the previous run ends, then publish it; at most one waits, later ones
-    /// are skipped.
-    BufferOne,
-}
-
-impl Overlap {
-    /// `allow`, `skip` or `buffer_one`, as the config spells it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Overlap::Allow => "allow",
-            Overlap::Skip => "skip",
-            Overlap::BufferOne => "buffer_one",
-        }
-    }
-}
-
-/// How many copies of each slot (or ad-hoc enqueue) a sharded job fans out to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(untagged)]
-pub enum Shards {
-    /// A fixed number, 1 to 1,000.
-    Count(u32),
-    /// As many as workers consume the job's queue when the slot is published.
-    Workers,
-}
-
-impl<'de> Deserialize<'de> for Shards {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            N(i64),
-            S(String),
-        }
-        match Raw::deserialize(d)? {
-            Raw::N(n) if (1..=1000).contains(&n) => Ok(Shards::Count(n as u32)),
-            Raw::N(n) => {
-                Err(serde::de::Error::custom(format!("{n}: must be between 1 and 1000, or \"workers\"")))
-            }
-            Raw::S(s) if s == "workers" => Ok(Shards::Workers),
-            Raw::S(s) => Err(serde::de::Error::custom(format!("{s:?}: a number of shards, or \"workers\""))),
-        }
-    }
-}
-
-/// One `[[jobs]]` entry.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(try_from = "RawJobConfig")]
-pub struct JobConfig {
-    /// The job's name (required): letters, digits, `-`, `_`, `.`.
-    pub name: String,
-    /// Cron expression (5 or 6 fields, or a macro such as `@daily`); absent = ad-hoc only.
-    pub schedule: Option<String>,
-    /// IANA zone of the schedule; default UTC.
-    pub timezone: Option<String>,
-    /// Queue; default `default`.
-    pub queue: Option<String>,
-    /// What runs the job, with the settings only that handler has.
-    pub handler: HandlerConfig,
-    /// Default payload (scheduled runs, and `chime enqueue` without `--payload`).
-    pub payload: Option<serde_json::Value>,
-    /// Attempts in all, first run included (default 5, at most 1,000).
-    pub max_attempts: Option<u32>,
-    /// Retry delays (default 5 s doubling to 1 h).
-    pub backoff: Option<BackoffConfig>,
-    /// Handler timeout (default `worker.default_timeout`).
-    pub timeout: Option<Duration>,
-    /// After an outage of every ticker (default `all`).
-    pub catch_up: Option<CatchUp>,
-    /// How far back missed slots are caught up (default 1 h).
-    pub catch_up_window: Option<Duration>,
-    /// A slot started later than slot + deadline is skipped (`expired`).
-    pub deadline: Option<Duration>,
-    /// Publish up to this much after the slot, deterministically per slot.
-    pub jitter: Option<Duration>,
-    /// Runs of this job at once in one worker process (default: 8 for `exec`, otherwise
-    /// `worker.concurrency`): heavy handlers bounded, light ones run wide.
-    pub concurrency: Option<usize>,
-    /// Runs of this job at once across every worker sharing the prefix (slots leased in
-    /// Redis; a dead worker's slot lapses after `redis.lease`).
-    pub global_concurrency: Option<usize>,
-    /// A scheduled job's slot whose previous run is still in progress (default `allow`).
-    pub overlap: Overlap,
-    /// Fan each slot (or ad-hoc enqueue) out to this many messages, one per shard.
-    pub shards: Option<Shards>,
-    /// Run each slot once on every live worker consuming the job's queue.
-    pub broadcast: bool,
-    /// Delivery order when a backlog exists (default `normal`).
-    pub priority: Option<Priority>,
-}
-
-/// What runs a job. In TOML it is the `handler` key plus the keys of that handler alone
-/// (`command`, `permanent_exit_codes`, `pass_env` for `exec`; `url` for `http`): a key of
-/// another handler is an error naming it, so no combination here is invalid.
-#[derive(Debug, Clone, PartialEq)]
-pub enum HandlerConfig {
-    /// `handler = "exec"`: runs a program per job.
-    Exec(ExecConfig),
-    /// `handler = "http"`: POSTs the payload to `url` (an `http://` or `https://` URL).
-    Http {
-        /// Where the payload is POSTed.
-        url: String,
-    },
-    /// `handler = "noop"`: succeeds at once (benchmarks, smoke tests).
-    Noop,
-    /// Any other name: a handler registered in Rust (a typed job's name, or
-    /// `Registry::register`).
-    Registered(String),
-}
-
-/// Settings of the `exec` handler.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ExecConfig {
-    /// Program and arguments (no shell); at least the program.
-    pub command: Vec<String>,
-    /// Exit codes that mean permanent failure (default `[100]`).
-    pub permanent_exit_codes: Vec<i32>,
-    /// Variables of the worker's environment passed to this job's program, besides
-    /// `worker.pass_env` and the safe defaults (`PATH`, `HOME`, locale, `TZ`, `TMPDIR`).
-    pub pass_env: Vec<String>,
-}
-
-impl HandlerConfig {
-    /// The `handler` key as written (`exec`, `http`, `noop`, or the registered name).
-    pub fn name(&self) -> &str {
-        match self {
-            HandlerConfig::Exec(_) => "exec",
-            HandlerConfig::Http { .. } => "http",
-            HandlerConfig::Noop => "noop",
-            HandlerConfig::Registered(name) => name,
-        }
-    }
-}
-
-/// `[[jobs]]` as written: every handler's keys side by side, checked and folded into
-/// [`HandlerConfig`] by `TryFrom` (serde's `flatten` would lose `deny_unknown_fields`).
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawJobConfig {
-    name: String,
-    #[serde(default)]
-    schedule: Option<String>,
-    #[serde(default)]
-    timezone: Option<String>,
-    #[serde(default)]
-    queue: Option<String>,
-    handler: String,
-    #[serde(default)]
-    command: Option<Vec<String>>,
-    #[serde(default)]
-    permanent_exit_codes: Option<Vec<i32>>,
-    #[serde(default)]
-    pass_env: Option<Vec<String>>,
-    #[serde(default)]
-    url: Option<String>,
-    #[serde(default)]
-    payload: Option<serde_json::Value>,
-    #[serde(default)]
-    max_attempts: Option<u32>,
-    #[serde(default)]
-    backoff: Option<BackoffConfig>,
-    #[serde(default, deserialize_with = "duration::de_opt")]
-    timeout: Option<Duration>,
-    #[serde(default)]
-    catch_up: Option<CatchUp>,
-    #[serde(default, deserialize_with = "duration::de_opt")]
-    catch_up_window: Option<Duration>,
-    #[serde(default, deserialize_with = "duration::de_opt")]
-    deadline: Option<Duration>,
-    #[serde(default, deserialize_with = "duration::de_opt")]
-    jitter: Option<Duration>,
-    #[serde(default)]
-    concurrency: Option<usize>,
-    #[serde(default)]
-    global_concurrency: Option<usize>,
-    #[serde(default)]
-    overlap: Option<Overlap>,
-    #[serde(default)]
-    shards: Option<Shards>,
-    #[serde(default)]
-    broadcast: Option<bool>,
-    #[serde(default)]
-    priority: Option<Priority>,
-}
-
-/// `[[jobs]]` with each entry's index in its errors, as `validate` names them.
-fn de_jobs<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<JobConfig>, D::Error> {
-    let raw = Vec::<RawJobConfig>::deserialize(d)?;
-    raw.into_iter()
-        .enumerate()
-        .map(|(i, job)| job.into_job(&format!("jobs[{i}]")).map_err(serde::de::Error::custom))
-        .collect()
-}
-
-impl TryFrom<RawJobConfig> for JobConfig {
-    type Error = String;
-
-    fn try_from(raw: RawJobConfig) -> Result<Self, String> {
-        raw.into_job("jobs")
-    }
-}
-
-impl RawJobConfig {
-    fn into_job(self, at: &str) -> Result<JobConfig, String> {
-        let raw = self;
-        let key = |field: &str| format!("{at} ({}).{field}", raw.name);
-        let only =
-            |field: &str, handler: &str| format!("{}: only valid with handler \"{handler}\"", key(field));
-        if raw.overlap.is_some_and(|o| o != Overlap::Allow) && raw.schedule.is_none() {
-            return Err(format!(
-                "{}: applies to scheduled jobs only (this one has no schedule)",
-                key("overlap")
-            ));
-        }
-        if raw.broadcast == Some(true) && raw.shards.is_some() {
-            return Err(format!("{}: a job is sharded or broadcast, not both", key("broadcast")));
-        }
-        if raw.handler != "exec" {
-            for (field, set) in [
-                ("command", raw.command.is_some()),
-                ("permanent_exit_codes", raw.permanent_exit_codes.is_some()),
-                ("pass_env", raw.pass_env.is_some()),
-            ] {
-                if set {
-                    return Err(only(field, "exec"));
-                }
-            }
-        }
-        if raw.handler != "http" && raw.url.is_some() {
-            return Err(only("url", "http"));
-        }
-        let handler = match raw.handler.as_str() {
-            "exec" => match raw.command {
-                Some(command) if command.first().is_some_and(|p| !p.is_empty()) => {
-                    HandlerConfig::Exec(ExecConfig {
-                        command,
-                        permanent_exit_codes: raw
-                            .permanent_exit_codes
-                            .unwrap_or(vec![DEFAULT_PERMANENT_EXIT_CODE]),
-                        pass_env: raw.pass_env.unwrap_or_default(),
-                    })
-                }
-                _ => {
-                    return Err(format!(
-                        "{}: required for handler \"exec\" (a non-empty list: program and arguments)",
-                        key("command")
-                    ));
-                }
-            },
-            "http" => match raw.url {
-                Some(url) if url.starts_with("http://") || url.starts_with("https://") => {
-                    HandlerConfig::Http { url }
-                }
-                _ => {
-                    return Err(format!(
-                        "{}: required for handler \"http\" (an http:// or https:// URL)",
-                        key("url")
-                    ));
-                }
-            },
-            "noop" => HandlerConfig::Noop,
-            "" => return Err(format!("{}: must not be empty", key("handler"))),
-            _ => HandlerConfig::Registered(raw.handler),
-        };
-        Ok(JobConfig {
-            name: raw.name,
-            schedule: raw.schedule,
-            timezone: raw.timezone,
-            queue: raw.queue,
-            handler,
-            payload: raw.payload,
-            max_attempts: raw.max_attempts,
-            backoff: raw.backoff,
-            timeout: raw.timeout,
-            catch_up: raw.catch_up,
-            catch_up_window: raw.catch_up_window,
-            deadline: raw.deadline,
-            jitter: raw.jitter,
-            concurrency: raw.concurrency,
-            global_concurrency: raw.global_concurrency,
-            overlap: raw.overlap.unwrap_or_default(),
-            shards: raw.shards,
-            broadcast: raw.broadcast.unwrap_or(false),
-            priority: raw.priority,
-        })
     }
 }
 
@@ -756,10 +174,27 @@ fn tls_supported(key: &str, tls_url: bool, built_with_tls: bool) -> Result<(), C
     if tls_url && !built_with_tls {
         return Err(ConfigError::invalid(
             key,
-            "is a TLS URL, but this build has no TLS (chime-shared's `tls` feature, on by default);              chime never falls back to plaintext",
+            "is a TLS URL, but this build has no TLS (chime-shared's `tls` feature, on by default); \
+             chime never falls back to plaintext",
         ));
     }
     Ok(())
+}
+
+/// `[<section>.tls]` is only valid with a TLS URL, and its files must be readable PEM.
+fn check_tls(section: &str, tls_url: bool, tls: &TlsConfig, scheme: &str) -> Result<(), ConfigError> {
+    if *tls == TlsConfig::default() {
+        return Ok(());
+    }
+    if !tls_url {
+        return Err(ConfigError::invalid(
+            format!("{section}.tls"),
+            format!("is set but {section}.url is not a {scheme} URL (the settings would be ignored)"),
+        ));
+    }
+    crate::tls::TlsFiles::read(&format!("{section}.tls"), tls)
+        .map(|_| ())
+        .map_err(|e| ConfigError::invalid(e.key, e.message))
 }
 
 /// `host:port` → (host, port); `[v6]:port` gives the address without brackets.
@@ -767,52 +202,6 @@ pub fn host_port(s: &str) -> Option<(String, u16)> {
     let (host, port) = s.rsplit_once(':')?;
     let port: u16 = port.parse().ok()?;
     (!host.is_empty() && port != 0).then(|| (host.trim_matches(['[', ']']).to_string(), port))
-}
-
-impl JobConfig {
-    /// The job's schedule, if it has one, in its zone.
-    pub fn schedule(&self) -> Result<Option<crate::schedule::Schedule>, crate::schedule::ScheduleError> {
-        self.schedule
-            .as_deref()
-            .map(|s| crate::schedule::Schedule::parse(s, self.timezone.as_deref()))
-            .transpose()
-    }
-
-    /// The options this entry sets (a typed job's options with this entry on top:
-    /// [`JobConfig::over`]).
-    pub fn options(&self) -> JobOptions {
-        let mut o = JobOptions::default();
-        o.queue = self.queue.clone();
-        o.timeout = self.timeout;
-        o.max_attempts = self.max_attempts;
-        o.backoff = self.backoff.clone();
-        o.concurrency = self.concurrency;
-        o.global_concurrency = self.global_concurrency;
-        o
-    }
-
-    /// `base` (a typed job's own options) with every setting of this entry on top, so
-    /// operators tune a job defined in Rust without a rebuild.
-    pub fn over(&self, base: &JobOptions) -> JobOptions {
-        let mut o = base.clone();
-        let mine = self.options();
-        o.queue = mine.queue.or(o.queue);
-        o.timeout = mine.timeout.or(o.timeout);
-        o.max_attempts = mine.max_attempts.or(o.max_attempts);
-        o.backoff = mine.backoff.or(o.backoff);
-        o.concurrency = mine.concurrency.or(o.concurrency);
-        o.global_concurrency = mine.global_concurrency.or(o.global_concurrency);
-        o
-    }
-
-    /// The job's queue (`default` unless set).
-    pub fn queue(&self) -> &str {
-        self.queue.as_deref().unwrap_or(DEFAULT_QUEUE)
-    }
-    /// The job's attempts (5 unless set).
-    pub fn max_attempts(&self) -> u32 {
-        self.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS)
-    }
 }
 
 /// An environment variable name: a letter or `_`, then letters, digits or `_`.
@@ -940,78 +329,6 @@ impl Config {
         Ok(())
     }
 
-    /// `[<section>.tls]` is only valid with a TLS URL, and its files must be readable PEM.
-    fn check_tls(
-        &self,
-        section: &str,
-        tls_url: bool,
-        tls: &TlsConfig,
-        scheme: &str,
-    ) -> Result<(), ConfigError> {
-        if *tls == TlsConfig::default() {
-            return Ok(());
-        }
-        if !tls_url {
-            return Err(ConfigError::invalid(
-                format!("{section}.tls"),
-                format!("is set but {section}.url is not a {scheme} URL (the settings would be ignored)"),
-            ));
-        }
-        crate::tls::TlsFiles::read(&format!("{section}.tls"), tls)
-            .map(|_| ())
-            .map_err(|e| ConfigError::invalid(e.key, e.message))
-    }
-
-    /// `redis.sentinels` / `redis.master_name` / `redis.cluster` fit together.
-    fn check_redis_topology(&self, scheme: &str) -> Result<(), ConfigError> {
-        let r = &self.redis;
-        for (key, list) in [("redis.sentinels", &r.sentinels), ("redis.cluster", &r.cluster)] {
-            for (i, node) in list.iter().enumerate() {
-                if host_port(node).is_none() {
-                    return Err(ConfigError::invalid(
-                        format!("{key}[{i}]"),
-                        format!("{node:?} is not host:port"),
-                    ));
-                }
-            }
-            if !list.is_empty() && !matches!(scheme, "redis" | "rediss") {
-                return Err(ConfigError::invalid(
-                    key,
-                    "needs a redis:// or rediss:// redis.url (for the scheme and password)",
-                ));
-            }
-        }
-        if !r.sentinels.is_empty() && !r.cluster.is_empty() {
-            return Err(ConfigError::invalid(
-                "redis.cluster",
-                "set either redis.sentinels or redis.cluster, not both",
-            ));
-        }
-        match (&r.master_name, r.sentinels.is_empty()) {
-            (None, false) => {
-                Err(ConfigError::invalid("redis.master_name", "is required with redis.sentinels"))
-            }
-            (Some(_), true) => {
-                Err(ConfigError::invalid("redis.master_name", "is only used with redis.sentinels"))
-            }
-            (Some(m), false) if m.is_empty() => {
-                Err(ConfigError::invalid("redis.master_name", "must not be empty"))
-            }
-            _ => Ok(()),
-        }?;
-        if !r.cluster.is_empty() {
-            use redis::IntoConnectionInfo;
-            let db = r.url.as_str().into_connection_info().map(|i| i.redis_settings().db()).unwrap_or(0);
-            if db != 0 {
-                return Err(ConfigError::invalid(
-                    "redis.url",
-                    format!("database {db}: a Redis Cluster has only database 0"),
-                ));
-            }
-        }
-        Ok(())
-    }
-
     /// Checks every value once; the error names the first bad key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.prefix.len() > 64 {
@@ -1033,170 +350,24 @@ impl Config {
                 ),
             ));
         }
-        if self.history.max_len == 0 || self.history.max_age.is_zero() {
-            return Err(ConfigError::invalid(
-                "history",
-                "max_len and max_age must be positive (set history.enabled = false to record nothing)",
-            ));
-        }
-        if !(16..=1_048_576).contains(&self.results.max_bytes) {
-            return Err(ConfigError::invalid("results.max_bytes", "must be between 16 and 1048576"));
-        }
-        if self.results.retention.is_some_and(|r| r.is_zero()) {
-            return Err(ConfigError::invalid("results.retention", "must be positive"));
-        }
-        if !(16..=1_048_576).contains(&self.checkpoints.max_bytes) {
-            return Err(ConfigError::invalid("checkpoints.max_bytes", "must be between 16 and 1048576"));
-        }
-        if self.checkpoints.poll < Duration::from_millis(50)
-            || self.checkpoints.poll > Duration::from_secs(60)
-        {
-            return Err(ConfigError::invalid("checkpoints.poll", "must be between 50ms and 1m"));
-        }
-        if !(1..=100).contains(&self.history.runs_per_key) {
-            return Err(ConfigError::invalid("history.runs_per_key", "must be between 1 and 100"));
-        }
-        let urls = self.amqp.url.list();
-        if urls.is_empty() {
-            return Err(ConfigError::invalid("amqp.url", "at least one URL is required"));
-        }
-        for u in &urls {
-            if !(u.starts_with("amqp://") || u.starts_with("amqps://")) {
-                return Err(ConfigError::invalid(
-                    "amqp.url",
-                    format!("{:?} must start with amqp:// or amqps://", redact(u)),
-                ));
-            }
-        }
-        let tls_urls = urls.iter().filter(|u| u.starts_with("amqps://")).count();
-        if tls_urls != 0 && tls_urls != urls.len() {
-            return Err(ConfigError::invalid(
-                "amqp.url",
-                "mixes amqps:// and amqp:// URLs: a failover would drop to plaintext (use one scheme)",
-            ));
-        }
-        no_tls_in_this_build("amqp.url", tls_urls != 0)?;
-        self.check_tls("amqp", tls_urls != 0, &self.amqp.tls, "amqps://")?;
-        if self.amqp.delivery_limit == 0 {
-            return Err(ConfigError::invalid(
-                "amqp.delivery_limit",
-                "must be a positive number (0 and -1 dead-letter on the first requeue on RabbitMQ 3.10)",
-            ));
-        }
-        match self.amqp.quorum_replicas {
-            Some(0) => return Err(ConfigError::invalid("amqp.quorum_replicas", "must be at least 1")),
-            Some(n) if n > 99 => {
-                return Err(ConfigError::invalid("amqp.quorum_replicas", "must be at most 99"));
-            }
-            Some(_) if self.amqp.queue_type == QueueType::Classic => {
-                return Err(ConfigError::invalid(
-                    "amqp.quorum_replicas",
-                    "applies to quorum queues only (queue_type = \"classic\")",
-                ));
-            }
-            _ => {}
-        }
-        if self.amqp.heartbeat.as_secs() == 0 || self.amqp.heartbeat.as_secs() > 600 {
-            return Err(ConfigError::invalid("amqp.heartbeat", "must be between 1s and 10m"));
-        }
-        if self.amqp.max_message_bytes < 1024 {
-            return Err(ConfigError::invalid("amqp.max_message_bytes", "must be at least 1024"));
-        }
-        let scheme = self.redis.url.split_once("://").map(|(s, _)| s).unwrap_or("");
-        if !matches!(scheme, "redis" | "rediss" | "redis+unix" | "unix") {
-            return Err(ConfigError::invalid(
-                "redis.url",
-                format!(
-                    "{:?}: scheme {scheme:?} is not supported (use redis://, rediss:// or redis+unix://; for \
-                     Sentinel set redis.sentinels and redis.master_name, for a cluster redis.cluster)",
-                    redact(&self.redis.url)
-                ),
-            ));
-        }
-        no_tls_in_this_build("redis.url", scheme == "rediss")?;
-        if self.redis.url.contains("#insecure") {
-            return Err(ConfigError::invalid(
-                "redis.url",
-                "#insecure would turn certificate checks off; chime does not allow it (set redis.tls.ca_file)",
-            ));
-        }
-        self.check_tls("redis", scheme == "rediss", &self.redis.tls, "rediss://")?;
-        self.check_redis_topology(scheme)?;
-        if self.redis.lease < Duration::from_secs(1) {
-            return Err(ConfigError::invalid("redis.lease", "must be at least 1s"));
-        }
-        if self.alerts.dlq_threshold == 0 {
-            return Err(ConfigError::invalid("alerts.dlq_threshold", "must be at least 1"));
-        }
-        if self.alerts.interval < Duration::from_millis(100) {
-            return Err(ConfigError::invalid("alerts.interval", "must be at least 100ms"));
-        }
-        if let Some(w) = &self.alerts.webhook
-            && !(w.starts_with("http://") || w.starts_with("https://"))
-        {
-            return Err(ConfigError::invalid("alerts.webhook", "must be an http:// or https:// URL"));
-        }
-        if self.worker.concurrency == 0 || self.worker.concurrency > 10_000 {
-            return Err(ConfigError::invalid("worker.concurrency", "must be between 1 and 10000"));
-        }
-        if self.worker.threads > 1024 {
-            return Err(ConfigError::invalid("worker.threads", "must be between 0 (one per core) and 1024"));
-        }
-        for (i, name) in self.worker.pass_env.iter().enumerate() {
-            if !valid_env_name(name) {
-                return Err(ConfigError::invalid(
-                    format!("worker.pass_env[{i}]"),
-                    format!("{name:?} is not a variable name"),
-                ));
-            }
-        }
-        if self.worker.prefetch == Some(0) {
-            return Err(ConfigError::invalid("worker.prefetch", "must be at least 1"));
-        }
-        for (i, q) in self.worker.queues.iter().enumerate() {
-            if !valid_name(q) {
-                return Err(ConfigError::invalid(
-                    format!("worker.queues[{i}]"),
-                    format!("{q:?} must be 1-100 letters, digits, '-', '_' or '.'"),
-                ));
-            }
+        self.history.validate()?;
+        self.results.validate()?;
+        self.checkpoints.validate()?;
+        self.amqp.validate()?;
+        self.redis.validate()?;
+        self.alerts.validate()?;
+        self.worker.validate()?;
+        if let Some(q) = self.catalog_queues.iter().find(|q| !valid_name(q)) {
+            return Err(ConfigError::invalid("catalog", format!("queue {q:?} is not a valid name")));
         }
         let mut names = BTreeSet::new();
         for (i, job) in self.jobs.iter().enumerate() {
-            let key = |field: &str| format!("jobs[{i}] ({}).{field}", job.name);
-            if !valid_name(&job.name) {
-                return Err(ConfigError::invalid(
-                    format!("jobs[{i}].name"),
-                    format!("{:?} must be 1-100 letters, digits, '-', '_' or '.'", job.name),
-                ));
-            }
+            job.validate(i)?;
             if !names.insert(job.name.as_str()) {
-                return Err(ConfigError::invalid(key("name"), "duplicate job name"));
-            }
-            // The rules a typed job's options are checked by (queue, timeout, attempts,
-            // backoff, limits).
-            job.options().validate().map_err(|e| ConfigError::invalid(key(e.field), e.message))?;
-            if let Some(s) = &job.schedule {
-                // The planner's own parser: 5 or 6 fields, and a pattern that can fire.
-                crate::schedule::Schedule::parse(s, None)
-                    .map_err(|e| ConfigError::invalid(key("schedule"), e.to_string()))?;
-            }
-            if let Some(tz) = &job.timezone {
-                chrono_tz::Tz::from_str(tz).map_err(|_| {
-                    ConfigError::invalid(key("timezone"), format!("{tz:?} is not an IANA time zone"))
-                })?;
-            }
-            let pass_env = match &job.handler {
-                HandlerConfig::Exec(exec) => exec.pass_env.as_slice(),
-                _ => &[],
-            };
-            for (j, name) in pass_env.iter().enumerate() {
-                if !valid_env_name(name) {
-                    return Err(ConfigError::invalid(
-                        format!("{}[{j}]", key("pass_env")),
-                        format!("{name:?} is not a variable name"),
-                    ));
-                }
+                return Err(ConfigError::invalid(
+                    format!("jobs[{i}] ({}).name", job.name),
+                    "duplicate job name",
+                ));
             }
         }
         // A record must outlive the longest run it guards (renewals refresh its TTL, but a
@@ -1218,9 +389,6 @@ impl Config {
                 ),
             ));
         }
-        if self.worker.cancel_grace > Duration::from_secs(3600) {
-            return Err(ConfigError::invalid("worker.cancel_grace", "must be at most 1h"));
-        }
         Ok(())
     }
 
@@ -1239,10 +407,12 @@ impl Config {
         set.into_iter().collect()
     }
 
-    /// Every queue any job or worker refers to (what gets declared).
+    /// Every queue any job or worker refers to (what gets declared), and those the workers'
+    /// catalog adds.
     pub fn all_queues(&self) -> Vec<String> {
         let mut set: BTreeSet<String> = self.jobs.iter().map(|j| j.queue().to_string()).collect();
         set.extend(self.worker.queues.iter().cloned());
+        set.extend(self.catalog_queues.iter().cloned());
         set.insert(DEFAULT_QUEUE.to_string());
         set.into_iter().collect()
     }

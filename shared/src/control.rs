@@ -56,7 +56,13 @@ pub struct WorkerBeat {
     pub settled: [u64; 4],
     /// Jobs running now.
     pub running: Vec<Running>,
+    /// Its last beat, written as it stopped cleanly (kept a day in `workers-last`).
+    #[serde(default)]
+    pub stopped: bool,
 }
+
+/// How long a worker's last heartbeat is kept after it stops or dies.
+pub const LAST_BEAT_KEPT: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
 /// A pause flag: who set it, when.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -178,8 +184,79 @@ pub async fn beat<C: ConnectionLike + Send>(
         .arg(until)
         .arg(&beat.id)
         .ignore()
+        .query_async::<()>(conn)
+        .await?;
+    keep_last(conn, names, beat, now).await
+}
+
+/// Keeps `beat` as the worker's last for [`LAST_BEAT_KEPT`], and drops workers not seen for
+/// that long from the index of workers seen.
+async fn keep_last<C: ConnectionLike + Send>(
+    conn: &mut C,
+    names: &Names,
+    beat: &WorkerBeat,
+    now: i64,
+) -> redis::RedisResult<()> {
+    let kept = i64::try_from(LAST_BEAT_KEPT.as_millis()).unwrap_or(i64::MAX);
+    redis::pipe()
+        .cmd("SET")
+        .arg(names.worker_last(&beat.id))
+        .arg(serde_json::to_string(beat).unwrap_or_default())
+        .arg("PX")
+        .arg(kept)
+        .ignore()
+        .cmd("ZADD")
+        .arg(names.workers_seen())
+        .arg(now)
+        .arg(&beat.id)
+        .ignore()
+        .cmd("ZREMRANGEBYSCORE")
+        .arg(names.workers_seen())
+        .arg("-inf")
+        .arg(now - kept)
+        .ignore()
         .query_async(conn)
         .await
+}
+
+/// A clean stop: the last beat (marked `stopped`) is kept a day, the live one removed.
+pub async fn retire<C: ConnectionLike + Send>(
+    conn: &mut C,
+    names: &Names,
+    beat: &WorkerBeat,
+) -> redis::RedisResult<()> {
+    let now = redis_ms(conn).await?;
+    let last = WorkerBeat { stopped: true, running: Vec::new(), ..beat.clone() };
+    keep_last(conn, names, &last, now).await?;
+    unregister(conn, names, &beat.id).await
+}
+
+/// Workers seen in the last day that no longer beat: their last heartbeat, newest first
+/// (`stopped` when they stopped cleanly; else they died or lost Redis). Read-only.
+pub async fn gone<C: ConnectionLike + Send>(
+    conn: &mut C,
+    names: &Names,
+) -> redis::RedisResult<Vec<WorkerBeat>> {
+    let now = redis_ms(conn).await?;
+    let kept = i64::try_from(LAST_BEAT_KEPT.as_millis()).unwrap_or(i64::MAX);
+    let ids: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+        .arg(names.workers_seen())
+        .arg(now - kept)
+        .arg("+inf")
+        .query_async(conn)
+        .await?;
+    let live: std::collections::BTreeSet<String> =
+        workers(conn, names).await?.into_iter().map(|w| w.id).collect();
+    let ids: Vec<&String> = ids.iter().filter(|id| !live.contains(*id)).collect();
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let keys: Vec<String> = ids.iter().map(|id| names.worker_last(id)).collect();
+    let texts: Vec<Option<String>> = redis::cmd("MGET").arg(&keys).query_async(conn).await?;
+    let mut beats: Vec<WorkerBeat> =
+        texts.into_iter().flatten().filter_map(|t| serde_json::from_str(&t).ok()).collect();
+    beats.sort_by_key(|b| std::cmp::Reverse(b.seen_at));
+    Ok(beats)
 }
 
 /// Redis `TIME` in milliseconds.

@@ -16,7 +16,7 @@
 use crate::redis_conn::RedisConn;
 use chrono::{DateTime, TimeZone, Utc};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::config::RedisConfig;
 use crate::names::Names;
@@ -311,6 +311,41 @@ pub struct Found {
     /// The search stopped at its budget before reaching the oldest entry or `since`: older
     /// matches may exist (search again with `before` = the last entry read).
     pub truncated: Option<String>,
+    /// Where the next page starts (`before` for the next search): the oldest stream position
+    /// this page reached, when the page is full or the search stopped at its budget.
+    pub next: Option<String>,
+}
+
+/// Outcome counts over a window, by job, queue and worker (see [`HistoryReader::totals`]).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Totals {
+    /// `(job, outcome)` → runs.
+    pub by_job: BTreeMap<String, BTreeMap<String, u64>>,
+    /// `(queue, outcome)` → runs.
+    pub by_queue: BTreeMap<String, BTreeMap<String, u64>>,
+    /// `(worker, outcome)` → runs.
+    pub by_worker: BTreeMap<String, BTreeMap<String, u64>>,
+    /// Runs counted.
+    pub runs: u64,
+    /// Runs read (all matched the query's filters when `runs == scanned`).
+    pub scanned: usize,
+    /// The count stopped at the search budget: older runs in the window were not counted.
+    pub truncated: bool,
+}
+
+impl Totals {
+    fn add(&mut self, e: &RunEvent) {
+        let outcome = e.outcome.as_str().to_string();
+        let job = if e.job.is_empty() { "-".to_string() } else { e.job.clone() };
+        for (map, name) in [
+            (&mut self.by_job, job),
+            (&mut self.by_queue, e.queue.clone()),
+            (&mut self.by_worker, e.worker.clone()),
+        ] {
+            *map.entry(name).or_default().entry(outcome.clone()).or_default() += 1;
+        }
+        self.runs += 1;
+    }
 }
 
 /// A key's idempotency record, decoded.
@@ -426,7 +461,7 @@ impl HistoryReader {
             let mut events: Vec<RunEvent> =
                 record.runs.into_iter().rev().filter(|e| matches(e, q)).take(q.limit).collect();
             events.sort_by_key(|e| std::cmp::Reverse(e.finished_at));
-            return Ok(Found { events, scanned: 0, truncated: None });
+            return Ok(Found { events, scanned: 0, truncated: None, next: None });
         }
         let mut found = Found::default();
         let selected = queues.iter().filter(|name| q.queue.as_ref().is_none_or(|w| w == *name));
@@ -438,10 +473,35 @@ impl HistoryReader {
                 found.truncated = truncated;
             }
         }
-        // Entry ids are `<ms>-<seq>` of the Redis clock: newest first across queues.
+        // Entry ids are `<ms>-<seq>` of the Redis clock: the page is the newest entries across
+        // queues, and the next one starts where it ends.
         found.events.sort_by_key(|e| std::cmp::Reverse(entry_order(e)));
         found.events.truncate(q.limit);
+        found.next = found.truncated.clone().or_else(|| {
+            (found.events.len() == q.limit)
+                .then(|| found.events.last().and_then(|e| e.entry.clone()))
+                .flatten()
+        });
+        // Shown in finish order: workers write their runs up to a second late, each in its
+        // own entries, so stream order is not the order the runs ended in.
+        found.events.sort_by_key(|e| std::cmp::Reverse((e.finished_at, entry_order(e))));
         Ok(found)
+    }
+
+    /// Counts the runs matching `q` (its `limit` and `before` ignored) by job, queue and
+    /// worker and outcome: "did everything run?" over a window (`q.since`). Bounded by the
+    /// search budget per queue, and says when it stopped there.
+    pub async fn totals(&self, queues: &[String], q: &Query) -> redis::RedisResult<Totals> {
+        let all = Query { limit: usize::MAX, before: None, key: None, ..q.clone() };
+        let mut totals = Totals::default();
+        let selected = queues.iter().filter(|name| all.queue.as_ref().is_none_or(|w| w == *name));
+        for queue in selected {
+            let (events, scanned, truncated) = self.search_queue(queue, &all).await?;
+            events.iter().for_each(|e| totals.add(e));
+            totals.scanned += scanned;
+            totals.truncated |= truncated.is_some();
+        }
+        Ok(totals)
     }
 
     async fn search_queue(

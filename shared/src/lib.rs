@@ -27,6 +27,7 @@
 #![warn(missing_docs)]
 
 pub mod amqp;
+pub mod catalog;
 pub mod config;
 pub mod control;
 pub mod delay;
@@ -37,6 +38,7 @@ pub mod health;
 pub mod history;
 pub mod idempotency;
 pub mod job;
+pub mod minutes;
 pub use chime_protocol::names;
 pub use idempotency::limit;
 pub mod record;

@@ -33,6 +33,9 @@ pub const WORKER_CONCURRENCY: &str = "chime_worker_concurrency";
 pub const WORKER_RUNNING: &str = "chime_worker_running";
 /// Gauge: 1 when the dependency answers (`dependency` = `amqp` or `redis`).
 pub const UP: &str = "chime_up";
+/// Counter: DLQ alert notifications posted to `alerts.webhook` (`queue`, `result`: `sent`,
+/// `rejected` by the receiver with a 4xx, not retried, or `gave_up` after the retries).
+pub const ALERT_NOTIFICATIONS: &str = "chime_alert_notifications_total";
 
 /// Every metric name above (tests check dashboards and alert rules against it).
 pub const ALL: &[&str] = &[
@@ -51,6 +54,7 @@ pub const ALL: &[&str] = &[
     WORKER_CONCURRENCY,
     WORKER_RUNNING,
     UP,
+    ALERT_NOTIFICATIONS,
 ];
 
 /// Values of the `outcome` label of [`JOBS_COMPLETED`].
@@ -88,4 +92,8 @@ pub fn describe() {
     describe_gauge!(UP, "1 when the dependency answers, by dependency.");
     describe_gauge!(WORKER_CONCURRENCY, "Jobs this worker process may run at once.");
     describe_gauge!(WORKER_RUNNING, "Jobs this worker process is running now.");
+    describe_counter!(
+        ALERT_NOTIFICATIONS,
+        "DLQ alert notifications posted to the webhook, by queue and result."
+    );
 }

@@ -359,7 +359,9 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     };
     let metrics = spec.metrics(&env.job);
     let lag_from = env.slot.unwrap_or(env.enqueued_at);
-    metrics.lag.record((Utc::now() - lag_from).num_milliseconds().max(0) as f64 / 1000.0);
+    let lag_ms = (Utc::now() - lag_from).num_milliseconds().max(0);
+    metrics.lag.record(lag_ms as f64 / 1000.0);
+    core.count_minute(|c| c.latency(u64::try_from(lag_ms).unwrap_or(0)));
     let fence = AtomicU64::new(fence);
     let (run_started, started_at) = (Instant::now(), Utc::now());
     let running = chime_shared::control::Running {
@@ -662,6 +664,7 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
     }
 
     fn completed(&self, o: &'static str) {
+        self.core.count_minute(|c| c.outcome(o));
         match (self.interned, o) {
             (Some(m), outcome::SUCCEEDED) => m.succeeded.increment(1),
             (Some(m), outcome::DUPLICATE) => m.duplicate.increment(1),

@@ -394,9 +394,22 @@ impl Worker {
             let mut tags = Vec::new();
             // By level: the next delivery taken is the most urgent one waiting.
             let mut streams: [SelectAll<_>; 3] = [SelectAll::new(), SelectAll::new(), SelectAll::new()];
+            // Levels above the lowest with messages waiting on the broker as intake starts.
+            let mut backlogged = [false; 3];
             for r in &channels {
                 if !r.queue.is_empty() && paused.contains(&r.queue) {
                     continue;
+                }
+                if r.level != Priority::Low
+                    && channels.iter().any(|o| o.queue == r.queue && o.level != r.level)
+                {
+                    let passive = lapin::options::QueueDeclareOptions { passive: true, ..Default::default() };
+                    let name = self.core.names.work_queue(&r.route);
+                    match r.ch.queue_declare(name.as_str().into(), passive, FieldTable::default()).await {
+                        Ok(q) if q.message_count() > 0 => backlogged[level_index(r.level)] = true,
+                        Ok(_) => {}
+                        Err(e) => return lost(e),
+                    }
                 }
                 match self.consume(&r.ch, &r.route).await {
                     Ok(consumer) => {
@@ -422,6 +435,16 @@ impl Worker {
                 continue;
             }
             self.health.set("consuming", true);
+            let mut streams = streams.map(StreamExt::peekable);
+            // The first fill: every level pushes its prefetch at once, and a low delivery that
+            // arrives first must not take a slot before the high ones waiting on the broker
+            // are here. Wait (briefly) until each backlogged level has delivered.
+            let first_fill = tokio::time::Instant::now() + FIRST_FILL;
+            for (stream, waiting) in streams.iter_mut().zip(backlogged) {
+                if waiting {
+                    let _ = tokio::time::timeout_at(first_fill, std::pin::Pin::new(stream).peek()).await;
+                }
+            }
             let [high, normal, low] = &mut streams;
             let pause = loop {
                 // A slot first, then the delivery to run in it: a high one before a normal one
@@ -444,9 +467,9 @@ impl Worker {
                     _ = redis_becomes(&mut self.redis_rx, false) => break Pause::Redis,
                     _ = paused_rx.changed() => break Pause::Steer,
                     _ = outbox.broken.cancelled() => break Pause::Lost("the broker closed the publish channel".into()),
-                    next = high.next(), if !high.is_empty() => next,
-                    next = normal.next(), if !normal.is_empty() => next,
-                    next = low.next(), if !low.is_empty() => next,
+                    next = high.next(), if !high.get_ref().is_empty() => next,
+                    next = normal.next(), if !normal.get_ref().is_empty() => next,
+                    next = low.next(), if !low.get_ref().is_empty() => next,
                 };
                 match next {
                     Some((queue, route, acks, Ok(delivery))) => {
@@ -535,6 +558,10 @@ struct Route {
     acks: AckBatcher,
 }
 
+/// How long intake waits, as it starts, for the first deliveries of priority levels that have
+/// messages waiting (so that order holds from the first job after a restart).
+const FIRST_FILL: Duration = Duration::from_secs(1);
+
 /// Index of a level in the intake's streams, most urgent first.
 fn level_index(level: Priority) -> usize {
     match level {
@@ -583,6 +610,7 @@ async fn control(
     let mut conn = store.connection();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut last_beat: Option<tokio::time::Instant> = None;
+    let mut last_catalog: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -617,9 +645,35 @@ async fn control(
             if let Err(e) = control::beat(&mut conn, &core.names, &beat).await {
                 debug!(error = %e, "heartbeat not written");
             }
+            flush_minutes(&core, &mut conn).await;
+        }
+        // What this worker can run, for the operator tools (jobs defined in Rust included).
+        if last_catalog.is_none_or(|t| t.elapsed() >= chime_shared::catalog::REFRESH) {
+            let (jobs, consumed) = core.catalog(&queues);
+            match chime_shared::catalog::register(&mut conn, &core.names, &jobs, &consumed).await {
+                Ok(()) => last_catalog = Some(tokio::time::Instant::now()),
+                Err(e) => debug!(error = %e, "catalog not written"),
+            }
         }
     }
-    let _ = control::unregister(&mut conn, &core.names, &core.worker_id).await;
+    flush_minutes(&core, &mut conn).await;
+    let last = heartbeat(&core, &queues, concurrency, &health);
+    if control::retire(&mut conn, &core.names, &last).await.is_err() {
+        let _ = control::unregister(&mut conn, &core.names, &core.worker_id).await;
+    }
+}
+
+/// Adds this worker's per-minute counts to the shared totals (kept for the next flush when
+/// Redis does not answer).
+async fn flush_minutes(core: &Core, conn: &mut chime_shared::redis_conn::RedisConn) {
+    let counts = core.take_minutes();
+    if counts.is_empty() {
+        return;
+    }
+    if let Err(e) = chime_shared::minutes::add(conn, &core.names, &counts).await {
+        debug!(error = %e, "per-minute totals not written yet");
+        core.restore_minutes(counts);
+    }
 }
 
 fn heartbeat(core: &Core, queues: &[String], concurrency: usize, health: &Health) -> WorkerBeat {
@@ -645,6 +699,7 @@ fn heartbeat(core: &Core, queues: &[String], concurrency: usize, health: &Health
             Stats::get(&stats.duplicates),
         ],
         running,
+        stopped: false,
     }
 }
 

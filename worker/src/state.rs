@@ -246,6 +246,8 @@ pub(crate) struct Core {
     pub paused: watch::Sender<BTreeSet<String>>,
     /// When this worker started.
     pub started_at: chrono::DateTime<chrono::Utc>,
+    /// What it settled per minute since the last flush to Redis (the dashboard's charts).
+    minutes: Mutex<std::collections::BTreeMap<i64, chime_shared::minutes::Counts>>,
 }
 
 /// Removes a run from [`Core::running`] when dropped.
@@ -281,6 +283,37 @@ impl Core {
             running_gauge: OnceLock::new(),
             paused: watch::channel(BTreeSet::new()).0,
             started_at: chrono::Utc::now(),
+            minutes: Mutex::new(std::collections::BTreeMap::new()),
+        }
+    }
+
+    /// Counts into this minute's totals (flushed with the heartbeat).
+    pub fn count_minute(&self, f: impl FnOnce(&mut chime_shared::minutes::Counts)) {
+        let minute = chime_shared::minutes::minute_of(chrono::Utc::now());
+        let mut minutes = self.minutes.lock().unwrap_or_else(|p| p.into_inner());
+        f(minutes.entry(minute).or_default());
+    }
+
+    /// Takes the counts not yet flushed.
+    pub fn take_minutes(&self) -> std::collections::BTreeMap<i64, chime_shared::minutes::Counts> {
+        std::mem::take(&mut *self.minutes.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Gives back counts a flush could not write (merged; older than a day dropped).
+    pub fn restore_minutes(&self, back: std::collections::BTreeMap<i64, chime_shared::minutes::Counts>) {
+        let oldest = chime_shared::minutes::minute_of(chrono::Utc::now()) - 24 * 60;
+        let mut minutes = self.minutes.lock().unwrap_or_else(|p| p.into_inner());
+        for (m, c) in back.into_iter().filter(|(m, _)| *m >= oldest) {
+            let e = minutes.entry(m).or_default();
+            for (o, n) in c.outcomes {
+                *e.outcomes.entry(o).or_default() += n;
+            }
+            if e.latency.len() < c.latency.len() {
+                e.latency.resize(c.latency.len(), 0);
+            }
+            for (i, n) in c.latency.into_iter().enumerate() {
+                e.latency[i] += n;
+            }
         }
     }
 
@@ -299,6 +332,46 @@ impl Core {
 
     pub fn job(&self, name: &str) -> Option<Arc<JobSpec>> {
         self.jobs.read().unwrap_or_else(|p| p.into_inner()).get(name).cloned()
+    }
+
+    /// What this worker can run, for the catalog (`chime_shared::catalog`): each job with its
+    /// queue, handler kind, attempts and timeout, and the queues it consumes.
+    pub fn catalog(
+        &self,
+        queues: &[String],
+    ) -> (Vec<chime_shared::catalog::CatalogJob>, Vec<chime_shared::catalog::CatalogQueue>) {
+        use chime_shared::catalog::{CatalogJob, CatalogQueue};
+        use chime_shared::config::HandlerConfig;
+        let now = chrono::Utc::now();
+        let jobs = self.jobs.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut out: Vec<CatalogJob> = jobs
+            .iter()
+            .map(|(name, spec)| {
+                let own = self.registry.options(name).cloned().unwrap_or_default();
+                let entry = self.config.job(name);
+                let options = entry.map_or_else(|| own.clone(), |j| j.over(&own));
+                let handler = match entry.map(|j| &j.handler) {
+                    Some(HandlerConfig::Registered(_)) | None => "rust".to_string(),
+                    Some(h) => h.name().to_string(),
+                };
+                CatalogJob {
+                    name: name.clone(),
+                    queue: options.queue_name().to_string(),
+                    handler,
+                    max_attempts: options.attempts(),
+                    timeout_ms: u64::try_from(spec.timeout.as_millis()).unwrap_or(u64::MAX),
+                    scheduled: entry.is_some_and(|j| j.schedule.is_some()),
+                    worker: self.worker_id.clone(),
+                    seen_at: now,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        let queues = queues
+            .iter()
+            .map(|q| CatalogQueue { name: q.clone(), worker: self.worker_id.clone(), seen_at: now })
+            .collect();
+        (out, queues)
     }
 
     pub fn knows(&self, name: &str) -> bool {

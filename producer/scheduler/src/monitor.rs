@@ -8,6 +8,7 @@
 //! sent one at a time, in order, so `resolved` never overtakes its `firing`.
 
 use chime_shared::amqp;
+use chime_shared::catalog;
 use chime_shared::config::ValidConfig;
 use chime_shared::health::Health;
 use chime_shared::telemetry;
@@ -153,23 +154,82 @@ fn fingerprint(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
-/// Sends notifications in order: log, then the webhook (when this build has one).
-async fn sender(mut rx: mpsc::UnboundedReceiver<Notification>, config: ValidConfig) {
-    let names = Names::new(&config.prefix);
-    let webhook = Webhook::new(&config);
-    while let Some(n) = rx.recv().await {
-        if n.firing {
-            warn!(queue = %n.queue, depth = n.depth, "DLQ alert firing");
-        } else {
-            info!(queue = %n.queue, depth = n.depth, "DLQ alert resolved");
+/// Delivers notifications: one task per queue, each in order (a `firing` before its
+/// `resolved`), so a receiver failing for one queue delays only that queue's notifications.
+struct Dispatch {
+    queues: HashMap<String, mpsc::UnboundedSender<Notification>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    names: Names,
+    threshold: u64,
+    webhook: Option<std::sync::Arc<Webhook>>,
+}
+
+impl Dispatch {
+    fn new(config: &ValidConfig) -> Self {
+        Self {
+            queues: HashMap::new(),
+            tasks: Vec::new(),
+            names: Names::new(&config.prefix),
+            threshold: config.alerts.dlq_threshold,
+            webhook: Webhook::new(config).map(std::sync::Arc::new),
         }
-        if let Some(w) = &webhook {
-            w.send(&n, &webhook_body(&n, &names, config.alerts.dlq_threshold)).await;
+    }
+
+    fn send(&mut self, n: Notification) {
+        let tx = self.queues.entry(n.queue.clone()).or_insert_with(|| {
+            let (tx, mut rx) = mpsc::unbounded_channel::<Notification>();
+            let (names, threshold, webhook) = (self.names.clone(), self.threshold, self.webhook.clone());
+            self.tasks.push(tokio::spawn(async move {
+                while let Some(n) = rx.recv().await {
+                    if n.firing {
+                        warn!(queue = %n.queue, depth = n.depth, "DLQ alert firing");
+                    } else {
+                        info!(queue = %n.queue, depth = n.depth, "DLQ alert resolved");
+                    }
+                    if let Some(w) = &webhook {
+                        let result = w.send(&n, &webhook_body(&n, &names, threshold)).await;
+                        metrics::counter!(telemetry::ALERT_NOTIFICATIONS, "queue" => n.queue.clone(), "result" => result)
+                            .increment(1);
+                    }
+                }
+            }));
+            tx
+        });
+        let _ = tx.send(n);
+    }
+
+    /// Lets queued notifications go out (bounded), then stops.
+    async fn finish(self) {
+        drop(self.queues);
+        let all = async {
+            for task in self.tasks {
+                let _ = task.await;
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(10), all).await;
+    }
+}
+
+/// Why a webhook call failed.
+#[cfg(feature = "webhook")]
+enum Refused {
+    /// The receiver refused the notification itself (a 4xx other than 408 and 429): sending
+    /// it again cannot help.
+    Rejected(String),
+    /// Worth another try (a 5xx, 408, 429, a timeout, no connection).
+    Failed(String),
+}
+
+#[cfg(feature = "webhook")]
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refused::Rejected(e) | Refused::Failed(e) => f.write_str(e),
         }
     }
 }
 
-/// The alert webhook (`alerts.webhook`), retried with backoff.
+/// The alert webhook (`alerts.webhook`), retried with backoff when retrying can help.
 #[cfg(feature = "webhook")]
 struct Webhook {
     url: String,
@@ -188,7 +248,10 @@ impl Webhook {
         config.alerts.webhook.clone().map(|url| Self { url, http })
     }
 
-    async fn send(&self, n: &Notification, body: &serde_json::Value) {
+    /// Posts `body`; the result as the `result` label of `chime_alert_notifications_total`:
+    /// `sent`, `rejected` (a 4xx other than 408 and 429: not retried) or `gave_up` (still
+    /// failing after the retries: 5xx, 408, 429, timeouts, no connection).
+    async fn send(&self, n: &Notification, body: &serde_json::Value) -> &'static str {
         let shown = chime_shared::redact::redact(&self.url);
         let send = || async {
             let r = self
@@ -199,22 +262,33 @@ impl Webhook {
                 .body(serde_json::to_vec(body).unwrap_or_default())
                 .send()
                 .await
-                .map_err(reqwest::Error::without_url)?;
-            r.error_for_status().map(|_| ()).map_err(reqwest::Error::without_url)
+                .map_err(|e| Refused::Failed(chime_shared::tls::describe_error(&e.without_url())))?;
+            let status = r.status();
+            match status.as_u16() {
+                200..=299 => Ok(()),
+                408 | 429 => Err(Refused::Failed(format!("HTTP {status}"))),
+                400..=499 => Err(Refused::Rejected(format!("HTTP {status}"))),
+                _ => Err(Refused::Failed(format!("HTTP {status}"))),
+            }
         };
         use backon::Retryable;
         let policy = backon::ExponentialBuilder::default()
             .with_min_delay(Duration::from_millis(500))
             .with_max_delay(Duration::from_secs(30))
-            .with_max_times(8)
+            .with_max_times(6)
             .with_jitter();
-        let notify = |e: &reqwest::Error, d: Duration| {
-            let error = chime_shared::tls::describe_error(e);
-            warn!(url = %shown, %error, retry_in = ?d, "alert webhook failed")
-        };
-        if let Err(e) = send.retry(policy).notify(notify).await {
-            let error = chime_shared::tls::describe_error(&e);
-            warn!(url = %shown, %error, queue = %n.queue, "alert webhook gave up; the log line above stands");
+        let notify = |e: &Refused, d: Duration| warn!(url = %shown, error = %e, queue = %n.queue, retry_in = ?d, "alert webhook failed");
+        match send.retry(policy).when(|e| matches!(e, Refused::Failed(_))).notify(notify).await {
+            Ok(()) => "sent",
+            Err(Refused::Rejected(e)) => {
+                warn!(url = %shown, error = %e, queue = %n.queue,
+                    "alert webhook refused the notification; not retried (the log line above stands)");
+                "rejected"
+            }
+            Err(Refused::Failed(e)) => {
+                warn!(url = %shown, error = %e, queue = %n.queue, "alert webhook gave up; the log line above stands");
+                "gave_up"
+            }
         }
     }
 }
@@ -234,15 +308,62 @@ impl Webhook {
         None
     }
 
-    async fn send(&self, _: &Notification, _: &serde_json::Value) {}
+    async fn send(&self, _: &Notification, _: &serde_json::Value) -> &'static str {
+        "sent"
+    }
+}
+
+/// The queues the monitor watches: the config's and those the workers' catalog adds (read at
+/// each connection and every [`catalog::REFRESH`]).
+struct Known {
+    base: ValidConfig,
+    config: ValidConfig,
+    queues: Vec<String>,
+    redis: Option<chime_shared::redis_conn::RedisConn>,
+    read_at: Option<Instant>,
+}
+
+impl Known {
+    fn new(config: &ValidConfig) -> Self {
+        Self {
+            base: config.clone(),
+            config: config.clone(),
+            queues: config.all_queues(),
+            redis: chime_shared::redis_conn::RedisConn::new(&config.redis).ok(),
+            read_at: None,
+        }
+    }
+
+    /// Reads the catalog again; returns the queues it added.
+    async fn refresh(&mut self) -> Vec<String> {
+        self.read_at = Some(Instant::now());
+        let Some(mut redis) = self.redis.clone() else { return Vec::new() };
+        let names = Names::new(&self.base.prefix);
+        let wait = self.base.redis.timeout + self.base.redis.timeout;
+        let Ok(Ok(found)) = tokio::time::timeout(wait, catalog::read(&mut redis, &names)).await else {
+            return Vec::new();
+        };
+        let Ok(merged) = found.merge(self.base.clone().into_config()).validated() else { return Vec::new() };
+        let queues = merged.all_queues();
+        let added: Vec<String> = queues.iter().filter(|q| !self.queues.contains(q)).cloned().collect();
+        self.config = merged;
+        self.queues = queues;
+        added
+    }
+
+    async fn refresh_due(&mut self) -> Vec<String> {
+        if self.read_at.is_some_and(|t| t.elapsed() < catalog::REFRESH) {
+            return Vec::new();
+        }
+        self.refresh().await
+    }
 }
 
 /// Polls DLQ depths and raises alerts until `token` is cancelled; reconnects as needed.
 pub async fn run(config: ValidConfig, health: Health, token: CancellationToken) {
     let names = Names::new(&config.prefix);
-    let queues = config.all_queues();
-    let (tx, rx) = mpsc::unbounded_channel();
-    let sending = tokio::spawn(sender(rx, config.clone()));
+    let mut known = Known::new(&config);
+    let mut dispatch = Dispatch::new(&config);
     let mut alerts = Alerts::new(config.alerts.dlq_threshold, config.alerts.for_);
     health.set("amqp", false);
     'connect: while !token.is_cancelled() {
@@ -254,7 +375,8 @@ pub async fn run(config: ValidConfig, health: Health, token: CancellationToken) 
                 tokio::select! { _ = tokio::time::sleep(Duration::from_secs(2)) => continue, _ = token.cancelled() => break }
             }
         };
-        if let Err(e) = topology::declare(&conn, &config, &queues).await {
+        known.refresh().await;
+        if let Err(e) = topology::declare(&conn, &known.config, &known.queues).await {
             warn!(error = %e, "DLQ monitor cannot declare the topology");
         }
         health.set("amqp", true);
@@ -264,6 +386,17 @@ pub async fn run(config: ValidConfig, health: Health, token: CancellationToken) 
                 _ = token.cancelled() => break 'connect,
                 _ = tick.tick() => {}
             }
+            // Queues the workers' catalog adds since (a worker of a new job type started).
+            let new = known.refresh_due().await;
+            if !new.is_empty()
+                && let Err(e) = topology::declare(&conn, &known.config, &new).await
+            {
+                warn!(error = %e, "DLQ monitor cannot declare the topology; reconnecting");
+                continue 'connect;
+            }
+            let queues = known.queues.clone();
+            let config = known.config.clone();
+            let (mut work_depths, mut dead_depths) = (Vec::new(), Vec::new());
             for q in &queues {
                 let depth = match topology::depth(&conn, &names.dlq(q)).await {
                     Ok((d, _)) => d,
@@ -282,15 +415,24 @@ pub async fn run(config: ValidConfig, health: Health, token: CancellationToken) 
                     }
                 }
                 metrics::gauge!(telemetry::QUEUE_MESSAGES, "queue" => q.clone()).set(f64::from(work));
+                work_depths.push((q.clone(), work));
+                dead_depths.push((q.clone(), depth));
                 if let Some(n) = alerts.observe(q, depth, Instant::now(), Utc::now()) {
-                    let _ = tx.send(n);
+                    dispatch.send(n);
+                }
+            }
+            // For the dashboard's charts: the depths of this minute (the last reading stands).
+            if let Some(mut redis) = known.redis.clone() {
+                let minute = chime_shared::minutes::minute_of(Utc::now());
+                let write =
+                    chime_shared::minutes::set_depths(&mut redis, &names, minute, &work_depths, &dead_depths);
+                if let Ok(Err(e)) = tokio::time::timeout(Duration::from_secs(5), write).await {
+                    tracing::debug!(error = %e, "queue depths not recorded for the charts");
                 }
             }
         }
     }
-    drop(tx);
-    // Let queued notifications go out (bounded), then stop.
-    let _ = tokio::time::timeout(Duration::from_secs(10), sending).await;
+    dispatch.finish().await;
 }
 
 #[cfg(test)]

@@ -136,6 +136,32 @@ impl Names {
         format!("{}:group:{base_key}", self.prefix)
     }
 
+    /// The catalog's jobs: job name → what a worker registered about it (JSON).
+    pub fn catalog_jobs(&self) -> String {
+        format!("{}:catalog:jobs", self.prefix)
+    }
+
+    /// The catalog's queues: queue → the worker that consumes it and when it said so (JSON).
+    pub fn catalog_queues(&self) -> String {
+        format!("{}:catalog:queues", self.prefix)
+    }
+
+    /// One minute's totals for the dashboard's charts (a hash; see `chime_shared::minutes`).
+    pub fn minute(&self, minute: i64) -> String {
+        format!("{}:minutes:{minute}", self.prefix)
+    }
+
+    /// Workers seen in the last day: id → the time of its last heartbeat (a sorted set).
+    pub fn workers_seen(&self) -> String {
+        format!("{}:workers-seen", self.prefix)
+    }
+
+    /// A worker's last heartbeat, kept a day after it stops (for the dashboard's dead and
+    /// stopped workers).
+    pub fn worker_last(&self, id: &str) -> String {
+        format!("{}:workers-last:{id}", self.prefix)
+    }
+
     /// The ticker's leader lease (a string: the leader's id, with a TTL).
     pub fn ticker_leader(&self) -> String {
         format!("{}:ticker:leader", self.prefix)

@@ -106,6 +106,11 @@ async fn hundred_dead_letters_listed_then_replayed_by_two_operators_at_once() {
 }
 
 async fn publish_dead(env: &TestEnv, n: usize, failed_at: chrono::DateTime<chrono::Utc>) {
+    publish_dead_to(env, "default", n, failed_at).await
+}
+
+/// Publishes `n` dead letters straight into `queue`'s DLQ.
+async fn publish_dead_to(env: &TestEnv, queue: &str, n: usize, failed_at: chrono::DateTime<chrono::Utc>) {
     let conn = connect_amqp().await;
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
@@ -127,7 +132,7 @@ async fn publish_dead(env: &TestEnv, n: usize, failed_at: chrono::DateTime<chron
         amqp::publish_confirmed(
             &ch,
             "",
-            &env.names().dlq("default"),
+            &env.names().dlq(queue),
             &e.encode(),
             props,
             Duration::from_secs(10),
@@ -168,10 +173,10 @@ async fn purge_by_age_and_by_id() {
     client.close().await;
 }
 
-type Bodies = Arc<Mutex<Vec<serde_json::Value>>>;
+pub(crate) type Bodies = Arc<Mutex<Vec<serde_json::Value>>>;
 
 /// A webhook receiver: the address to post to and the bodies received so far.
-async fn webhook() -> (std::net::SocketAddr, Bodies) {
+pub(crate) async fn webhook() -> (std::net::SocketAddr, Bodies) {
     let bodies = Bodies::default();
     let b = bodies.clone();
     let app = Router::new().route(
@@ -362,5 +367,78 @@ async fn monitor_follows_leadership() {
     tokio::time::timeout(Duration::from_secs(10), monitor).await.expect("monitor stops").unwrap();
     reference.await.unwrap();
     assert_eq!(bodies.lock().unwrap()[0]["status"], "firing");
+    let _ = conn.close(200, "".into()).await;
+}
+
+/// A receiver that answers per queue (by the notification's `groupLabels.queue`) and records
+/// each attempt.
+async fn picky_webhook(answers: &[(&str, u16)]) -> (std::net::SocketAddr, Arc<Mutex<Vec<String>>>) {
+    let attempts: Arc<Mutex<Vec<String>>> = Arc::default();
+    let answers: std::collections::HashMap<String, u16> =
+        answers.iter().map(|(q, s)| (q.to_string(), *s)).collect();
+    let seen = attempts.clone();
+    let app = Router::new().route(
+        "/alerts",
+        post(move |body: String| {
+            let (seen, answers) = (seen.clone(), answers.clone());
+            async move {
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+                let queue = v["groupLabels"]["queue"].as_str().unwrap_or_default().to_string();
+                let status = answers.get(&queue).copied().unwrap_or(200);
+                seen.lock().unwrap().push(queue);
+                (axum::http::StatusCode::from_u16(status).unwrap(), "")
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, attempts)
+}
+
+/// Each queue's alert is delivered on its own: a receiver failing with 500 for one queue
+/// (retried) does not hold back another queue's alert, and a 400 (the receiver refusing the
+/// notification itself) is not retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_receiver_delays_only_its_own_queue_and_a_4xx_is_not_retried() {
+    let mut env = TestEnv::new("alerts-apart");
+    env.queues.extend(["stuck".to_string(), "refused".to_string()]);
+    let (addr, attempts) = picky_webhook(&[("stuck", 500), ("refused", 400)]).await;
+    let jobs = format!(
+        "{COUNT_JOB}[[jobs]]\nname = \"s\"\nhandler = \"noop\"\nqueue = \"stuck\"\n\
+         [[jobs]]\nname = \"r\"\nhandler = \"noop\"\nqueue = \"refused\"\n"
+    );
+    let mut config = env.config("classic", "", "", &jobs).into_config();
+    config.alerts.webhook = Some(format!("http://{addr}/alerts"));
+    config.alerts.interval = Duration::from_millis(100);
+    config.alerts.for_ = Duration::from_millis(200);
+    config.alerts.dlq_threshold = 1;
+    let config = config.validated().unwrap();
+    let conn = connect_amqp().await;
+    chime_shared::topology::declare(&conn, &config, &config.all_queues()).await.unwrap();
+    let count = |q: &str| attempts.lock().unwrap().iter().filter(|a| *a == q).count();
+    let health = chime_shared::health::Health::default();
+    let token = CancellationToken::new();
+    let monitor = tokio::spawn(chime_scheduler::monitor::run(config.clone(), health, token.clone()));
+    publish_dead_to(&env, "refused", 1, chrono::Utc::now()).await;
+    publish_dead_to(&env, "stuck", 1, chrono::Utc::now()).await;
+    wait_until("both failing queues were notified once", Duration::from_secs(20), || async {
+        count("stuck") >= 1 && count("refused") >= 1
+    })
+    .await;
+    // Another queue's alert, due while "stuck" is being retried, goes out on time: not
+    // after "stuck"'s retries (seven attempts over more than a minute) have run out.
+    publish_dead_to(&env, "default", 1, chrono::Utc::now()).await;
+    wait_until("the healthy queue's alert", Duration::from_secs(20), || async { count("default") >= 1 })
+        .await;
+    let stuck_then = count("stuck");
+    assert!(stuck_then < 7, "the healthy queue's alert waited for the failing one's retries ({stuck_then})");
+    // By "stuck"'s third attempt (at least 0.5 s + 1 s of backoff after its first, which came
+    // after "refused"'s), a retry of "refused" (0.5 to 1 s after its first) would have come.
+    wait_until("stuck retried twice", Duration::from_secs(30), || async { count("stuck") >= 3 }).await;
+    assert_eq!(count("refused"), 1, "a 400 is not retried: {:?}", attempts.lock().unwrap());
+    assert_eq!(count("default"), 1);
+    token.cancel();
+    monitor.await.unwrap();
     let _ = conn.close(200, "".into()).await;
 }

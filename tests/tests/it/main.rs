@@ -3,6 +3,7 @@
 
 mod backfill;
 mod broker_restart;
+mod catalog;
 mod cli;
 mod common;
 mod dead_letters;

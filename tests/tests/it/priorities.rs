@@ -123,3 +123,45 @@ async fn high_jobs_pass_a_low_backlog_on_quorum_and_classic_queues() {
         assert_eq!(code, 2, "{stderr}");
     }
 }
+
+/// A worker starting (or restarting) on a backlog of all three levels takes the high ones
+/// first from its very first job: every level pushes its prefetch at once, and intake waits
+/// for the first deliveries of the backlogged levels above the lowest before it takes any.
+/// From then on each free slot takes the most urgent delivery the worker holds.
+#[tokio::test]
+async fn a_worker_starting_on_a_mixed_backlog_takes_the_high_jobs_first() {
+    let mut env = TestEnv::new("prio-restart");
+    env.queues = vec!["default".into(), "flat".into()];
+    let config = env.config("classic", "", "", JOBS);
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
+    // Enqueued least urgent first: arrival order is the reverse of the order wanted.
+    for (job, level) in [("bulk", "low"), ("plain", "normal"), ("urgent", "high")] {
+        let reqs: Vec<EnqueueRequest> = (0..30)
+            .map(|n| EnqueueRequest::new(job).payload(serde_json::json!({"n": format!("{level}{n}")})))
+            .collect();
+        assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, 30);
+    }
+    let order = Arc::new(Mutex::new(Vec::new()));
+    // 4 at once: the prefetch is 8 for high and normal, 4 for low.
+    let worker = Running::start(config.clone(), recorder(&order), 4).await;
+    wait_until("90 jobs ran", Duration::from_secs(60), || async { order.lock().unwrap().len() == 90 }).await;
+    worker.stop().await;
+    let started = order.lock().unwrap().clone();
+    let first: Vec<&String> = started.iter().take(8).collect();
+    assert!(
+        first.iter().all(|s| s.starts_with("urgent:")),
+        "the first 8 starts were not all high: {started:?}"
+    );
+    let last_high = started.iter().rposition(|s| s.starts_with("urgent:")).unwrap();
+    let last_normal = started.iter().rposition(|s| s.starts_with("plain:")).unwrap();
+    let lows_before_high = started[..last_high].iter().filter(|s| s.starts_with("bulk:")).count();
+    let lows_before_normal = started[..last_normal].iter().filter(|s| s.starts_with("bulk:")).count();
+    println!("start order: {started:?}");
+    println!(
+        "low starts before the last high: {lows_before_high}; before the last normal: {lows_before_normal}"
+    );
+    assert!(
+        lows_before_normal <= 4,
+        "{lows_before_normal} low jobs started before the last normal one: {started:?}"
+    );
+}

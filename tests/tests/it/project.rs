@@ -25,9 +25,15 @@ fn docker_compose_is_valid_yaml_with_the_whole_stack() {
     let text = std::fs::read_to_string(root().join("docker-compose.yml")).unwrap();
     let docs = YamlLoader::load_from_str(&text).unwrap();
     let services = &docs[0]["services"];
-    for s in ["rabbitmq", "redis", "worker", "worker-2", "ticker", "ticker-2", "web"] {
+    for s in ["rabbitmq", "redis", "worker", "ticker", "ticker-2", "web"] {
         assert!(!services[s].is_badvalue(), "service {s} missing");
     }
+    // Workers scale (--scale worker=N) without a host port to clash on.
+    assert_eq!(services["worker"]["deploy"]["replicas"].as_i64(), Some(2));
+    assert!(services["worker"]["ports"].is_badvalue(), "a published worker port clashes when scaled");
+    // The versions the suite runs on.
+    assert_eq!(services["rabbitmq"]["image"].as_str(), Some("rabbitmq:3.10-management"));
+    assert_eq!(services["redis"]["image"].as_str(), Some("redis:7.0"));
     assert!(!services["rabbitmq"]["healthcheck"].is_badvalue());
     assert!(!services["redis"]["healthcheck"].is_badvalue());
     assert!(services["rabbitmq"]["image"].as_str().unwrap().contains("management"));
@@ -209,14 +215,21 @@ fn the_grafana_dashboard_and_the_rules_use_only_metrics_chime_exports() {
     assert!(volumes("grafana").contains("./deploy/grafana/provisioning:/etc/grafana/provisioning"));
     let prom = std::fs::read_to_string(root().join("deploy/prometheus/prometheus.yml")).unwrap();
     assert!(prom.contains("chime-rules.yml"));
-    for (service, port) in [("worker", 9464), ("worker-2", 9464), ("ticker", 9465), ("ticker-2", 9465)] {
+    for (service, port) in [("worker", 9464), ("ticker", 9465), ("ticker-2", 9465)] {
         let command: Vec<&str> =
             services[service]["command"].as_vec().unwrap().iter().filter_map(|c| c.as_str()).collect();
         assert!(
             command.join(" ").contains(&format!("--listen 0.0.0.0:{port}")),
             "{service} listens on {port}"
         );
-        assert!(prom.contains(&format!("\"{service}:{port}\"")), "Prometheus scrapes {service}:{port}");
+    }
+    // Every worker replica, found by DNS; the two tickers by name.
+    assert!(
+        prom.contains("names: [\"worker\"]") && prom.contains("port: 9464"),
+        "Prometheus finds every worker"
+    );
+    for ticker in ["ticker:9465", "ticker-2:9465"] {
+        assert!(prom.contains(&format!("\"{ticker}\"")), "Prometheus scrapes {ticker}");
     }
 }
 

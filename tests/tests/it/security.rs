@@ -313,6 +313,7 @@ async fn text_from_redis_reaches_the_terminal_escaped() {
         consuming: true,
         settled: [0; 4],
         running: vec![],
+        stopped: false,
     };
     control::beat(&mut r, &env.names(), &beat).await.unwrap();
     let raw = |s: &str| s.chars().any(|c| c.is_control() && c != '\n');

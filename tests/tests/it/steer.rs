@@ -525,3 +525,43 @@ async fn a_worker_with_a_skewed_clock_is_still_listed() {
         "the index entry expires {ahead:.1} s from Redis's now (its TTL), by Redis time"
     );
 }
+
+/// A worker that stops is listed among the workers gone, as `stopped`, with its totals; what
+/// it settled is in the per-minute totals the dashboard charts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_worker_is_listed_as_gone_and_its_runs_are_in_the_minute_totals() {
+    let env = TestEnv::new("gone");
+    let config = env.config("classic", "", "", COUNT_JOB);
+    let ledger = Ledger::default();
+    let worker = Running::start(config.clone(), counting_registry(&ledger), 4).await;
+    let client = chime_producer::EnqueueClient::connect(config.clone()).await.unwrap();
+    let from = chime_shared::minutes::minute_of(chrono::Utc::now());
+    for n in 0..3 {
+        client
+            .enqueue(chime_producer::EnqueueRequest::new("count").payload(serde_json::json!({"n": n})))
+            .await
+            .unwrap();
+    }
+    let l = ledger.clone();
+    wait_until("3 runs", Duration::from_secs(30), || {
+        let l = l.clone();
+        async move { l.distinct() == 3 }
+    })
+    .await;
+    let mut r = connect_redis(&env.redis_url).await;
+    let names = env.names();
+    assert!(
+        chime_shared::control::gone(&mut r, &names).await.unwrap().is_empty(),
+        "a live worker is not gone"
+    );
+    worker.stop().await;
+    let gone = chime_shared::control::gone(&mut r, &names).await.unwrap();
+    assert_eq!(gone.len(), 1, "{gone:?}");
+    assert!(gone[0].stopped && gone[0].settled[0] == 3, "{:?}", gone[0]);
+    let to = chime_shared::minutes::minute_of(chrono::Utc::now());
+    let minutes = chime_shared::minutes::read(&mut r, &names, from, to).await.unwrap();
+    let succeeded: u64 =
+        minutes.iter().map(|m| m.counts.outcomes.get("succeeded").copied().unwrap_or(0)).sum();
+    let started: u64 = minutes.iter().map(|m| m.counts.latency.iter().sum::<u64>()).sum();
+    assert_eq!((succeeded, started), (3, 3), "{minutes:?}");
+}

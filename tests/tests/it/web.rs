@@ -136,7 +136,30 @@ async fn the_dashboard_in_a_real_browser_shows_runs_replays_a_dead_letter_and_pa
     browser
         .open_until(&format!("{base}/history?job=send-receipt"), &waiting_key, Duration::from_secs(30))
         .await;
-    browser.open(&format!("{base}/")).await;
+    // The charts: this minute's runs from the workers' per-minute totals (flushed with their
+    // heartbeat), drawn as inline SVG.
+    let overview = format!("{base}/");
+    wait_until("the runs in the overview's chart", Duration::from_secs(30), || {
+        let overview = overview.clone();
+        async move {
+            let page = reqwest::get(&overview).await.unwrap().text().await.unwrap();
+            let succeeded = page
+                .split("succeeded: ")
+                .nth(1)
+                .and_then(|rest| rest.split(' ').next())
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0);
+            succeeded >= 1
+        }
+    })
+    .await;
+    browser.open(&overview).await;
+    let chart = browser.get("#chart-outcomes").await.text().await;
+    assert!(chart.contains("Jobs settled per minute") && chart.contains("dead letter"), "{chart}");
+    assert!(
+        browser.source().await.contains("<circle") || browser.source().await.contains("<polyline"),
+        "a point or a line is drawn"
+    );
     browser.screenshot("overview").await;
 
     let text = browser.open_until(&format!("{base}/schedules"), "payment-run", Duration::from_secs(10)).await;

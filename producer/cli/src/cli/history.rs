@@ -39,6 +39,10 @@ pub struct HistoryArgs {
     /// At most this many runs, newest first
     #[arg(long, default_value_t = 50)]
     pub limit: usize,
+    /// Count the matching runs by job, queue and worker and outcome instead of listing them
+    /// (with `--since`: "did everything run in the last hour?")
+    #[arg(long, conflicts_with_all = ["key", "before"])]
+    pub totals: bool,
     /// Print JSON
     #[arg(long)]
     pub json: bool,
@@ -170,6 +174,15 @@ pub fn print_runs(events: &[RunEvent]) {
 pub async fn history(config: ValidConfig, args: HistoryArgs) -> Result<(), Failure> {
     let q = query(&args)?;
     let reader = reader(&config).await?;
+    if args.totals {
+        let totals = reader.totals(&config.all_queues(), &q).await.map_err(runtime)?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&totals).unwrap_or_default());
+        } else {
+            print_totals(&totals);
+        }
+        return Ok(());
+    }
     let found = reader.search(&config.all_queues(), &q).await.map_err(runtime)?;
     if args.json {
         let out = serde_json::json!({"runs": found.events, "scanned": found.scanned, "more_before": found.truncated});
@@ -181,10 +194,46 @@ pub async fn history(config: ValidConfig, args: HistoryArgs) -> Result<(), Failu
     } else {
         print_runs(&found.events);
     }
-    if let Some(entry) = found.truncated {
-        eprintln!("searched the newest {} runs; older runs may match: add --before {entry}", found.scanned);
+    match (&found.truncated, &found.next) {
+        (Some(entry), _) => {
+            eprintln!(
+                "searched the newest {} runs; older runs may match: add --before {entry}",
+                found.scanned
+            )
+        }
+        (None, Some(entry)) => eprintln!("older runs: add --before {entry}"),
+        _ => {}
     }
     Ok(())
+}
+
+/// Outcome counts, one table each by job, queue and worker.
+fn print_totals(totals: &chime_shared::history::Totals) {
+    let outcomes: Vec<&str> = Outcome::ALL.iter().map(|o| o.as_str()).collect();
+    let upper: Vec<String> = outcomes.iter().map(|o| o.to_uppercase()).collect();
+    for (title, map) in [("JOB", &totals.by_job), ("QUEUE", &totals.by_queue), ("WORKER", &totals.by_worker)]
+    {
+        let mut head = [title, "RUNS", "", "", "", "", "", "", ""];
+        debug_assert_eq!(upper.len() + 2, head.len(), "a column per outcome");
+        for (slot, name) in head.iter_mut().skip(2).zip(&upper) {
+            *slot = name;
+        }
+        let mut t = table::new(head, &head[1..]);
+        for (name, counts) in map {
+            let mut row = vec![name.clone(), counts.values().sum::<u64>().to_string()];
+            row.extend(outcomes.iter().map(|o| counts.get(*o).copied().unwrap_or(0).to_string()));
+            t.add_row(row);
+        }
+        table::print(&t);
+        println!();
+    }
+    println!("{} run(s) counted", totals.runs);
+    if totals.truncated {
+        eprintln!(
+            "stopped at the search budget after {} runs: older runs in the window were not counted (narrow --since, --queue or --job)",
+            totals.scanned
+        );
+    }
 }
 
 pub async fn inspect(config: ValidConfig, args: InspectArgs) -> Result<(), Failure> {

@@ -12,7 +12,7 @@ mod table;
 mod watch;
 mod web;
 
-use chime_shared::config::Config;
+use chime_shared::config::{Config, ValidConfig};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -140,9 +140,46 @@ pub async fn main_exit_code(cli: Cli) -> i32 {
     }
 }
 
+/// `config` with what the workers' catalog adds (jobs and queues only a worker knows, such as
+/// typed jobs on queues of their own), when Redis answers in time; else the config alone (a
+/// command that needs Redis then says why itself).
+pub async fn with_catalog(config: ValidConfig) -> ValidConfig {
+    let read = async {
+        let mut conn = chime_shared::redis_conn::RedisConn::connect(&config.redis).await?;
+        chime_shared::catalog::read(&mut conn, &chime_shared::names::Names::new(&config.prefix)).await
+    };
+    let wait = config.redis.timeout + config.redis.timeout;
+    match tokio::time::timeout(wait, read).await {
+        Ok(Ok(catalog)) if !catalog.jobs.is_empty() || !catalog.queues.is_empty() => {
+            match catalog.merge(config.clone().into_config()).validated() {
+                Ok(merged) => merged,
+                Err(e) => {
+                    tracing::warn!(error = %e, "the workers' catalog does not fit the config; using the config alone");
+                    config
+                }
+            }
+        }
+        _ => config,
+    }
+}
+
 async fn run(cli: Cli) -> Result<(), Failure> {
     let path = Config::resolve_path(cli.config.as_deref());
     let config = Config::load(Some(&path)).map_err(usage)?;
+    // The operator tools see what the workers can run, beyond the file.
+    let config = match &cli.command {
+        Command::Enqueue(_)
+        | Command::Dlq(_)
+        | Command::Watch { .. }
+        | Command::Status { .. }
+        | Command::History(_)
+        | Command::Inspect(_)
+        | Command::Pause(_)
+        | Command::Resume(_)
+        | Command::Run { .. }
+        | Command::Web(_) => with_catalog(config).await,
+        _ => config,
+    };
     let redis_url = config.redis.endpoint();
     // A Redis error says nothing of the server it came from: name it.
     let name_redis = |mut f: Failure| {

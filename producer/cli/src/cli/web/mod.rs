@@ -10,6 +10,7 @@
 //! own pages, with a notice kept server-side ([`notices`]); `--read-only` renders no action and
 //! refuses every POST. DLQ actions name one dead letter by its exact id.
 
+mod charts;
 mod dlq_cache;
 mod hosts;
 mod html;

@@ -35,19 +35,26 @@ pub async fn history(State(web): State<Arc<Web>>, Query(form): Query<HistoryForm
         since: nonempty(&form.since),
         before: nonempty(&form.before),
         limit: HISTORY_PAGE,
+        totals: false,
         json: false,
     };
-    let results = match crate::cli::history::query(&args) {
+    let query = crate::cli::history::query(&args);
+    // Over a window (`since`), the outcome totals by job, queue and worker come first.
+    let totals = match &query {
+        Ok(q) if q.since.is_some() && q.key.is_none() && q.before.is_none() => {
+            match web.reader.totals(&web.config.all_queues(), q).await {
+                Ok(totals) => Some(totals_html(&totals)),
+                Err(e) => return failed(&web, "History", e),
+            }
+        }
+        _ => None,
+    };
+    let results = match query {
         Err(f) => html! { p.warn { (t(&f.error.to_string())) } },
         Ok(q) => match web.reader.search(&web.config.all_queues(), &q).await {
             Err(e) => return failed(&web, "History", e),
             Ok(found) => {
-                let older = found.truncated.clone().or_else(|| {
-                    (found.events.len() == HISTORY_PAGE)
-                        .then(|| found.events.last().and_then(|e| e.entry.clone()))
-                        .flatten()
-                });
-                let older = older.map(|entry| {
+                let older = found.next.clone().map(|entry| {
                     let mut link = String::from("/history?");
                     for (k, v) in [
                         ("job", &args.job),
@@ -78,8 +85,41 @@ pub async fn history(State(web): State<Arc<Web>>, Query(form): Query<HistoryForm
             }
         },
     };
-    let body = html! { (filter(&web, &form)) (results) };
+    let body = html! { (filter(&web, &form)) @if let Some(t) = totals { (t) } (results) };
     ok_page(&web, &notice, "History", "History", None, body)
+}
+
+/// Outcome totals over the window: one table each by job, queue and worker.
+fn totals_html(totals: &chime_shared::history::Totals) -> Markup {
+    let outcomes: Vec<&str> = Outcome::ALL.iter().map(|o| o.as_str()).collect();
+    let section =
+        |id: &str,
+         title: &str,
+         map: &std::collections::BTreeMap<String, std::collections::BTreeMap<String, u64>>| {
+            let mut head = vec![title, "Runs"];
+            head.extend(outcomes.iter().copied());
+            let rows: Vec<Vec<Markup>> = map
+                .iter()
+                .map(|(name, counts)| {
+                    let mut row = vec![html! { (t(name)) }, html! { (counts.values().sum::<u64>()) }];
+                    row.extend(outcomes.iter().map(|o| html! { (counts.get(*o).copied().unwrap_or(0)) }));
+                    row
+                })
+                .collect();
+            table(id, &head, &head[1..], &rows)
+        };
+    html! {
+        h2 { "Totals" }
+        p.muted #totals-summary {
+            (totals.runs) " run(s) in the window"
+            @if totals.truncated { " (stopped at the search budget: older runs not counted)" }
+            "."
+        }
+        (section("totals-jobs", "Job", &totals.by_job))
+        (section("totals-queues", "Queue", &totals.by_queue))
+        (section("totals-workers", "Worker", &totals.by_worker))
+        h2 { "Runs" }
+    }
 }
 
 fn filter(web: &Web, form: &HistoryForm) -> Markup {

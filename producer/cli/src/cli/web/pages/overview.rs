@@ -33,6 +33,11 @@ async fn body(web: &Web) -> anyhow::Result<Markup> {
     let flags = control::flags(&mut conn, &web.names, Target::Queue, &queues).await?;
     let workers = control::workers(&mut conn, &web.names).await?;
     let leader = web.ticker.leader().await?;
+    let gone = control::gone(&mut conn, &web.names).await?;
+    let this_minute = chime_shared::minutes::minute_of(now);
+    let minutes =
+        chime_shared::minutes::read(&mut conn, &web.names, this_minute - CHART_MINUTES + 1, this_minute)
+            .await?;
     let threshold = web.config.alerts.dlq_threshold;
     let f = frame(web, &Notice::default());
 
@@ -81,9 +86,52 @@ async fn body(web: &Web) -> anyhow::Result<Markup> {
             },
             None => p #leader .warn { "No ticker holds the lease: scheduled jobs are not being published." },
         }
+        h2 { "Last " (CHART_MINUTES / 60) " hours" }
+        (crate::cli::web::charts::overview(&minutes))
+        p.muted {
+            "Per minute, from every worker's totals and the depths the DLQ monitor (the leader ticker, or "
+            code { "chime watch" } ") reads; kept a day in Redis."
+        }
         h2 { "Workers" }
         (workers_table(&workers, now))
+        (gone_table(&gone, now))
     })
+}
+
+/// The charts' window.
+const CHART_MINUTES: i64 = 180;
+
+/// Workers seen in the last day that no longer beat.
+fn gone_table(gone: &[control::WorkerBeat], now: DateTime<Utc>) -> Markup {
+    if gone.is_empty() {
+        return html! {};
+    }
+    let rows: Vec<Vec<Markup>> = gone
+        .iter()
+        .map(|w| {
+            vec![
+                html! { code { (t(&w.id)) } },
+                html! {
+                    @if w.stopped { span.muted { "stopped" } } @else { span.warn { "no heartbeat (died?)" } }
+                },
+                html! { (ago(w.seen_at, now)) },
+                html! { (t(&w.queues.join(", "))) },
+                html! { (w.settled[0]) },
+                html! { (w.settled[1]) },
+                html! { (w.settled[2]) },
+                html! { (w.running.len()) },
+            ]
+        })
+        .collect();
+    html! {
+        h2 { "Workers gone (last 24 h)" }
+        (table(
+            "gone-workers",
+            &["Worker", "State", "Last heartbeat", "Queues", "Succeeded", "Retried", "Dead-lettered", "Running then"],
+            &["Succeeded", "Retried", "Dead-lettered", "Running then"],
+            &rows,
+        ))
+    }
 }
 
 /// The live workers, from their heartbeats.
@@ -106,6 +154,8 @@ pub(super) fn workers_table(workers: &[control::WorkerBeat], now: DateTime<Utc>)
                 html! { (w.concurrency) },
                 html! { (w.running.len()) },
                 html! { (w.settled[0]) },
+                html! { (w.settled[1]) },
+                html! { (w.settled[2]) },
                 html! { (ago(w.started_at, now).replace(" ago", "")) },
                 html! { (ago(w.seen_at, now)) },
             ]
@@ -113,8 +163,20 @@ pub(super) fn workers_table(workers: &[control::WorkerBeat], now: DateTime<Utc>)
         .collect();
     table(
         "workers",
-        &["Worker", "Version", "Queues", "Paused", "Concurrency", "Running", "Succeeded", "Up", "Seen"],
-        &["Concurrency", "Running", "Succeeded"],
+        &[
+            "Worker",
+            "Version",
+            "Queues",
+            "Paused",
+            "Concurrency",
+            "Running",
+            "Succeeded",
+            "Retried",
+            "Dead-lettered",
+            "Up",
+            "Seen",
+        ],
+        &["Concurrency", "Running", "Succeeded", "Retried", "Dead-lettered"],
         &rows,
     )
 }

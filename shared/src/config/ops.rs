@@ -1,0 +1,148 @@
+//! `[alerts]`, `[history]`, `[results]`, `[checkpoints]`: what chime watches and keeps, and their rules.
+
+use super::*;
+
+/// `[alerts]`: DLQ depth alerting.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AlertsConfig {
+    /// DLQ depth that counts as an alert.
+    pub dlq_threshold: u64,
+    /// How long the depth must stay at or above the threshold before `firing`.
+    #[serde(deserialize_with = "duration::de", rename = "for")]
+    pub for_: Duration,
+    /// Alertmanager-compatible webhook URL (log only when unset).
+    pub webhook: Option<String>,
+    /// How often DLQ depths are read.
+    #[serde(deserialize_with = "duration::de")]
+    pub interval: Duration,
+}
+
+impl Default for AlertsConfig {
+    fn default() -> Self {
+        Self {
+            dlq_threshold: 1,
+            for_: Duration::from_secs(60),
+            webhook: None,
+            interval: Duration::from_secs(15),
+        }
+    }
+}
+
+/// `[history]`: one event per run in a Redis stream per queue, and a key's last runs in its
+/// idempotency record.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HistoryConfig {
+    /// Record runs (default `true`).
+    pub enabled: bool,
+    /// Most runs kept per queue (default 1,000,000): the stream is cut to `max_len / 8`
+    /// entries of up to 8 runs ([`crate::history::RUNS_PER_ENTRY`]).
+    pub max_len: u64,
+    /// Runs older than this are trimmed (default 24 h; as new runs are written).
+    #[serde(deserialize_with = "duration::de")]
+    pub max_age: Duration,
+    /// Runs kept in a key's record for `chime inspect` (default 20, at most 100).
+    pub runs_per_key: u32,
+}
+
+impl Default for HistoryConfig {
+    fn default() -> Self {
+        Self { enabled: true, max_len: 1_000_000, max_age: Duration::from_secs(86_400), runs_per_key: 20 }
+    }
+}
+
+/// `[results]`: the value a successful run returns (a Rust handler's return value, an `exec`
+/// job's standard output, an `http` job's response body), kept in its key's record.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ResultsConfig {
+    /// Largest result kept, in bytes of JSON (default 65,536; at most 1,048,576). A larger
+    /// result does not fail the run: its record says the result was too large.
+    pub max_bytes: usize,
+    /// How long a result is kept (default: as long as the record, `redis.done_retention`).
+    /// Longer keeps the record that long; shorter hides the result from readers after it.
+    #[serde(deserialize_with = "duration::de_opt")]
+    pub retention: Option<Duration>,
+}
+
+impl Default for ResultsConfig {
+    fn default() -> Self {
+        Self { max_bytes: 65_536, retention: None }
+    }
+}
+
+/// `[checkpoints]`: what a run saves (`JobContext::checkpoint`, or an `exec` job's
+/// `CHIME_CHECKPOINT_FILE`) so that a retry or a redelivered copy resumes from it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointsConfig {
+    /// Largest checkpoint, in bytes (default 65,536; at most 1,048,576): a larger one is an
+    /// error of the save (the run goes on; the previous checkpoint stands).
+    pub max_bytes: usize,
+    /// How often a running `exec` job's checkpoint file is read back (default `"1s"`).
+    #[serde(deserialize_with = "duration::de")]
+    pub poll: Duration,
+}
+
+impl Default for CheckpointsConfig {
+    fn default() -> Self {
+        Self { max_bytes: 65_536, poll: Duration::from_secs(1) }
+    }
+}
+
+impl AlertsConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if self.dlq_threshold == 0 {
+            return Err(ConfigError::invalid("alerts.dlq_threshold", "must be at least 1"));
+        }
+        if self.interval < Duration::from_millis(100) {
+            return Err(ConfigError::invalid("alerts.interval", "must be at least 100ms"));
+        }
+        if let Some(w) = &self.webhook
+            && !(w.starts_with("http://") || w.starts_with("https://"))
+        {
+            return Err(ConfigError::invalid("alerts.webhook", "must be an http:// or https:// URL"));
+        }
+        Ok(())
+    }
+}
+
+impl HistoryConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_len == 0 || self.max_age.is_zero() {
+            return Err(ConfigError::invalid(
+                "history",
+                "max_len and max_age must be positive (set history.enabled = false to record nothing)",
+            ));
+        }
+        if !(1..=100).contains(&self.runs_per_key) {
+            return Err(ConfigError::invalid("history.runs_per_key", "must be between 1 and 100"));
+        }
+        Ok(())
+    }
+}
+
+impl ResultsConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if !(16..=1_048_576).contains(&self.max_bytes) {
+            return Err(ConfigError::invalid("results.max_bytes", "must be between 16 and 1048576"));
+        }
+        if self.retention.is_some_and(|r| r.is_zero()) {
+            return Err(ConfigError::invalid("results.retention", "must be positive"));
+        }
+        Ok(())
+    }
+}
+
+impl CheckpointsConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if !(16..=1_048_576).contains(&self.max_bytes) {
+            return Err(ConfigError::invalid("checkpoints.max_bytes", "must be between 16 and 1048576"));
+        }
+        if self.poll < Duration::from_millis(50) || self.poll > Duration::from_secs(60) {
+            return Err(ConfigError::invalid("checkpoints.poll", "must be between 50ms and 1m"));
+        }
+        Ok(())
+    }
+}

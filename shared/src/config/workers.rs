@@ -1,0 +1,111 @@
+//! `[worker]` and `[ticker]`: the two daemons, and their rules.
+
+use super::*;
+
+/// `[worker]`: `chime-worker` and custom worker binaries.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Queues to consume; empty means every queue named by a job (plus `default`).
+    pub queues: Vec<String>,
+    /// Jobs run at once per process (default 256: handlers are futures; `exec` and `http`
+    /// jobs have lower limits of their own, `jobs[].concurrency`).
+    pub concurrency: usize,
+    /// Unacked deliveries per queue consumer; defaults to `concurrency`, or to the sum of
+    /// the limits of the queue's jobs when each has one.
+    pub prefetch: Option<u16>,
+    /// Drain deadline on SIGTERM/SIGINT.
+    #[serde(deserialize_with = "duration::de")]
+    pub shutdown_timeout: Duration,
+    /// Handler timeout for jobs that set none.
+    #[serde(deserialize_with = "duration::de")]
+    pub default_timeout: Duration,
+    /// Address of `/metrics`, `/livez`, `/readyz` (overridden by `--listen`).
+    pub listen: Option<String>,
+    /// Runtime threads of a `chime-worker` process; 0 = one per CPU core.
+    pub threads: usize,
+    /// A job this worker has no handler for is sent round again for this long (a rolling
+    /// deploy may bring the worker that knows it) before it is dead-lettered as `unknown_job`.
+    #[serde(deserialize_with = "duration::de")]
+    pub unknown_job_grace: Duration,
+    /// On timeout or at the drain deadline a handler's cancellation token fires first; the
+    /// handler gets this long to stop on its own before its future is dropped.
+    #[serde(deserialize_with = "duration::de")]
+    pub cancel_grace: Duration,
+    /// Variables of the worker's environment passed to every `exec` job's program. Nothing
+    /// else is (besides `PATH`, `HOME`, locale, `TZ`, `TMPDIR` and the job's `CHIME_*` facts):
+    /// the worker's own secrets (`CHIME_AMQP_URL`, `CHIME_REDIS_URL`, …) never reach a job.
+    pub pass_env: Vec<String>,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            queues: Vec::new(),
+            concurrency: 256,
+            prefetch: None,
+            shutdown_timeout: Duration::from_secs(30),
+            default_timeout: Duration::from_secs(300),
+            listen: None,
+            threads: 0,
+            unknown_job_grace: Duration::from_secs(300),
+            cancel_grace: Duration::from_secs(5),
+            pass_env: Vec::new(),
+        }
+    }
+}
+
+/// `[ticker]`: `chime tick`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TickerConfig {
+    /// Address of the ticker's `/metrics`, `/livez`, `/readyz` (overridden by `--listen`).
+    pub listen: Option<String>,
+    /// Leader lease: a standby takes over within one lease after the leader dies.
+    #[serde(deserialize_with = "duration::de")]
+    pub lease: Duration,
+    /// Warn (and export the gauge) when the local clock differs from Redis `TIME` by more.
+    #[serde(deserialize_with = "duration::de")]
+    pub max_clock_skew: Duration,
+}
+
+impl Default for TickerConfig {
+    fn default() -> Self {
+        Self { listen: None, lease: Duration::from_secs(10), max_clock_skew: Duration::from_millis(200) }
+    }
+}
+
+impl WorkerConfig {
+    /// Concurrency, threads, names of queues and passed variables, the cancel grace.
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if self.concurrency == 0 || self.concurrency > 10_000 {
+            return Err(ConfigError::invalid("worker.concurrency", "must be between 1 and 10000"));
+        }
+        if self.threads > 1024 {
+            return Err(ConfigError::invalid("worker.threads", "must be between 0 (one per core) and 1024"));
+        }
+        for (i, name) in self.pass_env.iter().enumerate() {
+            if !valid_env_name(name) {
+                return Err(ConfigError::invalid(
+                    format!("worker.pass_env[{i}]"),
+                    format!("{name:?} is not a variable name"),
+                ));
+            }
+        }
+        if self.prefetch == Some(0) {
+            return Err(ConfigError::invalid("worker.prefetch", "must be at least 1"));
+        }
+        for (i, q) in self.queues.iter().enumerate() {
+            if !valid_name(q) {
+                return Err(ConfigError::invalid(
+                    format!("worker.queues[{i}]"),
+                    format!("{q:?} must be 1-100 letters, digits, '-', '_' or '.'"),
+                ));
+            }
+        }
+        if self.cancel_grace > Duration::from_secs(3600) {
+            return Err(ConfigError::invalid("worker.cancel_grace", "must be at most 1h"));
+        }
+        Ok(())
+    }
+}
