@@ -23,6 +23,7 @@ mod priorities;
 mod processes;
 mod project;
 mod publish;
+mod quickstart;
 mod redis_outage;
 mod reliability;
 mod results;
