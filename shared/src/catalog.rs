@@ -81,16 +81,12 @@ pub async fn register<C: ConnectionLike + Send>(
     }
     pipe.query_async::<()>(conn).await?;
     // Pruning: what no worker registered within the retention.
-    let stale = read_raw(conn, names).await?;
-    let mut prune = redis::pipe();
-    let mut any = false;
-    for (key, fields) in [(names.catalog_jobs(), stale.0), (names.catalog_queues(), stale.1)] {
-        for field in fields {
-            prune.cmd("HDEL").arg(&key).arg(field).ignore();
-            any = true;
+    let (_, stale) = fetch(conn, names).await?;
+    if !stale.is_empty() {
+        let mut prune = redis::pipe();
+        for (key, field) in stale {
+            prune.cmd("HDEL").arg(key).arg(field).ignore();
         }
-    }
-    if any {
         prune.query_async::<()>(conn).await?;
     }
     Ok(())
@@ -104,50 +100,41 @@ fn fresh(seen_at: DateTime<Utc>, now: DateTime<Utc>) -> bool {
     (now - seen_at).to_std().map_or(true, |age| age <= RETENTION)
 }
 
-/// The fields of each hash that are stale or unreadable (jobs, queues).
-async fn read_raw<C: ConnectionLike + Send>(
+/// The catalog within the retention, and the `(hash, field)` of every entry past it or
+/// unreadable.
+async fn fetch<C: ConnectionLike + Send>(
     conn: &mut C,
     names: &Names,
-) -> redis::RedisResult<(Vec<String>, Vec<String>)> {
+) -> redis::RedisResult<(Catalog, Vec<(String, String)>)> {
     let now = Utc::now();
+    let mut catalog = Catalog::default();
+    let mut stale = Vec::new();
     let jobs: BTreeMap<String, String> =
         redis::cmd("HGETALL").arg(names.catalog_jobs()).query_async(conn).await?;
+    for (field, text) in jobs {
+        match serde_json::from_str::<CatalogJob>(&text) {
+            Ok(j) if fresh(j.seen_at, now) => {
+                catalog.jobs.insert(j.name.clone(), j);
+            }
+            _ => stale.push((names.catalog_jobs(), field)),
+        }
+    }
     let queues: BTreeMap<String, String> =
         redis::cmd("HGETALL").arg(names.catalog_queues()).query_async(conn).await?;
-    let stale_jobs = jobs
-        .into_iter()
-        .filter(|(_, v)| serde_json::from_str::<CatalogJob>(v).map_or(true, |j| !fresh(j.seen_at, now)))
-        .map(|(k, _)| k)
-        .collect();
-    let stale_queues = queues
-        .into_iter()
-        .filter(|(_, v)| serde_json::from_str::<CatalogQueue>(v).map_or(true, |q| !fresh(q.seen_at, now)))
-        .map(|(k, _)| k)
-        .collect();
-    Ok((stale_jobs, stale_queues))
+    for (field, text) in queues {
+        match serde_json::from_str::<CatalogQueue>(&text) {
+            Ok(q) if fresh(q.seen_at, now) => {
+                catalog.queues.insert(q.name.clone(), q);
+            }
+            _ => stale.push((names.catalog_queues(), field)),
+        }
+    }
+    Ok((catalog, stale))
 }
 
 /// The catalog as registered within [`RETENTION`]; unreadable entries are skipped.
 pub async fn read<C: ConnectionLike + Send>(conn: &mut C, names: &Names) -> redis::RedisResult<Catalog> {
-    let now = Utc::now();
-    let jobs: BTreeMap<String, String> =
-        redis::cmd("HGETALL").arg(names.catalog_jobs()).query_async(conn).await?;
-    let queues: BTreeMap<String, String> =
-        redis::cmd("HGETALL").arg(names.catalog_queues()).query_async(conn).await?;
-    Ok(Catalog {
-        jobs: jobs
-            .into_values()
-            .filter_map(|v| serde_json::from_str::<CatalogJob>(&v).ok())
-            .filter(|j| fresh(j.seen_at, now))
-            .map(|j| (j.name.clone(), j))
-            .collect(),
-        queues: queues
-            .into_values()
-            .filter_map(|v| serde_json::from_str::<CatalogQueue>(&v).ok())
-            .filter(|q| fresh(q.seen_at, now))
-            .map(|q| (q.name.clone(), q))
-            .collect(),
-    })
+    Ok(fetch(conn, names).await?.0)
 }
 
 impl Catalog {

@@ -564,4 +564,16 @@ async fn a_stopped_worker_is_listed_as_gone_and_its_runs_are_in_the_minute_total
         minutes.iter().map(|m| m.counts.outcomes.get("succeeded").copied().unwrap_or(0)).sum();
     let started: u64 = minutes.iter().map(|m| m.counts.latency.iter().sum::<u64>()).sum();
     assert_eq!((succeeded, started), (3, 3), "{minutes:?}");
+    // The history's totals over the window say the same (the worker wrote its runs as it
+    // stopped).
+    let path = env.write_config(&env.config_text("classic", "", "", COUNT_JOB));
+    let (code, out, err) = chime(&path, &["history", "--since", "1h", "--totals", "--json"], None);
+    assert_eq!(code, 0, "{err}");
+    let totals: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(totals["by_job"]["count"]["succeeded"], 3, "{totals}");
+    assert_eq!(totals["by_queue"]["default"]["succeeded"], 3, "{totals}");
+    assert_eq!(totals["runs"], 3, "{totals}");
+    let (code, out, _) = chime(&path, &["history", "--since", "1h", "--totals"], None);
+    assert_eq!(code, 0);
+    assert!(out.contains("SUCCEEDED") && out.contains("3 run(s) counted"), "{out}");
 }

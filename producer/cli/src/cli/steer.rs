@@ -231,9 +231,14 @@ pub fn print_workers(workers: &[WorkerBeat]) {
     let running: Vec<_> = workers.iter().flat_map(|w| w.running.iter().map(move |r| (w, r))).collect();
     if !running.is_empty() {
         println!();
-        let mut t = table::new(["RUNNING JOB", "KEY", "QUEUE", "ATT", "FOR", "WORKER"], &["ATT", "FOR"]);
+        // As of each worker's last heartbeat (written every few seconds): a job that started
+        // then has run at least this long; one that has ended since may still be listed.
+        let mut t = table::new(
+            ["RUNNING JOB", "KEY", "QUEUE", "ATT", "RUNNING AT BEAT", "WORKER"],
+            &["ATT", "RUNNING AT BEAT"],
+        );
         for (w, r) in running {
-            let secs = (now - r.started_at).num_milliseconds().max(0) as f64 / 1000.0;
+            let secs = (w.seen_at - r.started_at).num_milliseconds().max(0) as f64 / 1000.0;
             t.add_row([
                 r.job.clone(),
                 r.key.clone(),
@@ -244,6 +249,10 @@ pub fn print_workers(workers: &[WorkerBeat]) {
             ]);
         }
         table::print(&t);
+        println!(
+            "(running jobs as of each worker's last heartbeat, written every {}s)",
+            control::BEAT_EVERY.as_secs()
+        );
     }
 }
 

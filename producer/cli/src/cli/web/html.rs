@@ -82,7 +82,7 @@ form.inline{display:inline;margin:0}button{cursor:pointer}button.danger{color:#a
 form.filter input,form.filter select{margin-right:.6em}dl{display:grid;grid-template-columns:max-content auto;gap:.2em 1em}\
 dt{font-weight:600}dd{margin:0}\
 .charts{display:flex;flex-wrap:wrap;gap:1em}figure.chart{margin:0;background:#fff;border:1px solid #d8dde3;padding:.4em}\
-figcaption{font-weight:600}.legend{margin:.2em 0 0;font-size:12px}";
+figcaption{font-weight:600}.legend{margin:.2em 0 0;font-size:12px}td code{white-space:nowrap}";
 
 /// The navigation: path and label.
 const NAV: [(&str, &str); 5] = [

@@ -22,13 +22,14 @@ pub async fn running(State(web): State<Arc<Web>>, Query(notice): Query<Notice>) 
     let mut rows = Vec::new();
     for w in &workers {
         for r in &w.running {
-            let secs = (now - r.started_at).num_milliseconds().max(0) as f64 / 1000.0;
+            // As of the worker's last heartbeat: a job that has ended since may still show.
+            let secs = (w.seen_at - r.started_at).num_milliseconds().max(0) as f64 / 1000.0;
             rows.push(vec![
                 html! { (t(&r.job)) },
                 key_link(&r.key),
                 html! { (t(&r.queue)) },
                 html! { (r.attempt) },
-                html! { (at(r.started_at)) " (" (format!("{secs:.1}")) "s)" },
+                html! { (at(r.started_at)) " (" (format!("{secs:.1}")) "s at the last heartbeat)" },
                 html! { code { (t(&w.id)) } },
             ]);
         }
