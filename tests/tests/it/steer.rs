@@ -577,3 +577,36 @@ async fn a_stopped_worker_is_listed_as_gone_and_its_runs_are_in_the_minute_total
     assert_eq!(code, 0);
     assert!(out.contains("SUCCEEDED") && out.contains("3 run(s) counted"), "{out}");
 }
+
+/// A worker SIGKILLed is listed among the workers gone once its heartbeat expires, as
+/// having stopped beating (not `stopped`), with what its last heartbeat said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_is_listed_as_gone_without_a_clean_stop() {
+    let env = TestEnv::new("gone-killed");
+    let path =
+        env.write_config(&env.config_text("classic", "", "", "[[jobs]]\nname = \"n\"\nhandler = \"noop\"\n"));
+    let worker = Child::worker(&env.dir, &path, &[], "doomed");
+    let names = env.names();
+    let url = env.redis_url.clone();
+    wait_until("the worker beats", Duration::from_secs(30), || {
+        let (names, url) = (names.clone(), url.clone());
+        async move {
+            let mut r = connect_redis(&url).await;
+            chime_shared::control::workers(&mut r, &names).await.unwrap().len() == 1
+        }
+    })
+    .await;
+    worker.signal(9);
+    // Its heartbeat lives control::BEAT_TTL (15 s) after its last write.
+    wait_until("the killed worker is gone", Duration::from_secs(40), || {
+        let (names, url) = (names.clone(), url.clone());
+        async move {
+            let mut r = connect_redis(&url).await;
+            let gone = chime_shared::control::gone(&mut r, &names).await.unwrap();
+            gone.len() == 1 && !gone[0].stopped
+        }
+    })
+    .await;
+    let mut r = connect_redis(&env.redis_url).await;
+    assert!(chime_shared::control::workers(&mut r, &names).await.unwrap().is_empty());
+}
