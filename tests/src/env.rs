@@ -50,9 +50,20 @@ impl TestEnv {
     }
 
     async fn cleanup(&self) {
-        let Ok(conn) = Connection::connect(&self.amqp_url, ConnectionProperties::default()).await else {
-            return;
+        // The test's own URL first (a private broker); else the shared broker's (a test that
+        // switched to a user it has deleted since, or a broker that is gone).
+        let conn = match Connection::connect(&self.amqp_url, ConnectionProperties::default()).await {
+            Ok(conn) => Some(conn),
+            Err(_) => Connection::connect(&amqp_url(), ConnectionProperties::default()).await.ok(),
         };
+        if let Some(conn) = conn {
+            self.delete_topology(&conn).await;
+        }
+        self.delete_keys().await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+
+    async fn delete_topology(&self, conn: &Connection) {
         let names = self.names();
         // The prefix's own queues and exchanges; the delay chain is shared by every prefix on
         // the virtual host and stays.
@@ -81,6 +92,9 @@ impl TestEnv {
             }
         }
         let _ = conn.close(200, "cleanup".into()).await;
+    }
+
+    async fn delete_keys(&self) {
         if let Ok(client) = redis::Client::open(self.redis_url.as_str())
             && let Ok(mut r) = client.get_multiplexed_async_connection().await
         {
@@ -106,7 +120,6 @@ impl TestEnv {
                 cursor = next;
             }
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
