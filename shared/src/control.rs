@@ -167,8 +167,8 @@ pub async fn beat<C: ConnectionLike + Send>(
     // decides who is live.
     let now = redis_ms(conn).await?;
     let until = now + i64::try_from(ttl).unwrap_or(15_000);
-    redis::pipe()
-        .cmd("ZREMRANGEBYSCORE")
+    let mut pipe = redis::pipe();
+    pipe.cmd("ZREMRANGEBYSCORE")
         .arg(names.workers_index())
         .arg("-inf")
         .arg(now - STALE_MS)
@@ -183,23 +183,17 @@ pub async fn beat<C: ConnectionLike + Send>(
         .arg(names.workers_index())
         .arg(until)
         .arg(&beat.id)
-        .ignore()
-        .query_async::<()>(conn)
-        .await?;
-    keep_last(conn, names, beat, now).await
+        .ignore();
+    // One round trip: the live beat and the one kept after it stops.
+    keep_last(&mut pipe, names, beat, now);
+    pipe.query_async(conn).await
 }
 
-/// Keeps `beat` as the worker's last for [`LAST_BEAT_KEPT`], and drops workers not seen for
-/// that long from the index of workers seen.
-async fn keep_last<C: ConnectionLike + Send>(
-    conn: &mut C,
-    names: &Names,
-    beat: &WorkerBeat,
-    now: i64,
-) -> redis::RedisResult<()> {
+/// Adds to `pipe`: keep `beat` as the worker's last for [`LAST_BEAT_KEPT`], and drop workers
+/// not seen for that long from the index of workers seen.
+fn keep_last(pipe: &mut redis::Pipeline, names: &Names, beat: &WorkerBeat, now: i64) {
     let kept = i64::try_from(LAST_BEAT_KEPT.as_millis()).unwrap_or(i64::MAX);
-    redis::pipe()
-        .cmd("SET")
+    pipe.cmd("SET")
         .arg(names.worker_last(&beat.id))
         .arg(serde_json::to_string(beat).unwrap_or_default())
         .arg("PX")
@@ -214,9 +208,12 @@ async fn keep_last<C: ConnectionLike + Send>(
         .arg(names.workers_seen())
         .arg("-inf")
         .arg(now - kept)
-        .ignore()
-        .query_async(conn)
-        .await
+        .ignore();
+}
+
+/// Adds to `pipe`: remove worker `id`'s live heartbeat and its index entry.
+fn forget(pipe: &mut redis::Pipeline, names: &Names, id: &str) {
+    pipe.cmd("DEL").arg(names.worker(id)).ignore().cmd("ZREM").arg(names.workers_index()).arg(id).ignore();
 }
 
 /// A clean stop: the last beat (marked `stopped`) is kept a day, the live one removed.
@@ -227,8 +224,10 @@ pub async fn retire<C: ConnectionLike + Send>(
 ) -> redis::RedisResult<()> {
     let now = redis_ms(conn).await?;
     let last = WorkerBeat { stopped: true, running: Vec::new(), ..beat.clone() };
-    keep_last(conn, names, &last, now).await?;
-    unregister(conn, names, &beat.id).await
+    let mut pipe = redis::pipe();
+    keep_last(&mut pipe, names, &last, now);
+    forget(&mut pipe, names, &beat.id);
+    pipe.query_async(conn).await
 }
 
 /// Workers seen in the last day that no longer beat: their last heartbeat, newest first
@@ -271,16 +270,9 @@ pub async fn unregister<C: ConnectionLike + Send>(
     names: &Names,
     id: &str,
 ) -> redis::RedisResult<()> {
-    redis::pipe()
-        .cmd("DEL")
-        .arg(names.worker(id))
-        .ignore()
-        .cmd("ZREM")
-        .arg(names.workers_index())
-        .arg(id)
-        .ignore()
-        .query_async(conn)
-        .await
+    let mut pipe = redis::pipe();
+    forget(&mut pipe, names, id);
+    pipe.query_async(conn).await
 }
 
 /// How long past its heartbeat's expiry (Redis time) an index entry is still read, and then
