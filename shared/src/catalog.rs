@@ -171,6 +171,7 @@ impl Catalog {
                 shards: None,
                 broadcast: false,
                 priority: None,
+                rate_limit: None,
             });
         }
         let known = config.all_queues();

@@ -29,12 +29,14 @@ pub const DEFAULT_PERMANENT_EXIT_CODE: i32 = 100;
 // rules that span sections.
 mod amqp;
 mod jobs;
+mod limits;
 mod ops;
 mod store;
 mod workers;
 
 pub use amqp::{AmqpConfig, Urls};
 pub use jobs::{CatchUp, ExecConfig, HandlerConfig, JobConfig, Overlap, Shards};
+pub use limits::{LimitKey, NO_TENANT, NamedLimit, Rate, RateLimit, RateLimitRef, ResolvedLimit};
 pub use ops::{AlertsConfig, CheckpointsConfig, HistoryConfig, ResultsConfig};
 pub use store::RedisConfig;
 pub use workers::{TickerConfig, WorkerConfig};
@@ -111,6 +113,9 @@ pub struct Config {
     /// The jobs.
     #[serde(deserialize_with = "jobs::de_jobs")]
     pub jobs: Vec<JobConfig>,
+    /// Rate limits several jobs share by name (`jobs[].rate_limit = "<name>"`).
+    #[serde(deserialize_with = "limits::de_limits")]
+    pub limits: Vec<NamedLimit>,
     /// Queues known only from the workers' catalog (never read from the file): they join
     /// [`Config::all_queues`] for the operator tools (see `crate::catalog`).
     #[serde(skip)]
@@ -130,6 +135,7 @@ impl Default for Config {
             results: ResultsConfig::default(),
             checkpoints: CheckpointsConfig::default(),
             jobs: Vec::new(),
+            limits: Vec::new(),
             catalog_queues: Vec::new(),
         }
     }
@@ -370,6 +376,7 @@ impl Config {
                 ));
             }
         }
+        limits::validate(&self.limits, &self.jobs)?;
         // A record must outlive the longest run it guards (renewals refresh its TTL, but a
         // retention shorter than a run would still let a finished key expire early).
         let (longest, job) = self
@@ -535,7 +542,8 @@ mod tests {
             HandlerConfig::Exec(ExecConfig {
                 command: vec!["true".into()],
                 permanent_exit_codes: vec![100],
-                pass_env: vec![]
+                pass_env: vec![],
+                rate_limited_exit_codes: vec![]
             })
         );
         assert_eq!(c.jobs[1].handler, HandlerConfig::Registered("mine".into()));

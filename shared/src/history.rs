@@ -1,13 +1,15 @@
 //! Run history: what ran, where, when, and how it ended.
 //!
 //! Workers record one [`RunEvent`] per settled run in a Redis stream per queue
-//! (`<prefix>:history:<queue>`): a writer task gathers a worker's runs for up to a second and
-//! appends them up to [`RUNS_PER_ENTRY`] to an entry (field `runs`), capped at
-//! `history.max_len / RUNS_PER_ENTRY` entries (`MAXLEN ~`) and by `history.max_age` (`XTRIM
-//! MINID ~`). The same run, as one short line, goes into the key's idempotency record (field
-//! `run:<n>`, the last `history.runs_per_key` kept; written by the script that records the
-//! outcome), so one key's runs are read without scanning a stream. Nobody waits for either
-//! write: history is best-effort and never delays an ack.
+//! (`<prefix>:history:<queue>`): a run is appended at the head of the Redis pipeline that
+//! carries (or precedes) the script recording its outcome, the runs of one pipeline up to
+//! [`RUNS_PER_ENTRY`] to an entry (field `runs`), capped at `history.max_len /
+//! RUNS_PER_ENTRY` entries and by `history.max_age`. A key recorded `done` therefore has its
+//! run in the stream, even when its worker is killed right after. The same run, as one short
+//! line, goes into the key's idempotency record (field `run:<n>`, the last
+//! `history.runs_per_key` kept; written by the script that records the outcome), so one key's
+//! runs are read without scanning a stream. Nobody waits for the stream's append: history
+//! never adds a round trip to a run.
 //!
 //! Readers ([`HistoryReader`]) walk the streams newest first. A filtered search reads at most
 //! `budget` entries per queue and says so when it stopped early, so a page over a million
@@ -44,11 +46,15 @@ pub enum Outcome {
     /// The ticker did not publish a scheduled slot: its job's previous run was still in
     /// progress (`overlap = "skip"`, or `"buffer_one"` with one slot already waiting).
     Skipped,
+    /// The run must wait (its rate limit, a global concurrency slot, a downstream that pushed
+    /// back): it was sent round the delay chain for about that long, its attempt unchanged
+    /// (`reason` says why).
+    Parked,
 }
 
 impl Outcome {
     /// Every outcome, in a fixed order.
-    pub const ALL: [Outcome; 7] = [
+    pub const ALL: [Outcome; 8] = [
         Outcome::Succeeded,
         Outcome::Retried,
         Outcome::DeadLettered,
@@ -56,6 +62,7 @@ impl Outcome {
         Outcome::Stopped,
         Outcome::LostLease,
         Outcome::Skipped,
+        Outcome::Parked,
     ];
 
     /// The spelling in events, filters and URLs.
@@ -68,6 +75,7 @@ impl Outcome {
             Outcome::Stopped => "stopped",
             Outcome::LostLease => "lost_lease",
             Outcome::Skipped => "skipped",
+            Outcome::Parked => "parked",
         }
     }
 
@@ -81,6 +89,7 @@ impl Outcome {
             Outcome::Stopped => 'x',
             Outcome::LostLease => 'l',
             Outcome::Skipped => 'k',
+            Outcome::Parked => 'p',
         }
     }
 
@@ -225,9 +234,9 @@ impl RunEvent {
     }
 }
 
-/// Runs per stream entry, at most: the writer appends a worker's runs of the last second a
-/// few to an entry (one `XADD` per entry is what a run costs Redis), and the stream is
-/// capped at `history.max_len / RUNS_PER_ENTRY` entries.
+/// Runs per stream entry, at most: a worker appends the runs of one Redis pipeline a few to
+/// an entry (one `XADD` per entry is what a run costs Redis), and the stream is capped at
+/// `history.max_len / RUNS_PER_ENTRY` entries.
 pub const RUNS_PER_ENTRY: usize = 8;
 
 /// One stream entry's `runs` field: a JSON array of `[job, key, id, line]`, oldest first.
@@ -482,8 +491,8 @@ impl HistoryReader {
                 .then(|| found.events.last().and_then(|e| e.entry.clone()))
                 .flatten()
         });
-        // Shown in finish order: workers write their runs up to a second late, each in its
-        // own entries, so stream order is not the order the runs ended in.
+        // Shown in finish order: each worker writes its runs in entries of its own, as its
+        // pipelines go out, so stream order across workers is not quite the order runs ended in.
         found.events.sort_by_key(|e| std::cmp::Reverse((e.finished_at, entry_order(e))));
         Ok(found)
     }

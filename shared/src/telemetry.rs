@@ -36,6 +36,9 @@ pub const UP: &str = "chime_up";
 /// Counter: DLQ alert notifications posted to `alerts.webhook` (`queue`, `result`: `sent`,
 /// `rejected` by the receiver with a 4xx, not retried, or `gave_up` after the retries).
 pub const ALERT_NOTIFICATIONS: &str = "chime_alert_notifications_total";
+/// Counter: runs parked (`job`, `reason`: `rate_limit`, `global_concurrency` or
+/// `pushed_back`): sent round the delay chain to wait, their attempt unchanged.
+pub const RUNS_PARKED: &str = "chime_runs_parked_total";
 
 /// Every metric name above (tests check dashboards and alert rules against it).
 pub const ALL: &[&str] = &[
@@ -55,6 +58,7 @@ pub const ALL: &[&str] = &[
     WORKER_RUNNING,
     UP,
     ALERT_NOTIFICATIONS,
+    RUNS_PARKED,
 ];
 
 /// Values of the `outcome` label of [`JOBS_COMPLETED`].

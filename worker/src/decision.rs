@@ -17,11 +17,13 @@
 //! | claimed | transient, timeout, panic | < max | publish attempt + 1 after the backoff, free the key, ack | free the key, requeue |
 //! | claimed | transient, timeout, panic | = max | mark `dying`, publish the dead letter, record `dead`, ack | requeue (`dying` stays: the next copy dead-letters) |
 //! | claimed | permanent | any | as above | as above |
+//! | claimed | the downstream pushed back (`rate_limited`) | any | slow the job's rate bucket, publish the same attempt after the wait, free the key, ack (`parked`) | free the key, requeue |
 //! | claimed | lease taken over by another owner | — | ack (that owner settles its own copy) | |
 //! | claimed | stopped at the drain deadline | — | free the key, requeue | |
 //! | (no handler for the job) | — | — | re-delay for `worker.unknown_job_grace`, then dead-letter `unknown_job` | requeue |
 //! | (malformed, too large) | — | — | dead-letter, ack | requeue |
 //! | (scheduled slot past its deadline) | — | — | ack (expired) | |
+//! | (its rate limit's start, or a global slot, further off than `worker.max_hold`) | — | — | publish the same attempt after the wait (`parked`), ack | requeue |
 
 use chime_shared::config::BackoffConfig;
 use chime_shared::idempotency::{Claim, DeadInfo, IdemError};
@@ -41,6 +43,8 @@ pub(crate) enum RunEnd {
     Failed(Failure, String),
     /// A transient failure whose handler asked for this delay before the next attempt.
     RetryAfter(Duration, String),
+    /// The downstream pushed back: run again after this long, as the same attempt.
+    RateLimited(Duration, String),
     /// Another owner claimed the key while we ran (our lease lapsed).
     LeaseTaken,
     /// Stopped by the drain deadline without a result.
@@ -60,6 +64,31 @@ pub(crate) enum Redelay {
     Busy,
     /// First seen without a handler at this instant (carried in `x-chime-unknown-since`).
     UnknownJob(DateTime<Utc>),
+    /// It must wait longer than `worker.max_hold` before it may run.
+    Parked(Park),
+}
+
+/// Why a run is parked (its `parked` history event's reason).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Park {
+    /// Its rate limit's start is this far off; the start (µs of Redis time) is reserved for
+    /// it and travels with the copy (`x-chime-rate-at`).
+    RateLimit { start_us: u64 },
+    /// Every global concurrency slot stayed held; `parks` counts the times it was parked so.
+    GlobalSlot { parks: u32 },
+    /// The downstream pushed back (`JobError::rate_limited`).
+    PushedBack,
+}
+
+impl Park {
+    /// The reason recorded and counted.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Park::RateLimit { .. } => "rate_limit",
+            Park::GlobalSlot { .. } => "global_concurrency",
+            Park::PushedBack => "pushed_back",
+        }
+    }
 }
 
 /// What a dead letter sent by the key's holder does to the key's record.
@@ -101,6 +130,10 @@ pub(crate) enum HeldPlan {
     LeaseTaken,
     /// Stopped at the drain deadline: free the key, requeue.
     Release,
+    /// The downstream pushed back: publish the same attempt after `delay`, free the key, ack.
+    Park {
+        delay: Duration,
+    },
 }
 
 /// What the claim leads to.
@@ -160,6 +193,10 @@ pub(crate) fn on_run(
                 HeldPlan::DeadLetter { dead: dead_info(reason, &error, attempt), mark: KeyMark::MarkDying }
             }
         },
+        // Not a failure: the same attempt runs again after the wait (whole seconds, at least one).
+        RunEnd::RateLimited(asked, _) => {
+            HeldPlan::Park { delay: Duration::from_secs(chime_shared::delay::seconds(asked).max(1)) }
+        }
         RunEnd::RetryAfter(asked, error) => {
             match retry::decide(attempt, max_attempts, Failure::Transient, backoff, key) {
                 // The handler's delay replaces the backoff (whole seconds, at least one).

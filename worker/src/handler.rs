@@ -224,6 +224,7 @@ enum Kind {
     Transient,
     Permanent,
     RetryAfter(Duration),
+    RateLimited(Duration),
 }
 
 /// Why a handler failed, with the cause chain of the error it came from.
@@ -257,6 +258,23 @@ impl JobError {
     /// It still counts as an attempt.
     pub fn retry_after(delay: Duration, error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         Self { kind: Kind::RetryAfter(delay), error: error.into() }
+    }
+    /// The downstream pushed back (HTTP 429, a quota): the run is parked for `retry_after`
+    /// and runs again then, without counting as an attempt, and the job's rate limit
+    /// (`jobs[].rate_limit`), if it has one, holds every worker's runs of its bucket (and
+    /// tenant) until then.
+    pub fn rate_limited(
+        retry_after: Duration,
+        error: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self { kind: Kind::RateLimited(retry_after), error: error.into() }
+    }
+    /// The wait asked for by [`JobError::rate_limited`].
+    pub fn rate_limited_for(&self) -> Option<Duration> {
+        match self.kind {
+            Kind::RateLimited(d) => Some(d),
+            _ => None,
+        }
     }
     /// Whether retrying cannot help.
     pub fn is_permanent(&self) -> bool {

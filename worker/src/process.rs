@@ -27,7 +27,7 @@ use tracing::{Instrument, Span, debug, error, info, info_span, warn};
 use uuid::Uuid;
 
 use crate::ack::{AckSink, Ticket};
-use crate::decision::{self, AfterClaim, HeldPlan, KeyMark, Plan, Redelay, RunEnd, Settled};
+use crate::decision::{self, AfterClaim, HeldPlan, KeyMark, Park, Plan, Redelay, RunEnd, Settled};
 use crate::handler::{JobContext, JobError};
 use crate::retry::{DeadReason, Failure};
 use crate::state::{Core, JobSpec, Stats};
@@ -35,6 +35,10 @@ use crate::store::{KeyStore, Outbox};
 
 /// Header carrying when a job was first seen without a handler (rolling deploys).
 pub(crate) const UNKNOWN_SINCE: &str = "x-chime-unknown-since";
+/// Header carrying the start a parked run's rate limit reserved for it (µs of Redis time).
+pub(crate) const RATE_AT: &str = "x-chime-rate-at";
+/// Header counting the times a run was parked waiting for a global concurrency slot.
+pub(crate) const SLOT_PARKS: &str = "x-chime-slot-parks";
 
 /// A delivery, as far as deciding its fate goes.
 pub(crate) struct Incoming {
@@ -107,11 +111,23 @@ impl<S: KeyStore> Drop for GlobalSlot<'_, S> {
 /// Shortest and longest pause between two asks for a global slot while all are held.
 const SLOT_POLL: (Duration, Duration) = (Duration::from_millis(10), Duration::from_millis(500));
 
+/// What waiting for a global slot came to.
+enum SlotWait<'a, S: KeyStore> {
+    Got(GlobalSlot<'a, S>),
+    /// Intake stopped meanwhile (requeue).
+    Stopped,
+    /// Every slot stayed held for `worker.max_hold`: park the run for this long.
+    Park(Duration),
+}
+
 /// Takes one of the job's global slots, waiting while every one is held: one delivery per job
 /// and process asks Redis (the others queue behind it), again at once when a run of this
 /// process frees one, else after a pause that doubles from 10 ms to 500 ms (never past the
 /// moment the first held slot lapses). While it waits the delivery gives its worker-wide
-/// slot back, as [`job_permit`] does. `Ok(None)`: intake stopped meanwhile (requeue).
+/// slot back, as [`job_permit`] does. A delivery still without a slot after
+/// `worker.max_hold` is parked (it must not hold its delivery for as long as other runs
+/// take): for 1 s, doubling with each time it was parked so (`parks`), at most 60 s.
+#[allow(clippy::too_many_arguments)]
 async fn global_slot<'a, S: KeyStore>(
     core: &Core,
     store: &'a S,
@@ -120,17 +136,21 @@ async fn global_slot<'a, S: KeyStore>(
     owner: &str,
     limit: usize,
     slot: &WorkerSlot,
-) -> Result<Option<GlobalSlot<'a, S>>, IdemError> {
+    parks: u32,
+) -> Result<SlotWait<'a, S>, IdemError> {
+    let deadline = tokio::time::Instant::now() + core.config.worker.max_hold;
+    let park = Duration::from_secs(1 << parks.min(5)).min(Duration::from_secs(60));
     let turn = match spec.global_turn.try_lock() {
         Ok(turn) => turn,
         Err(_) => {
             let worker_wide = give_back(slot);
             let turn = tokio::select! {
                 t = spec.global_turn.lock() => t,
-                _ = core.intake_stopped.cancelled() => return Ok(None),
+                _ = tokio::time::sleep_until(deadline) => return Ok(SlotWait::Park(park)),
+                _ = core.intake_stopped.cancelled() => return Ok(SlotWait::Stopped),
             };
             if !take_again(core, slot, worker_wide).await {
-                return Ok(None);
+                return Ok(SlotWait::Stopped);
             }
             turn
         }
@@ -142,14 +162,24 @@ async fn global_slot<'a, S: KeyStore>(
             SlotTake::Taken => break,
             SlotTake::Full { lapses_in } => lapses_in,
         };
+        if tokio::time::Instant::now() >= deadline {
+            // Its worker-wide slot comes back to it before it is settled.
+            if let Some(sem) = worker_wide
+                && !take_again(core, slot, sem).await
+            {
+                return Ok(SlotWait::Stopped);
+            }
+            return Ok(SlotWait::Park(park));
+        }
         if worker_wide.is_none() {
             worker_wide = Some(give_back(slot));
         }
         let wait = pause.min(lapses_in + Duration::from_millis(1));
         tokio::select! {
             _ = tokio::time::sleep(wait) => pause = (pause * 2).min(SLOT_POLL.1),
+            _ = tokio::time::sleep_until(deadline) => {}
             _ = spec.global_freed.notified() => pause = SLOT_POLL.0,
-            _ = core.intake_stopped.cancelled() => return Ok(None),
+            _ = core.intake_stopped.cancelled() => return Ok(SlotWait::Stopped),
         }
     }
     drop(turn);
@@ -158,9 +188,70 @@ async fn global_slot<'a, S: KeyStore>(
     if let Some(sem) = worker_wide
         && !take_again(core, slot, sem).await
     {
-        return Ok(None);
+        return Ok(SlotWait::Stopped);
     }
-    Ok(Some(taken))
+    Ok(SlotWait::Got(taken))
+}
+
+/// What a run's rate limit says.
+enum Gate {
+    Go,
+    /// Its start is further off than `worker.max_hold` (or no in-place wait is free).
+    Park(Duration, Park),
+    /// Intake stopped while it waited.
+    Stopped,
+}
+
+/// Asks the job's rate limit (if any) when this run may start: at once; after a wait of under
+/// a second, or of at most `worker.max_hold` when one of the worker's in-place waits is free,
+/// in place (its worker-wide slot given back meanwhile); else it is parked for the whole
+/// seconds of its wait (the delay chain counts whole seconds: rounded up, every run parked
+/// within one second would come back together, late, and run at once), and on its return
+/// waits the rest in place. A copy parked earlier brings its reservation back and keeps it
+/// (unless a push-back voided it), so runs start at their reserved times, spaced.
+async fn rate_gate<S: KeyStore>(
+    core: &Core,
+    store: &S,
+    spec: &JobSpec,
+    env: &Envelope,
+    incoming: &Incoming,
+) -> Result<Gate, IdemError> {
+    let Some(limit) = &spec.rate else { return Ok(Gate::Go) };
+    let key = rate_key(core, limit, env);
+    let reserved = header_str(&incoming.properties, RATE_AT).and_then(|s| s.parse::<u64>().ok());
+    let rate = &limit.limit.rate;
+    let take = store.take_rate(key, rate.interval_us(), rate.burst, reserved).await?;
+    if take.wait.is_zero() {
+        return Ok(Gate::Go);
+    }
+    let park =
+        Gate::Park(Duration::from_secs(take.wait.as_secs()), Park::RateLimit { start_us: take.start_us });
+    let hold = if take.wait < Duration::from_secs(1) {
+        None
+    } else if take.wait > core.config.worker.max_hold {
+        return Ok(park);
+    } else {
+        match core.holds.clone().try_acquire_owned() {
+            Ok(hold) => Some(hold),
+            Err(_) => return Ok(park),
+        }
+    };
+    let worker_wide = give_back(&incoming.slot);
+    tokio::select! {
+        _ = tokio::time::sleep(take.wait) => {}
+        _ = core.intake_stopped.cancelled() => return Ok(Gate::Stopped),
+    }
+    drop(hold);
+    Ok(if take_again(core, &incoming.slot, worker_wide).await { Gate::Go } else { Gate::Stopped })
+}
+
+/// The Redis bucket of `env`'s run under `limit`: the limit's, for the run's tenant.
+fn rate_key(core: &Core, limit: &chime_shared::config::ResolvedLimit, env: &Envelope) -> String {
+    let tenant = match &limit.limit.key {
+        Some(k) => k.tenant(&env.payload),
+        None => chime_shared::config::NO_TENANT.to_string(),
+    };
+    core.names.rate(&limit.bucket, &tenant)
 }
 
 /// Hands the delivery's worker-wide slot back while it waits; the semaphore to take it again.
@@ -312,6 +403,17 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
             return Verdict::unheld(Plan::Ack(Settled::Expired), env, Some(spec));
         }
     }
+    match rate_gate(core, store, &spec, &env, incoming).await {
+        Ok(Gate::Go) => {}
+        Ok(Gate::Park(delay, why)) => {
+            return Verdict::unheld(Plan::Redelay { delay, why: Redelay::Parked(why) }, env, Some(spec));
+        }
+        Ok(Gate::Stopped) => return Verdict::unheld(Plan::Requeue, env, Some(spec)),
+        Err(e) => {
+            slot_error(core, &e);
+            return Verdict::unheld(decision::on_redis_error(&e), env, Some(spec));
+        }
+    }
     // Held until the run is over (dropped at the end of this function).
     let _job_permit = match &spec.limit {
         Some(limit) => match job_permit(core, limit, &incoming.slot).await {
@@ -322,9 +424,19 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     };
     let owner = core.owner_token();
     let _global_slot = match spec.global {
-        Some(limit) => match global_slot(core, store, &spec, &env.job, &owner, limit, &incoming.slot).await {
-            Ok(Some(slot)) => Some(slot),
-            Ok(None) => return Verdict::unheld(Plan::Requeue, env, Some(spec)),
+        Some(limit) => match global_slot(core, store, &spec, &env.job, &owner, limit, &incoming.slot, {
+            header_str(&incoming.properties, SLOT_PARKS).and_then(|s| s.parse().ok()).unwrap_or(0)
+        })
+        .await
+        {
+            Ok(SlotWait::Got(slot)) => Some(slot),
+            Ok(SlotWait::Stopped) => return Verdict::unheld(Plan::Requeue, env, Some(spec)),
+            Ok(SlotWait::Park(delay)) => {
+                let parks =
+                    header_str(&incoming.properties, SLOT_PARKS).and_then(|s| s.parse().ok()).unwrap_or(0);
+                let why = Redelay::Parked(Park::GlobalSlot { parks: parks + 1 });
+                return Verdict::unheld(Plan::Redelay { delay, why }, env, Some(spec));
+            }
             Err(e) => {
                 slot_error(core, &e);
                 return Verdict::unheld(decision::on_redis_error(&e), env, Some(spec));
@@ -381,6 +493,14 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         let e = chime_shared::redact::redact_text(e);
         warn!(error = %chime_shared::redact::escape_control(&e), "job failed");
         error = Some(e);
+    }
+    if let (RunEnd::RateLimited(wait, _), Some(limit)) = (&end, &spec.rate) {
+        // Every worker's runs of this bucket wait too (best-effort: this run parks either way).
+        let rate = &limit.limit.rate;
+        let key = rate_key(core, limit, &env);
+        if let Err(e) = store.slow_rate(key, *wait, rate.interval_us(), rate.burst).await {
+            warn!(error = %e, "cannot hold the job's rate limit in redis; only this run waits");
+        }
     }
     let plan = decision::on_run(end, env.attempt, env.max_attempts, &spec.backoff, env.key);
     let result = result.map(|r| StoredResult::encode(r, core.config.results.max_bytes));
@@ -491,9 +611,10 @@ async fn run_handler<S: KeyStore>(
         // Stopped cleanly with a result: success stands; an error after a timeout is a timeout.
         (_, Some(RunEnd::Succeeded)) => RunEnd::Succeeded,
         (Stop::Timeout, Some(RunEnd::Failed(Failure::Permanent, e))) => RunEnd::Failed(Failure::Permanent, e),
-        (Stop::Timeout, Some(RunEnd::Failed(_, e) | RunEnd::RetryAfter(_, e))) => {
-            RunEnd::Failed(Failure::Timeout, format!("timeout after {:?}: {e}", spec.timeout))
-        }
+        (
+            Stop::Timeout,
+            Some(RunEnd::Failed(_, e) | RunEnd::RetryAfter(_, e) | RunEnd::RateLimited(_, e)),
+        ) => RunEnd::Failed(Failure::Timeout, format!("timeout after {:?}: {e}", spec.timeout)),
         (Stop::Timeout, _) => RunEnd::Failed(
             Failure::Timeout,
             format!("timeout: no result within {:?} (plus {grace:?} after cancellation)", spec.timeout),
@@ -508,9 +629,10 @@ fn ended(joined: Joined) -> RunEnd {
     match joined {
         Ok(Ok(())) => RunEnd::Succeeded,
         Ok(Err(e)) if e.is_permanent() => RunEnd::Failed(Failure::Permanent, e.to_string()),
-        Ok(Err(e)) => match e.retry_delay() {
-            Some(delay) => RunEnd::RetryAfter(delay, e.to_string()),
-            None => RunEnd::Failed(Failure::Transient, e.to_string()),
+        Ok(Err(e)) => match (e.rate_limited_for(), e.retry_delay()) {
+            (Some(wait), _) => RunEnd::RateLimited(wait, e.to_string()),
+            (None, Some(delay)) => RunEnd::RetryAfter(delay, e.to_string()),
+            (None, None) => RunEnd::Failed(Failure::Transient, e.to_string()),
         },
         Err(panic) => RunEnd::Failed(Failure::Panic, format!("panic: {}", panic_message(panic))),
     }
@@ -641,22 +763,35 @@ struct Settle<'a, S, O> {
 }
 
 impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
-    /// The run's event when history is on; `finish` puts it in the key's record, `record`
-    /// in the stream (and in the record unless `finish` did).
-    fn event(&self, outcome: Outcome, reason: Option<&str>, error: Option<&str>) -> Option<RunEvent> {
-        self.store
+    /// The run's event when history is on, handed to the history stream now: before the
+    /// `finish` that records the outcome (and puts the event in the key's record), so that
+    /// no outcome is recorded without its run reaching the stream first.
+    fn streamed(&self, outcome: Outcome, reason: Option<&str>, error: Option<&str>) -> Option<RunEvent> {
+        let e = self
+            .store
             .records_history()
-            .then(|| run_event(self.core, self.incoming, self.env, self.run, outcome, reason, error))
+            .then(|| run_event(self.core, self.incoming, self.env, self.run, outcome, reason, error))?;
+        self.store.stream_run(&e);
+        Some(e)
     }
 
-    fn record_event(&self, e: Option<RunEvent>, logged: bool) {
-        if let Some(e) = e {
-            self.store.record_run(&e, logged);
+    /// Puts a streamed event in its key's record unless its `finish` did (`logged`).
+    fn log_unless(&self, e: Option<RunEvent>, logged: bool) {
+        if let (Some(e), false) = (e, logged) {
+            self.store.log_run(&e);
         }
     }
 
+    /// Records an event no `finish` carries: in the stream and in the key's record.
     fn record(&self, outcome: Outcome, reason: Option<&str>, error: Option<&str>) {
-        self.record_event(self.event(outcome, reason, error), false)
+        self.log_unless(self.streamed(outcome, reason, error), false)
+    }
+
+    /// Logs and counts a parked run.
+    fn parked(&self, park: Park, delay: Duration) {
+        info!(reason = park.as_str(), ?delay, "run parked");
+        metrics::counter!(telemetry::RUNS_PARKED, "job" => self.label.to_string(), "reason" => park.as_str())
+            .increment(1);
     }
 
     fn run_error(&self) -> Option<&str> {
@@ -703,13 +838,26 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
             Plan::Redelay { delay, why } => {
                 let Some(env) = self.env else { return self.requeue(ticket).await };
                 let mut headers = FieldTable::default();
-                if let Redelay::UnknownJob(since) = why {
-                    put_header(&mut headers, UNKNOWN_SINCE, &since.to_rfc3339());
+                match why {
+                    Redelay::UnknownJob(since) => {
+                        put_header(&mut headers, UNKNOWN_SINCE, &since.to_rfc3339())
+                    }
+                    Redelay::Parked(Park::RateLimit { start_us }) => {
+                        put_header(&mut headers, RATE_AT, &start_us.to_string())
+                    }
+                    Redelay::Parked(Park::GlobalSlot { parks }) => {
+                        put_header(&mut headers, SLOT_PARKS, &parks.to_string())
+                    }
+                    Redelay::Parked(Park::PushedBack) | Redelay::Busy => {}
                 }
                 match self.outbox.delayed(&env.route(), env, delay, headers).await {
                     Ok(()) => {
                         debug!(?delay, ?why, "copy sent round again");
                         Stats::bump(&self.stats().redelayed);
+                        if let Redelay::Parked(park) = why {
+                            self.parked(park, delay);
+                            self.record(Outcome::Parked, Some(park.as_str()), None);
+                        }
                         ticket.ack().await;
                     }
                     Err(e) => {
@@ -727,11 +875,11 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
         let (core, store) = (self.core, self.store);
         match plan {
             HeldPlan::RecordDone => {
-                let done = self.event(Outcome::Succeeded, None, None);
+                let done = self.streamed(Outcome::Succeeded, None, None);
                 if let Some(logged) = record_until_done(core, store, h, done.as_ref()).await {
                     Stats::bump(&self.stats().succeeded);
                     self.completed(outcome::SUCCEEDED);
-                    self.record_event(done, logged);
+                    self.log_unless(done, logged);
                     info!("job succeeded");
                     ticket.ack().await;
                 } else {
@@ -752,7 +900,7 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                 next.id = Uuid::now_v7();
                 let sent = self.outbox.delayed(&next.route(), &next, delay, FieldTable::default()).await;
                 let retried =
-                    if sent.is_ok() { self.event(Outcome::Retried, None, self.run_error()) } else { None };
+                    if sent.is_ok() { self.streamed(Outcome::Retried, None, self.run_error()) } else { None };
                 // Free the key either way: the retry (or the requeued copy) must be able to claim it.
                 let freed = best_effort(core, "free the key", || {
                     store.finish(&h.key, &h.owner, h.fence, Final::Free, None, retried.as_ref())
@@ -763,11 +911,35 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                         info!(retry_in = ?delay, attempt = next.attempt, "retry published");
                         Stats::bump(&self.stats().retried);
                         self.completed(outcome::RETRIED);
-                        self.record_event(retried, logged(freed));
+                        self.log_unless(retried, logged(freed));
                         ticket.ack().await;
                     }
                     Err(e) => {
                         error!(error = %e, "cannot publish the retry; requeueing");
+                        self.requeue(ticket).await;
+                    }
+                }
+            }
+            HeldPlan::Park { delay } => {
+                // The same attempt, after the wait the downstream asked for.
+                let sent = self.outbox.delayed(&env.route(), env, delay, FieldTable::default()).await;
+                let parked = if sent.is_ok() {
+                    self.streamed(Outcome::Parked, Some(Park::PushedBack.as_str()), self.run_error())
+                } else {
+                    None
+                };
+                let freed = best_effort(core, "free the key", || {
+                    store.finish(&h.key, &h.owner, h.fence, Final::Free, None, parked.as_ref())
+                })
+                .await;
+                match sent {
+                    Ok(()) => {
+                        self.parked(Park::PushedBack, delay);
+                        self.log_unless(parked, logged(freed));
+                        ticket.ack().await;
+                    }
+                    Err(e) => {
+                        error!(error = %e, "cannot park the run; requeueing");
                         self.requeue(ticket).await;
                     }
                 }
@@ -779,13 +951,13 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                 ticket.ack().await;
             }
             HeldPlan::Release => {
-                let stopped = self.event(Outcome::Stopped, None, self.run_error());
+                let stopped = self.streamed(Outcome::Stopped, None, self.run_error());
                 let freed = best_effort(core, "free the key", || {
                     store.finish(&h.key, &h.owner, h.fence, Final::Free, None, stopped.as_ref())
                 })
                 .await;
                 info!("job stopped by the drain deadline; requeued");
-                self.record_event(stopped, logged(freed));
+                self.log_unless(stopped, logged(freed));
                 self.requeue(ticket).await;
             }
         }
@@ -814,7 +986,7 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
         match self.outbox.dead_letter(&incoming.queue, &incoming.data, props).await {
             Ok(()) => {
                 let error = chime_shared::redact::redact_text(&dead.error);
-                let died = self.event(Outcome::DeadLettered, Some(&dead.reason), Some(&error));
+                let died = self.streamed(Outcome::DeadLettered, Some(&dead.reason), Some(&error));
                 let mut recorded = None;
                 if let Some((h, _)) = held {
                     recorded = best_effort(core, "record dead", || {
@@ -825,7 +997,7 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                 warn!(reason = %dead.reason, error = %chime_shared::redact::escape_control(&error), queue = %incoming.queue, "dead-lettered");
                 Stats::bump(&self.stats().dead_lettered);
                 self.completed(outcome::DEAD_LETTERED);
-                self.record_event(died, logged(recorded));
+                self.log_unless(died, logged(recorded));
                 ticket.ack().await;
             }
             Err(e) => {

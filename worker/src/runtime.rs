@@ -287,7 +287,7 @@ impl Worker {
         }
         monitor.abort();
         let _ = steering.await;
-        // The last second's runs are still with the history writer.
+        // Runs no finish followed (expired, lost lease) may still wait for their pipeline.
         self.store.flush_history().await;
         self.health.set("consuming", false);
         info!("worker stopped");

@@ -37,6 +37,8 @@ pub(crate) struct JobSpec {
     pub global_turn: tokio::sync::Mutex<()>,
     /// A run of this job in this process freed its global slot.
     pub global_freed: tokio::sync::Notify,
+    /// The rate every worker together runs it at (`jobs[].rate_limit`).
+    pub rate: Option<chime_shared::config::ResolvedLimit>,
     /// Metric handles of this job, registered on first use (after the recorder is installed).
     metrics: OnceLock<JobMetrics>,
 }
@@ -68,8 +70,15 @@ impl JobSpec {
             global: global.map(|n| n.max(1)),
             global_turn: tokio::sync::Mutex::new(()),
             global_freed: tokio::sync::Notify::new(),
+            rate: None,
             metrics: OnceLock::new(),
         }
+    }
+
+    /// With the rate limit its config entry names.
+    pub fn with_rate(mut self, rate: Option<chime_shared::config::ResolvedLimit>) -> Self {
+        self.rate = rate;
+        self
     }
 
     /// The handles of the per-job series updated on every delivery (looked up once, not per job).
@@ -177,14 +186,17 @@ pub(crate) fn resolve_jobs(
                 });
                 jobs.insert(
                     job.name.clone(),
-                    Arc::new(JobSpec::new(
-                        handler,
-                        timeout,
-                        backoff,
-                        job.deadline,
-                        limit,
-                        options.global_concurrency,
-                    )),
+                    Arc::new(
+                        JobSpec::new(
+                            handler,
+                            timeout,
+                            backoff,
+                            job.deadline,
+                            limit,
+                            options.global_concurrency,
+                        )
+                        .with_rate(config.rate_limit_of(&job.name)),
+                    ),
                 );
             }
             None if queues.iter().any(|q| q == job.queue()) => {
@@ -248,6 +260,10 @@ pub(crate) struct Core {
     pub started_at: chrono::DateTime<chrono::Utc>,
     /// What it settled per minute since the last flush to Redis (the dashboard's charts).
     minutes: Mutex<std::collections::BTreeMap<i64, chime_shared::minutes::Counts>>,
+    /// Runs that may wait in place for their rate limit's start at once (a quarter of the
+    /// worker's concurrency): beyond that a run is parked, so waiting runs never fill the
+    /// prefetch that other jobs of the queue arrive through.
+    pub holds: Arc<tokio::sync::Semaphore>,
 }
 
 /// Removes a run from [`Core::running`] when dropped.
@@ -267,7 +283,9 @@ impl Drop for RunningGuard<'_> {
 impl Core {
     pub fn new(config: ValidConfig, registry: Registry, jobs: Jobs, worker_id: String) -> Self {
         let names = Names::new(&config.prefix);
+        let holds = Arc::new(tokio::sync::Semaphore::new((config.worker.concurrency / 4).max(1)));
         Self {
+            holds,
             config,
             names,
             worker_id,

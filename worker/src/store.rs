@@ -9,7 +9,7 @@ use chime_shared::delay;
 use chime_shared::envelope::Envelope;
 use chime_shared::history::RunEvent;
 use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, IdemStore, Recorded, Renewal};
-use chime_shared::limit::SlotTake;
+use chime_shared::limit::{RateTake, SlotTake};
 use chime_shared::topology::Names;
 use lapin::BasicProperties;
 use lapin::types::FieldTable;
@@ -58,11 +58,29 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<SlotTake, IdemError>> + Send;
     /// Frees `owner`'s slot of `job` (best-effort, nobody waits).
     fn free_slot(&self, job: &str, owner: &str);
+    /// When a run may start by rate bucket `key`: reserves a start, or keeps `reserved`.
+    fn take_rate(
+        &self,
+        key: String,
+        interval_us: u64,
+        burst: u32,
+        reserved: Option<u64>,
+    ) -> impl Future<Output = Result<RateTake, IdemError>> + Send;
+    /// Holds rate bucket `key` for `hold`, for every worker (the downstream pushed back).
+    fn slow_rate(
+        &self,
+        key: String,
+        hold: Duration,
+        interval_us: u64,
+        burst: u32,
+    ) -> impl Future<Output = Result<(), IdemError>> + Send;
     /// Whether settled runs are recorded in the history.
     fn records_history(&self) -> bool;
-    /// Records a settled run (best-effort; nobody waits); `logged`: `finish` already put it
-    /// in the key's record.
-    fn record_run(&self, event: &RunEvent, logged: bool);
+    /// Appends a settled run to its queue's history stream, ahead of any `finish` called
+    /// after it (best-effort; nobody waits).
+    fn stream_run(&self, event: &RunEvent);
+    /// Appends a run to its key's record, for a run no `finish` put there (best-effort).
+    fn log_run(&self, event: &RunEvent);
 }
 
 impl KeyStore for IdemStore {
@@ -77,11 +95,32 @@ impl KeyStore for IdemStore {
     fn free_slot(&self, job: &str, owner: &str) {
         IdemStore::free_slot(self, job, owner)
     }
+    fn take_rate(
+        &self,
+        key: String,
+        interval_us: u64,
+        burst: u32,
+        reserved: Option<u64>,
+    ) -> impl Future<Output = Result<RateTake, IdemError>> + Send {
+        IdemStore::take_rate(self, key, interval_us, burst, reserved)
+    }
+    fn slow_rate(
+        &self,
+        key: String,
+        hold: Duration,
+        interval_us: u64,
+        burst: u32,
+    ) -> impl Future<Output = Result<(), IdemError>> + Send {
+        IdemStore::slow_rate(self, key, hold, interval_us, burst)
+    }
     fn records_history(&self) -> bool {
         IdemStore::records_history(self)
     }
-    fn record_run(&self, event: &RunEvent, logged: bool) {
-        IdemStore::record_run(self, event, logged)
+    fn stream_run(&self, event: &RunEvent) {
+        IdemStore::stream_run(self, event)
+    }
+    fn log_run(&self, event: &RunEvent) {
+        IdemStore::log_run(self, event)
     }
     fn lease(&self) -> Duration {
         IdemStore::lease(self)

@@ -131,6 +131,19 @@ impl Names {
     pub fn limit(&self, job: &str) -> String {
         format!("{}:limit:{job}", self.prefix)
     }
+    /// Redis hash of a rate limit's bucket (`job:<job>` or `limit:<name>`) for one tenant:
+    /// the limit's schedule (`t`) and how long the downstream asked it to hold (`h`). A
+    /// tenant longer than 100 bytes is named by a hash of it.
+    pub fn rate(&self, bucket: &str, tenant: &str) -> String {
+        if tenant.len() <= 100 {
+            return format!("{}:rate:{bucket}:{tenant}", self.prefix);
+        }
+        // FNV-1a, 64 bits: stable across processes and versions.
+        let h = tenant
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        format!("{}:rate:{bucket}:#{h:016x}", self.prefix)
+    }
     /// Redis hash of a fanned-out run (sharded or broadcast): its members' keys.
     pub fn group(&self, base_key: &str) -> String {
         format!("{}:group:{base_key}", self.prefix)

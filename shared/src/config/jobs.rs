@@ -113,6 +113,8 @@ pub struct JobConfig {
     pub broadcast: bool,
     /// Delivery order when a backlog exists (default `normal`).
     pub priority: Option<Priority>,
+    /// The rate every worker together runs this job at (its own, or a `[[limits]]` entry's).
+    pub rate_limit: Option<RateLimitRef>,
 }
 
 /// What runs a job. In TOML it is the `handler` key plus the keys of that handler alone
@@ -144,6 +146,9 @@ pub struct ExecConfig {
     /// Variables of the worker's environment passed to this job's program, besides
     /// `worker.pass_env` and the safe defaults (`PATH`, `HOME`, locale, `TZ`, `TMPDIR`).
     pub pass_env: Vec<String>,
+    /// Exit codes that mean "the downstream pushed back": the run is parked, its rate limit
+    /// slowed for every worker, and the attempt not counted (default none).
+    pub rate_limited_exit_codes: Vec<i32>,
 }
 
 impl HandlerConfig {
@@ -178,6 +183,8 @@ struct RawJobConfig {
     #[serde(default)]
     pass_env: Option<Vec<String>>,
     #[serde(default)]
+    rate_limited_exit_codes: Option<Vec<i32>>,
+    #[serde(default)]
     url: Option<String>,
     #[serde(default)]
     payload: Option<serde_json::Value>,
@@ -207,6 +214,8 @@ struct RawJobConfig {
     broadcast: Option<bool>,
     #[serde(default)]
     priority: Option<Priority>,
+    #[serde(default)]
+    rate_limit: Option<RateLimitRef>,
 }
 
 /// `[[jobs]]` with each entry's index in its errors, as `validate` names them.
@@ -246,6 +255,7 @@ impl RawJobConfig {
                 ("command", raw.command.is_some()),
                 ("permanent_exit_codes", raw.permanent_exit_codes.is_some()),
                 ("pass_env", raw.pass_env.is_some()),
+                ("rate_limited_exit_codes", raw.rate_limited_exit_codes.is_some()),
             ] {
                 if set {
                     return Err(only(field, "exec"));
@@ -264,6 +274,7 @@ impl RawJobConfig {
                             .permanent_exit_codes
                             .unwrap_or(vec![DEFAULT_PERMANENT_EXIT_CODE]),
                         pass_env: raw.pass_env.unwrap_or_default(),
+                        rate_limited_exit_codes: raw.rate_limited_exit_codes.unwrap_or_default(),
                     })
                 }
                 _ => {
@@ -308,6 +319,7 @@ impl RawJobConfig {
             shards: raw.shards,
             broadcast: raw.broadcast.unwrap_or(false),
             priority: raw.priority,
+            rate_limit: raw.rate_limit,
         })
     }
 }

@@ -36,6 +36,10 @@ pub struct WorkerConfig {
     /// else is (besides `PATH`, `HOME`, locale, `TZ`, `TMPDIR` and the job's `CHIME_*` facts):
     /// the worker's own secrets (`CHIME_AMQP_URL`, `CHIME_REDIS_URL`, …) never reach a job.
     pub pass_env: Vec<String>,
+    /// The longest a run waits in place for its rate limit, holding its delivery; a run that
+    /// must wait longer is parked (sent round the delay chain, its attempt unchanged).
+    #[serde(deserialize_with = "duration::de")]
+    pub max_hold: Duration,
 }
 
 impl Default for WorkerConfig {
@@ -51,6 +55,7 @@ impl Default for WorkerConfig {
             unknown_job_grace: Duration::from_secs(300),
             cancel_grace: Duration::from_secs(5),
             pass_env: Vec::new(),
+            max_hold: Duration::from_secs(2),
         }
     }
 }
@@ -105,6 +110,13 @@ impl WorkerConfig {
         }
         if self.cancel_grace > Duration::from_secs(3600) {
             return Err(ConfigError::invalid("worker.cancel_grace", "must be at most 1h"));
+        }
+        if self.max_hold > Duration::from_secs(60) {
+            return Err(ConfigError::invalid(
+                "worker.max_hold",
+                "must be at most 60s (a run waiting longer is parked, not held: RabbitMQ's consumer_timeout closes \
+                 channels that hold deliveries too long)",
+            ));
         }
         Ok(())
     }

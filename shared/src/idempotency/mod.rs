@@ -163,8 +163,8 @@ return 1"
 /// KEYS[1] a history stream; ARGV max entries, min id, then one entry's runs per argument
 /// (see [`crate::history::encode_entry`]). Appends the entries, then trims the stream to the
 /// newest max entries and drops those older than min id. Exact trims, once per call (a call
-/// carries up to a second of a worker's runs): an approximate one only drops whole stream
-/// nodes, which never happens to a quiet stream's last node.
+/// carries the runs of one pipeline): an approximate one only drops whole stream nodes,
+/// which never happens to a quiet stream's last node.
 static XADDS: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"for i = 3, #ARGV do
@@ -353,10 +353,22 @@ impl IdemError {
 /// Most commands sent in one pipeline.
 const MAX_BATCH: usize = 256;
 
-/// One script call waiting for its pipeline.
-struct Op {
-    cmd: Cmd,
-    reply: oneshot::Sender<Result<Value, IdemError>>,
+/// What the batching task is handed.
+enum Op {
+    /// One script call waiting for its pipeline.
+    Call { cmd: Cmd, reply: oneshot::Sender<Result<Value, IdemError>> },
+    /// A run for its queue's history stream, written at the head of the next pipeline, ahead
+    /// of any call handed over after it (the finish that records its outcome).
+    Run { stream: String, values: [String; 4], trim: Trim },
+}
+
+/// How a history stream is cut as runs are appended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Trim {
+    /// Most entries kept (`history.max_len / RUNS_PER_ENTRY`).
+    max_entries: u64,
+    /// `history.max_age` in ms.
+    max_age_ms: i64,
 }
 
 /// A cheaply clonable handle on one multiplexed, self-reconnecting Redis connection (the hot
@@ -381,25 +393,9 @@ pub struct IdemStore {
     batcher: Arc<Mutex<Option<mpsc::UnboundedSender<Op>>>>,
     /// Run history settings (`None`: off).
     history: Option<HistoryConfig>,
-    /// The history writer's queue (started like the batching task).
-    writer: Arc<Mutex<Option<mpsc::UnboundedSender<ToWriter>>>>,
     /// `results.retention` (`None`: as long as the record).
     result_retention: Option<Duration>,
 }
-
-/// What the history writer is told.
-enum ToWriter {
-    /// One run: its stream and its values ([`RunEvent::stream_values`]).
-    Run { stream: String, values: [String; 4] },
-    /// Write what is waiting now, then answer.
-    Flush(oneshot::Sender<()>),
-}
-
-/// Most runs the writer holds before it writes them.
-const MAX_PENDING: usize = 4096;
-/// How long the writer lets runs gather (so that quiet queues, too, get entries of several
-/// runs; see [`crate::history::RUNS_PER_ENTRY`]).
-const LINGER: Duration = Duration::from_secs(1);
 
 impl IdemStore {
     /// Creates the store without waiting for Redis: the first command connects, and a
@@ -417,7 +413,6 @@ impl IdemStore {
             retention: config.done_retention,
             batcher: Arc::new(Mutex::new(None)),
             history: None,
-            writer: Arc::new(Mutex::new(None)),
             result_retention: None,
         })
     }
@@ -433,44 +428,45 @@ impl IdemStore {
         self.history.is_some()
     }
 
-    /// Hands `event` to the history writer (its queue's stream) and, unless `logged` (the
-    /// finishing script already did), appends it to its key's record. Nobody waits: the
-    /// writer gathers runs for up to a second and writes them a few to a stream entry, and
-    /// the record's line joins the next pipeline with its reply dropped (history is
-    /// best-effort and must never hold up an ack).
-    pub fn record_run(&self, event: &RunEvent, logged: bool) {
+    /// Hands `event` to the batching task for its queue's history stream. The run is written
+    /// at the head of the next pipeline, so a finish called after this (the script that
+    /// records the outcome) reaches Redis in the same write or a later one: a worker acks
+    /// only after its finish answered, so a run whose key is `done` is in the stream, even
+    /// when the worker is killed right after. Runs of one pipeline share stream entries (up
+    /// to [`crate::history::RUNS_PER_ENTRY`] each). Nobody waits for the append itself.
+    pub fn stream_run(&self, event: &RunEvent) {
         let Some(h) = &self.history else { return };
-        let values = event.stream_values();
-        if !logged && !event.key.is_empty() {
-            let mut log = evalsha(&RUNLOG, self.names.idem_key(&event.key));
-            log.arg(&values[3]).arg(h.runs_per_key).arg(&event.job).arg(&event.queue);
-            self.send(log);
-        }
-        let _ = self.writer(h).send(ToWriter::Run { stream: self.names.history(&event.queue), values });
+        let trim = Trim {
+            max_entries: h.max_len.div_ceil(crate::history::RUNS_PER_ENTRY as u64),
+            max_age_ms: i64::try_from(h.max_age.as_millis()).unwrap_or(i64::MAX),
+        };
+        let _ = self.batcher().send(Op::Run {
+            stream: self.names.history(&event.queue),
+            values: event.stream_values(),
+            trim,
+        });
     }
 
-    /// Writes the runs the history writer holds (a worker calls it as it stops).
+    /// Appends `event` to its key's record (for a run no finish recorded: the finishing
+    /// script writes its own run's line). Its reply is dropped: history never holds up an
+    /// ack.
+    pub fn log_run(&self, event: &RunEvent) {
+        let Some(h) = &self.history else { return };
+        if event.key.is_empty() {
+            return;
+        }
+        let mut log = evalsha(&RUNLOG, self.names.idem_key(&event.key));
+        log.arg(event.record_line()).arg(h.runs_per_key).arg(&event.job).arg(&event.queue);
+        self.send(log);
+    }
+
+    /// Waits until everything handed to the batching task so far has been written (a worker
+    /// calls it as it stops, for the runs no finish followed).
     pub async fn flush_history(&self) {
-        let Some(h) = &self.history else { return };
-        let (done, answer) = oneshot::channel();
-        if self.writer(h).send(ToWriter::Flush(done)).is_ok() {
-            let _ = tokio::time::timeout(self.timeout * 2, answer).await;
+        if self.history.is_none() {
+            return;
         }
-    }
-
-    /// The history writer's queue, starting the writer if needed.
-    fn writer(&self, h: &HistoryConfig) -> mpsc::UnboundedSender<ToWriter> {
-        let mut writer = self.writer.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        match writer.as_ref() {
-            Some(tx) if !tx.is_closed() => tx.clone(),
-            _ => {
-                let (tx, rx) = mpsc::unbounded_channel();
-                let batcher = (self.batcher.clone(), self.conn.clone());
-                tokio::spawn(write_history(batcher, rx, h.clone()));
-                *writer = Some(tx.clone());
-                tx
-            }
-        }
+        let _ = tokio::time::timeout(self.timeout * 2, self.call::<Value>(redis::cmd("PING"))).await;
     }
 
     /// The store's self-reconnecting connection, for the worker's other Redis traffic
@@ -496,7 +492,7 @@ impl IdemStore {
     /// Queues `cmd` on the batching task without waiting for (or reading) its reply.
     pub(crate) fn send(&self, cmd: Cmd) {
         let (reply, _) = oneshot::channel();
-        let _ = self.batcher().send(Op { cmd, reply });
+        let _ = self.batcher().send(Op::Call { cmd, reply });
     }
 
     /// The batching task's queue, starting the task if needed.
@@ -508,7 +504,7 @@ impl IdemStore {
     pub(crate) async fn call<T: redis::FromRedisValue>(&self, cmd: Cmd) -> Result<T, IdemError> {
         let tx = self.batcher();
         let (reply, answer) = oneshot::channel();
-        tx.send(Op { cmd, reply }).map_err(|_| IdemError::Protocol("redis batcher stopped".into()))?;
+        tx.send(Op::Call { cmd, reply }).map_err(|_| IdemError::Protocol("redis batcher stopped".into()))?;
         let value = answer.await.map_err(|_| IdemError::Protocol("redis batcher stopped".into()))??;
         redis::from_redis_value(value).map_err(|e| IdemError::BadRecord(format!("unexpected reply: {e}")))
     }
@@ -569,8 +565,9 @@ impl IdemStore {
     }
 
     /// [`IdemStore::finish`], with the result of a `done` run (JSON) kept in the record, and
-    /// `run` appended to the key's record in the same script when history is on (then
-    /// [`IdemStore::record_run`] with `logged = true` hands it to the stream only).
+    /// `run` appended to the key's record in the same script when history is on (the caller
+    /// handed it to [`IdemStore::stream_run`] first; [`IdemStore::log_run`] is for runs no
+    /// finish recorded).
     pub async fn finish_with_run(
         &self,
         key: &str,
@@ -679,89 +676,6 @@ fn batcher_of(
     }
 }
 
-/// The history writer. It gathers runs for up to [`LINGER`] (or [`MAX_PENDING`] runs), then
-/// appends them, [`crate::history::RUNS_PER_ENTRY`] to a stream entry, with one `XADDS` call
-/// per stream through the batching task; that call also trims the stream by length (in
-/// entries) and by age. A failed call loses its runs (history is best-effort). Ends, after
-/// writing what it holds, when every store handle is gone.
-async fn write_history(
-    batcher: (Arc<Mutex<Option<mpsc::UnboundedSender<Op>>>>, RedisConn),
-    mut rx: mpsc::UnboundedReceiver<ToWriter>,
-    h: HistoryConfig,
-) {
-    let mut pending: Vec<(String, [String; 4])> = Vec::new();
-    let mut open = true;
-    while open {
-        let mut flushed = Vec::new();
-        match rx.recv().await {
-            None => break,
-            Some(ToWriter::Flush(done)) => flushed.push(done),
-            Some(ToWriter::Run { stream, values }) => {
-                pending.push((stream, values));
-                let deadline = tokio::time::Instant::now() + LINGER;
-                while pending.len() < MAX_PENDING {
-                    match tokio::time::timeout_at(deadline, rx.recv()).await {
-                        Err(_) => break,
-                        Ok(None) => {
-                            open = false;
-                            break;
-                        }
-                        Ok(Some(ToWriter::Run { stream, values })) => pending.push((stream, values)),
-                        Ok(Some(ToWriter::Flush(done))) => {
-                            flushed.push(done);
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        write_runs(&batcher, std::mem::take(&mut pending), &h).await;
-        for done in flushed {
-            let _ = done.send(());
-        }
-    }
-}
-
-/// Appends `runs` to their streams (one `XADDS` call per stream) and waits for the replies.
-async fn write_runs(
-    batcher: &(Arc<Mutex<Option<mpsc::UnboundedSender<Op>>>>, RedisConn),
-    runs: Vec<(String, [String; 4])>,
-    h: &HistoryConfig,
-) {
-    if runs.is_empty() {
-        return;
-    }
-    let oldest =
-        chrono::Utc::now().timestamp_millis() - i64::try_from(h.max_age.as_millis()).unwrap_or(i64::MAX);
-    let max_entries = h.max_len.div_ceil(crate::history::RUNS_PER_ENTRY as u64);
-    let mut by_stream: Vec<(String, Vec<[String; 4]>)> = Vec::new();
-    for (stream, values) in runs {
-        match by_stream.iter_mut().find(|(s, _)| *s == stream) {
-            Some((_, v)) => v.push(values),
-            None => by_stream.push((stream, vec![values])),
-        }
-    }
-    let tx = batcher_of(&batcher.0, &batcher.1);
-    let mut answers = Vec::with_capacity(by_stream.len());
-    for (stream, runs) in by_stream {
-        let mut cmd = evalsha(&XADDS, stream);
-        cmd.arg(max_entries).arg(oldest.max(0));
-        for entry in runs.chunks(crate::history::RUNS_PER_ENTRY) {
-            cmd.arg(crate::history::encode_entry(entry));
-        }
-        let (reply, answer) = oneshot::channel();
-        if tx.send(Op { cmd, reply }).is_err() {
-            return;
-        }
-        answers.push(answer);
-    }
-    for a in answers {
-        if let Ok(Err(e)) = a.await {
-            tracing::debug!(error = %e, "run history not written");
-        }
-    }
-}
-
 /// The batching task: one pipeline in flight at a time; calls that arrive meanwhile form the
 /// next one. Ends when every store handle is gone.
 async fn batch_loop(mut conn: RedisConn, mut rx: mpsc::UnboundedReceiver<Op>) {
@@ -775,20 +689,49 @@ async fn batch_loop(mut conn: RedisConn, mut rx: mpsc::UnboundedReceiver<Op>) {
 type Reply = oneshot::Sender<Result<Value, IdemError>>;
 
 /// Answers every call of a failed pipeline with the same error.
-fn fail_all(replies: Vec<Reply>, error: impl Fn() -> IdemError) {
-    for reply in replies {
+fn fail_all(replies: Vec<Option<Reply>>, error: impl Fn() -> IdemError) {
+    for reply in replies.into_iter().flatten() {
         let _ = reply.send(Err(error()));
     }
 }
 
 /// Sends `ops` as one pipeline and answers each. Calls rejected with `NOSCRIPT` (Redis
 /// restarted, or `SCRIPT FLUSH`) did not run: the scripts are loaded and those calls resent.
+///
+/// The batch's history runs come first, as one `XADDS` call per stream (their replies are
+/// only logged: history is best-effort), so each run reaches Redis ahead of the finish that
+/// was handed over after it.
 async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
     let mut pipe = Pipeline::with_capacity(ops.len());
-    let mut replies = Vec::with_capacity(ops.len());
+    let mut replies: Vec<Option<Reply>> = Vec::with_capacity(ops.len());
+    let mut calls = Vec::with_capacity(ops.len());
+    let mut streams: Vec<(String, Trim, Vec<[String; 4]>)> = Vec::new();
     for op in ops {
-        pipe.add_command(op.cmd);
-        replies.push(op.reply);
+        match op {
+            Op::Call { cmd, reply } => calls.push((cmd, reply)),
+            Op::Run { stream, values, trim } => {
+                match streams.iter_mut().find(|(s, t, _)| *s == stream && *t == trim) {
+                    Some((_, _, runs)) => runs.push(values),
+                    None => streams.push((stream, trim, vec![values])),
+                }
+            }
+        }
+    }
+    if !streams.is_empty() {
+        let now = chrono::Utc::now().timestamp_millis();
+        for (stream, trim, runs) in streams {
+            let mut cmd = evalsha(&XADDS, stream);
+            cmd.arg(trim.max_entries).arg(now.saturating_sub(trim.max_age_ms).max(0));
+            for entry in runs.chunks(crate::history::RUNS_PER_ENTRY) {
+                cmd.arg(crate::history::encode_entry(entry));
+            }
+            pipe.add_command(cmd);
+            replies.push(None);
+        }
+    }
+    for (cmd, reply) in calls {
+        pipe.add_command(cmd);
+        replies.push(Some(reply));
     }
     for round in 0..2 {
         let values = match conn.req_packed_commands(&pipe, 0, replies.len()).await {
@@ -811,7 +754,16 @@ async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
                 Value::ServerError(e) => Err(IdemError::classify(e.into())),
                 v => Ok(v),
             };
-            let _ = reply.send(answer);
+            match reply {
+                Some(reply) => {
+                    let _ = reply.send(answer);
+                }
+                None => {
+                    if let Err(e) = answer {
+                        tracing::debug!(error = %e, "run history not written");
+                    }
+                }
+            }
         }
         if again_replies.is_empty() {
             return;

@@ -166,3 +166,18 @@ pub fn chime_env(
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// The number of entries of the `default` queue's history stream, and its runs, oldest first.
+pub async fn history_runs(env: &TestEnv) -> (usize, Vec<chime_shared::history::RunEvent>) {
+    let mut r = connect_redis(&env.redis_url).await;
+    let entries: Vec<(String, std::collections::HashMap<String, String>)> = redis::cmd("XRANGE")
+        .arg(env.names().history("default"))
+        .arg("-")
+        .arg("+")
+        .query_async(&mut r)
+        .await
+        .unwrap();
+    let runs =
+        entries.iter().flat_map(|(id, f)| chime_shared::history::decode_entry("default", id, f)).collect();
+    (entries.len(), runs)
+}

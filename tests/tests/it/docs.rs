@@ -151,6 +151,12 @@ fn config_keys() -> BTreeSet<String> {
                     keys.insert(format!("jobs[].{k}"));
                 }
             }
+            "limits" => {
+                let limit = format!("[[limits]]\nname = \"a\"\nrate = \"1/s\"\n{UNKNOWN}\n");
+                for k in accepted_keys(&limit) {
+                    keys.insert(format!("limits[].{k}"));
+                }
+            }
             "prefix" => {
                 keys.insert(top.clone());
             }

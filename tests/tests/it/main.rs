@@ -16,6 +16,7 @@ mod fanout;
 mod hostile;
 mod idempotency;
 mod layout;
+mod limits;
 mod loss_windows;
 mod overlap;
 mod pipeline;

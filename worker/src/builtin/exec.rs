@@ -1,7 +1,9 @@
 //! `exec`: runs a program with the payload on stdin and the run's facts in the environment.
 //!
 //! Exit 0 = success; an exit code in `permanent_exit_codes` (default 100) = permanent
-//! failure; anything else (or a signal) = transient.
+//! failure; one in `rate_limited_exit_codes` (default none) = the downstream pushed back
+//! (`JobError::rate_limited` for [`PUSHBACK_WAIT`]: the run is parked, not counted);
+//! anything else (or a signal) = transient.
 //!
 //! Environment: a clean one. The program gets `PATH`, `HOME`, `USER`, `LOGNAME`, the locale
 //! (`LANG`, `LANGUAGE`, `LC_*`), `TZ` and `TMPDIR` from the worker, the variables named in
@@ -32,6 +34,10 @@ use tokio::process::Command;
 
 use crate::handler::{Handler, JobContext, JobError};
 
+/// How long a run that exited with one of its `rate_limited_exit_codes` waits (a program
+/// cannot say how long), and its job's rate limit with it.
+pub const PUSHBACK_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Keep at most this much of the program's stderr for the error message.
 const STDERR_TAIL: usize = 2048;
 
@@ -41,6 +47,8 @@ const GUARD: &str = r#"exec 3<&0; trap 'kill -KILL 0' TERM HUP INT; "$@" <&3 3<&
 pub struct ExecHandler {
     command: Vec<String>,
     permanent: Vec<i32>,
+    /// Exit codes meaning "the downstream pushed back".
+    rate_limited: Vec<i32>,
     /// What the program's environment starts from (see the module docs).
     env: Vec<(String, String)>,
 }
@@ -53,7 +61,13 @@ impl ExecHandler {
         SWEPT.call_once(|| {
             sweep_orphaned_run_files(&std::env::temp_dir());
         });
-        Self { command, permanent: permanent_exit_codes, env }
+        Self { command, permanent: permanent_exit_codes, rate_limited: Vec::new(), env }
+    }
+
+    /// Exit codes that mean the downstream pushed back (`jobs[].rate_limited_exit_codes`).
+    pub fn with_rate_limited_exit_codes(mut self, codes: Vec<i32>) -> Self {
+        self.rate_limited = codes;
+        self
     }
 }
 
@@ -118,7 +132,7 @@ impl Handler for ExecHandler {
         ctx: JobContext,
         payload: serde_json::Value,
     ) -> BoxFuture<'a, Result<(), JobError>> {
-        Box::pin(run(&self.command, &self.permanent, &self.env, ctx, payload))
+        Box::pin(run(self, ctx, payload))
     }
 }
 
@@ -212,13 +226,8 @@ impl Drop for RunFiles {
     }
 }
 
-async fn run(
-    command: &[String],
-    permanent: &[i32],
-    env: &[(String, String)],
-    ctx: JobContext,
-    payload: serde_json::Value,
-) -> Result<(), JobError> {
+async fn run(exec: &ExecHandler, ctx: JobContext, payload: serde_json::Value) -> Result<(), JobError> {
+    let (command, permanent, env) = (&exec.command, &exec.permanent, &exec.env);
     let mut cmd = Command::new("/bin/sh");
     cmd.arg("-c").arg(GUARD).arg("chime-exec").args(command);
     cmd.env_clear().envs(env.iter().map(|(k, v)| (k, v)));
@@ -311,6 +320,9 @@ async fn run(
         Some(0) => Ok(()),
         Some(code) if permanent.contains(&code) => {
             Err(JobError::permanent(format!("exit code {code} (permanent){detail}")))
+        }
+        Some(code) if exec.rate_limited.contains(&code) => {
+            Err(JobError::rate_limited(PUSHBACK_WAIT, format!("exit code {code} (rate limited){detail}")))
         }
         Some(code) => Err(JobError::transient(format!("exit code {code}{detail}"))),
         None => Err(JobError::transient(format!("killed by a signal{detail}"))),

@@ -1,8 +1,10 @@
 //! `http`: POSTs the payload as JSON.
 //!
-//! Mapping: 2xx = success; 408, 425, 429 and 5xx = transient; other 4xx = permanent (the
-//! request itself is wrong; sending it again cannot help); connection errors and timeouts
-//! = transient. Headers `X-Chime-Job`, `X-Chime-Key`, `X-Chime-Attempt`, `X-Chime-Fence`
+//! Mapping: 2xx = success; 429, and 503 with a `Retry-After`, = the downstream pushed back
+//! (`JobError::rate_limited` for the `Retry-After` it gave, in seconds or as an HTTP date,
+//! else 1 s: the run is parked, not counted, and the job's rate limit holds that long); 408,
+//! 425 and 5xx = transient; other 4xx = permanent (the request itself is wrong; sending it
+//! again cannot help); connection errors and timeouts = transient. Headers `X-Chime-Job`, `X-Chime-Key`, `X-Chime-Attempt`, `X-Chime-Fence`
 //! and `Idempotency-Key` (= the key) let the receiving service deduplicate.
 //!
 //! A 2xx response's body (up to `results.max_bytes`) is the run's result.
@@ -63,13 +65,32 @@ fn describe(e: reqwest::Error) -> String {
     chime_shared::tls::describe_error(&e.without_url())
 }
 
-/// Classifies a response status; `what` names the request in the error.
-pub fn classify(status: u16, what: &str) -> Result<(), JobError> {
-    match status {
-        200..=299 => Ok(()),
-        408 | 425 | 429 | 500..=599 => Err(JobError::transient(format!("{what}: HTTP {status}"))),
+/// Classifies a response status and its `Retry-After` header; `what` names the request in
+/// the error.
+pub fn classify(status: u16, retry_after: Option<&str>, what: &str) -> Result<(), JobError> {
+    let wait = retry_after.and_then(parse_retry_after);
+    match (status, wait) {
+        (200..=299, _) => Ok(()),
+        (429, wait) | (503, wait @ Some(_)) => {
+            let wait = wait.unwrap_or(std::time::Duration::from_secs(1));
+            Err(JobError::rate_limited(wait, format!("{what}: HTTP {status} (retry after {wait:?})")))
+        }
+        (408 | 425 | 500..=599, _) => Err(JobError::transient(format!("{what}: HTTP {status}"))),
         _ => Err(JobError::permanent(format!("{what}: HTTP {status}"))),
     }
+}
+
+/// `Retry-After`: whole seconds, or an HTTP date (the wait until then); at most a day.
+fn parse_retry_after(v: &str) -> Option<std::time::Duration> {
+    let v = v.trim();
+    let wait = match v.parse::<u64>() {
+        Ok(secs) => std::time::Duration::from_secs(secs),
+        Err(_) => {
+            let at = chrono::DateTime::parse_from_rfc2822(v).ok()?;
+            (at.with_timezone(&chrono::Utc) - chrono::Utc::now()).to_std().unwrap_or_default()
+        }
+    };
+    Some(wait.min(std::time::Duration::from_secs(86_400)))
 }
 
 impl Handler for HttpHandler {
@@ -108,7 +129,8 @@ impl Handler for HttpHandler {
                     status.as_u16()
                 )));
             }
-            classify(status.as_u16(), &format!("POST {shown}"))?;
+            let retry_after = resp.headers().get("retry-after").and_then(|v| v.to_str().ok());
+            classify(status.as_u16(), retry_after, &format!("POST {shown}"))?;
             // A 2xx body is the run's result (JSON if it parses, else text), read only up to
             // results.max_bytes: a larger one is not kept, and never held in memory whole.
             let max = ctx.run.result_max_bytes;
@@ -137,6 +159,7 @@ impl Handler for HttpHandler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn redirects_stay_within_the_origin() {
@@ -155,9 +178,19 @@ mod tests {
 
     #[test]
     fn status_mapping() {
-        assert!(classify(204, "x").is_ok());
+        assert!(classify(204, None, "x").is_ok());
         for (status, permanent) in [(400, true), (404, true), (429, false), (503, false)] {
-            assert_eq!(classify(status, "x").unwrap_err().is_permanent(), permanent, "{status}");
+            assert_eq!(classify(status, None, "x").unwrap_err().is_permanent(), permanent, "{status}");
         }
+        let wait = |status, after| classify(status, after, "x").unwrap_err().rate_limited_for();
+        assert_eq!(wait(429, None), Some(Duration::from_secs(1)), "429 without Retry-After: 1 s");
+        assert_eq!(wait(429, Some("7")), Some(Duration::from_secs(7)));
+        assert_eq!(wait(503, Some("2")), Some(Duration::from_secs(2)), "503 with Retry-After pushes back");
+        assert_eq!(wait(503, None), None, "503 without it is a transient failure");
+        assert_eq!(wait(500, Some("2")), None);
+        let soon = (chrono::Utc::now() + chrono::Duration::seconds(30)).to_rfc2822();
+        let by_date = wait(429, Some(&soon)).unwrap();
+        assert!(by_date > Duration::from_secs(25) && by_date <= Duration::from_secs(30), "{by_date:?}");
+        assert_eq!(wait(429, Some("999999999")), Some(Duration::from_secs(86_400)), "at most a day");
     }
 }

@@ -19,11 +19,10 @@ pub fn for_job(job: &JobConfig, worker: &WorkerConfig) -> Option<Arc<dyn Handler
         HandlerConfig::Exec(exec) => {
             let names = worker.pass_env.iter().chain(&exec.pass_env);
             let env = exec::environment(names.map(String::as_str));
-            Some(Arc::new(exec::ExecHandler::new(
-                exec.command.clone(),
-                exec.permanent_exit_codes.clone(),
-                env,
-            )))
+            Some(Arc::new(
+                exec::ExecHandler::new(exec.command.clone(), exec.permanent_exit_codes.clone(), env)
+                    .with_rate_limited_exit_codes(exec.rate_limited_exit_codes.clone()),
+            ))
         }
         HandlerConfig::Http { url } => http_handler(url),
         HandlerConfig::Registered(_) => None,

@@ -49,6 +49,10 @@ struct FakeStore {
     slots: Mutex<HashMap<String, Vec<String>>>,
     /// `take_slot` calls.
     slot_asks: AtomicUsize,
+    /// What `take_rate` answers (`None`: start at once).
+    rate_wait: Mutex<Option<Duration>>,
+    /// `slow_rate` calls: bucket and hold.
+    slowed: Mutex<Vec<(String, Duration)>>,
 }
 
 impl FakeStore {
@@ -103,14 +107,39 @@ impl KeyStore for FakeStore {
     fn records_history(&self) -> bool {
         true
     }
-    fn record_run(&self, event: &RunEvent, logged: bool) {
-        if logged {
-            assert!(
-                self.logged.lock().unwrap().contains(event),
-                "record_run says finish logged {event:?}, but no successful finish carried it"
-            );
-        }
+    async fn take_rate(
+        &self,
+        _key: String,
+        _interval_us: u64,
+        _burst: u32,
+        reserved: Option<u64>,
+    ) -> Result<chime_shared::limit::RateTake, IdemError> {
+        let wait = if reserved.is_some() { None } else { *self.rate_wait.lock().unwrap() };
+        Ok(chime_shared::limit::RateTake { start_us: 42, wait: wait.unwrap_or_default() })
+    }
+    async fn slow_rate(
+        &self,
+        key: String,
+        hold: Duration,
+        _interval_us: u64,
+        _burst: u32,
+    ) -> Result<(), IdemError> {
+        self.slowed.lock().unwrap().push((key, hold));
+        Ok(())
+    }
+    fn stream_run(&self, event: &RunEvent) {
+        assert!(
+            !self.logged.lock().unwrap().contains(event),
+            "{event:?} streamed after the finish that recorded it (a crash in between loses it)"
+        );
         self.events.lock().unwrap().push(event.clone());
+    }
+    fn log_run(&self, event: &RunEvent) {
+        assert!(
+            !self.logged.lock().unwrap().contains(event),
+            "log_run of {event:?}, which a successful finish already put in the record"
+        );
+        assert!(self.events.lock().unwrap().contains(event), "{event:?} logged but never streamed");
     }
     fn lease(&self) -> Duration {
         Duration::from_millis(self.lease_ms)
@@ -192,6 +221,9 @@ impl KeyStore for FakeStore {
         result: Option<&str>,
         run: Option<&RunEvent>,
     ) -> Result<Recorded, IdemError> {
+        if let Some(run) = run {
+            assert!(self.events.lock().unwrap().contains(run), "finish of {run:?} before it was streamed");
+        }
         let recorded = self.finish_state(key, owner, fence, state, result)?;
         if let (Some(run), Recorded::Yes | Recorded::Recreated) = (run, &recorded) {
             self.logged.lock().unwrap().push(run.clone());
@@ -306,8 +338,17 @@ impl FakeStore {
 
 #[derive(Debug, Clone, PartialEq)]
 enum Sent {
-    Delayed { attempt: u32, delay: Duration, unknown_since: Option<String> },
-    Dead { reason: String, attempts: String },
+    Delayed {
+        attempt: u32,
+        delay: Duration,
+        unknown_since: Option<String>,
+        /// `x-chime-rate-at` and `x-chime-slot-parks` (a parked run).
+        parked: (Option<String>, Option<String>),
+    },
+    Dead {
+        reason: String,
+        attempts: String,
+    },
 }
 
 #[derive(Default)]
@@ -329,7 +370,8 @@ impl Outbox for FakeOutbox {
         }
         let props = BasicProperties::default().with_headers(headers);
         let unknown_since = header_str(&props, UNKNOWN_SINCE);
-        self.sent.lock().unwrap().push(Sent::Delayed { attempt: env.attempt, delay, unknown_since });
+        let parked = (header_str(&props, RATE_AT), header_str(&props, SLOT_PARKS));
+        self.sent.lock().unwrap().push(Sent::Delayed { attempt: env.attempt, delay, unknown_since, parked });
         Ok(())
     }
     async fn dead_letter(&self, _queue: &str, _body: &[u8], props: BasicProperties) -> Result<(), AmqpError> {
@@ -395,6 +437,9 @@ fn harness() -> Harness {
                 [[jobs]]\nname = \"stubborn\"\nhandler = \"stubborn\"\ntimeout = \"60s\"\n\
                 [[jobs]]\nname = \"resumable\"\nhandler = \"resumable\"\n\
                 [[jobs]]\nname = \"limited\"\nhandler = \"job\"\nglobal_concurrency = 1\n\
+                [[jobs]]\nname = \"rated\"\nhandler = \"job\"\nrate_limit = { rate = \"1/s\", key = \"tenant\" }\n\
+                [[jobs]]\nname = \"pushy\"\nhandler = \"pushy\"\nrate_limit = \"shared\"\n\
+                [[limits]]\nname = \"shared\"\nrate = \"10/s\"\n\
                 [results]\nmax_bytes = 64\n";
     let config = Config::from_toml_str(text).unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
@@ -488,6 +533,15 @@ fn harness() -> Harness {
                 }
                 Ok(())
             }
+        }),
+    );
+    // The downstream always pushes back.
+    let r = runs.clone();
+    registry.register(
+        "pushy",
+        raw_handler_fn(move |_, _| {
+            r.fetch_add(1, Ordering::SeqCst);
+            async { Err(JobError::rate_limited(Duration::from_millis(2500), "HTTP 429")) }
         }),
     );
     let jobs = resolve_jobs(&config, &registry, &["default".to_string()]).unwrap();
@@ -929,4 +983,103 @@ async fn wait_until_true(what: &str, pred: impl Fn() -> bool) {
         assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// Every global slot held past `worker.max_hold`: the delivery is parked (sent round with its
+/// attempt unchanged and a park count), not held, and never claimed or run.
+#[tokio::test(start_paused = true)]
+async fn a_globally_limited_delivery_is_parked_once_it_waited_max_hold() {
+    let h = harness();
+    h.store.slots.lock().unwrap().insert("limited".into(), vec!["another worker".into()]);
+    let env = envelope("limited", "ok", 2, 3);
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    let Some(Sent::Delayed { attempt: 2, delay, parked: (None, Some(parks)), .. }) =
+        h.sent().first().cloned()
+    else {
+        panic!("{:?}", h.sent())
+    };
+    assert_eq!((delay, parks.as_str()), (Duration::from_secs(1), "1"));
+    assert_eq!((h.runs.load(Ordering::SeqCst), h.store.state(&env.key.to_string())), (0, None));
+    let events = h.store.events.lock().unwrap().clone();
+    assert_eq!(events.len(), 1);
+    assert_eq!(
+        (events[0].outcome, events[0].reason.as_deref()),
+        (Outcome::Parked, Some("global_concurrency"))
+    );
+    // Parked again, it waits twice as long.
+    let mut again = incoming(&env);
+    let mut headers = FieldTable::default();
+    put_header(&mut headers, SLOT_PARKS, "1");
+    again.properties = again.properties.with_headers(headers);
+    assert_eq!(h.deliver(again).await, ["ack"]);
+    assert!(
+        matches!(h.sent()[1], Sent::Delayed { delay, .. } if delay == Duration::from_secs(2)),
+        "{:?}",
+        h.sent()
+    );
+}
+
+/// A rate-limited run whose start is further off than `worker.max_hold` is parked until
+/// then, carrying its reserved start; the copy that comes back with it runs.
+#[tokio::test(start_paused = true)]
+async fn a_rate_limited_run_far_from_its_start_is_parked_with_its_reservation() {
+    let h = harness();
+    *h.store.rate_wait.lock().unwrap() = Some(Duration::from_millis(4500));
+    let env = envelope("rated", r#"{"tenant":"a"}"#, 1, 3);
+    let env = Envelope { payload: serde_json::json!({"tenant": "a"}), ..env };
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    let Some(Sent::Delayed { attempt: 1, delay, parked: (Some(at), None), .. }) = h.sent().first().cloned()
+    else {
+        panic!("{:?}", h.sent())
+    };
+    assert_eq!(
+        (delay, at.as_str()),
+        (Duration::from_secs(4), "42"),
+        "whole seconds: the rest is waited on return"
+    );
+    assert_eq!(h.runs.load(Ordering::SeqCst), 0);
+    let reason = h.store.events.lock().unwrap()[0].reason.clone();
+    assert_eq!(reason.as_deref(), Some("rate_limit"));
+    let mut back = incoming(&env);
+    let mut headers = FieldTable::default();
+    put_header(&mut headers, RATE_AT, &at);
+    back.properties = back.properties.with_headers(headers);
+    assert_eq!(h.deliver(back).await, ["ack"]);
+    assert_eq!((h.runs.load(Ordering::SeqCst), h.store.state(&env.key.to_string())), (1, Some("done")));
+}
+
+/// A run whose start is near waits in place, then runs.
+#[tokio::test(start_paused = true)]
+async fn a_rate_limited_run_near_its_start_waits_in_place() {
+    let h = harness();
+    *h.store.rate_wait.lock().unwrap() = Some(Duration::from_millis(300));
+    let env = envelope("rated", "ok", 1, 3);
+    let started = tokio::time::Instant::now();
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert!(h.sent().is_empty(), "{:?}", h.sent());
+    assert_eq!(h.store.state(&env.key.to_string()), Some("done"));
+}
+
+/// A handler reporting that the downstream pushed back: its bucket is held for the wait it
+/// asked for, and the same attempt is parked for that long (not retried, not counted).
+#[tokio::test(start_paused = true)]
+async fn a_pushed_back_run_slows_its_bucket_and_is_parked_as_the_same_attempt() {
+    let h = harness();
+    let env = envelope("pushy", "ok", 3, 3);
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert!(
+        matches!(h.sent().first(), Some(Sent::Delayed { attempt: 3, delay, .. }) if *delay == Duration::from_secs(3)),
+        "the last attempt is parked, not dead-lettered: {:?}",
+        h.sent()
+    );
+    let slowed = h.store.slowed.lock().unwrap().clone();
+    assert_eq!(slowed.len(), 1);
+    assert!(
+        slowed[0].0.ends_with(":rate:limit:shared:-") && slowed[0].1 == Duration::from_millis(2500),
+        "{slowed:?}"
+    );
+    assert_eq!(h.store.state(&env.key.to_string()), Some("free"));
+    let events = h.store.events.lock().unwrap().clone();
+    assert_eq!((events[0].outcome, events[0].reason.as_deref()), (Outcome::Parked, Some("pushed_back")));
 }
