@@ -37,7 +37,7 @@ mod workers;
 pub use amqp::{AmqpConfig, Urls};
 pub use jobs::{CatchUp, ExecConfig, HandlerConfig, JobConfig, Overlap, Shards};
 pub use limits::{LimitKey, NO_TENANT, NamedLimit, Rate, RateLimit, RateLimitRef, ResolvedLimit};
-pub use ops::{AlertsConfig, CheckpointsConfig, HistoryConfig, ResultsConfig};
+pub use ops::{AlertsConfig, CheckpointsConfig, HistoryConfig, LogConfig, ResultsConfig};
 pub use store::RedisConfig;
 pub use workers::{TickerConfig, WorkerConfig};
 
@@ -110,6 +110,8 @@ pub struct Config {
     pub results: ResultsConfig,
     /// What a run saves to resume from.
     pub checkpoints: CheckpointsConfig,
+    /// What workers log.
+    pub log: LogConfig,
     /// The jobs.
     #[serde(deserialize_with = "jobs::de_jobs")]
     pub jobs: Vec<JobConfig>,
@@ -134,6 +136,7 @@ impl Default for Config {
             history: HistoryConfig::default(),
             results: ResultsConfig::default(),
             checkpoints: CheckpointsConfig::default(),
+            log: LogConfig::default(),
             jobs: Vec::new(),
             limits: Vec::new(),
             catalog_queues: Vec::new(),
@@ -359,6 +362,7 @@ impl Config {
         self.history.validate()?;
         self.results.validate()?;
         self.checkpoints.validate()?;
+        self.log.validate()?;
         self.amqp.validate()?;
         self.redis.validate()?;
         self.alerts.validate()?;

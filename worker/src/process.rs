@@ -787,9 +787,16 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
         self.log_unless(self.streamed(outcome, reason, error), false)
     }
 
-    /// Logs and counts a parked run.
+    /// Whether this key's successful runs are logged (`log.success_sample`).
+    fn logs_success(&self) -> bool {
+        self.env.is_none_or(|e| self.core.config.log.logs_success(&e.key))
+    }
+
+    /// Logs (as a success is, `log.success_sample`) and counts a parked run.
     fn parked(&self, park: Park, delay: Duration) {
-        info!(reason = park.as_str(), ?delay, "run parked");
+        if self.logs_success() {
+            info!(reason = park.as_str(), ?delay, "run parked");
+        }
         metrics::counter!(telemetry::RUNS_PARKED, "job" => self.label.to_string(), "reason" => park.as_str())
             .increment(1);
     }
@@ -880,7 +887,9 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                     Stats::bump(&self.stats().succeeded);
                     self.completed(outcome::SUCCEEDED);
                     self.log_unless(done, logged);
-                    info!("job succeeded");
+                    if self.logs_success() {
+                        info!("job succeeded");
+                    }
                     ticket.ack().await;
                 } else {
                     error!(

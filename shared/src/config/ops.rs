@@ -29,6 +29,46 @@ impl Default for AlertsConfig {
     }
 }
 
+/// `[log]`: what workers log.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// The share of keys whose successful runs are logged (0.0 to 1.0, default 1.0):
+    /// failures, retries and dead letters are always logged; a success (and a park on the way
+    /// to it) is logged for a key in the sample, chosen by the key, so every such line of a
+    /// key is logged or none is. Metrics and history stay complete.
+    pub success_sample: f64,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { success_sample: 1.0 }
+    }
+}
+
+impl LogConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if !(0.0..=1.0).contains(&self.success_sample) {
+            return Err(ConfigError::invalid(
+                "log.success_sample",
+                format!("{}: must be between 0.0 (no successes logged) and 1.0 (all)", self.success_sample),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the successful runs of `key` are logged (deterministic: by the key's low bits).
+    pub fn logs_success(&self, key: &uuid::Uuid) -> bool {
+        if self.success_sample >= 1.0 {
+            return true;
+        }
+        // A UUID's last 7 bytes (hashed in v5 keys, random in v7 ones; the byte before them
+        // holds the variant bits, always the same) as a fraction of their range.
+        let low = (key.as_u128() as u64) & ((1 << 56) - 1);
+        (low as f64 / (1u64 << 56) as f64) < self.success_sample
+    }
+}
+
 /// `[history]`: one event per run in a Redis stream per queue, and a key's last runs in its
 /// idempotency record.
 #[derive(Debug, Clone, Deserialize)]
@@ -144,5 +184,26 @@ impl CheckpointsConfig {
             return Err(ConfigError::invalid("checkpoints.poll", "must be between 50ms and 1m"));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn successes_are_sampled_by_key_in_the_share_asked_for() {
+        let keys: Vec<uuid::Uuid> =
+            (0..10_000).map(|i| crate::envelope::adhoc_key("job", &i.to_string())).collect();
+        for share in [0.0, 0.1, 0.5, 1.0] {
+            let log = LogConfig { success_sample: share };
+            let logged = keys.iter().filter(|k| log.logs_success(k)).count();
+            let want = share * keys.len() as f64;
+            assert!((logged as f64 - want).abs() <= 0.02 * keys.len() as f64, "{share}: {logged}");
+            // By the key: the same answer every time.
+            assert!(keys.iter().all(|k| log.logs_success(k) == log.logs_success(k)));
+        }
+        let bad = Config::from_toml_str("[log]\nsuccess_sample = 1.5\n").unwrap_err().to_string();
+        assert!(bad.contains("log.success_sample"), "{bad}");
     }
 }

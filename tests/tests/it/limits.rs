@@ -1,4 +1,5 @@
-//! Rate limits across worker processes, parked runs, push-back (graceful degradation).
+//! Graceful degradation: rate limits across worker processes, parked runs, push-back,
+//! sampled success logs.
 
 use chime_shared::history::{Outcome, RunEvent};
 use chime_shared::record::KeyState;
@@ -205,4 +206,39 @@ async fn a_pushed_back_run_is_parked_and_holds_its_bucket() {
         runs.iter().any(|e| e.outcome == Outcome::Parked && e.reason.as_deref() == Some("pushed_back")),
         "{runs:?}"
     );
+}
+
+/// `log.success_sample = 0`: a worker logs no success, still logs every failure, and its
+/// history and metrics still count every run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampled_logs_drop_successes_and_keep_failures() {
+    let env = TestEnv::new("log-sample");
+    let jobs = "[log]\nsuccess_sample = 0.0\n\
+                [[jobs]]\nname = \"fine\"\nhandler = \"noop\"\n\
+                [[jobs]]\nname = \"broken\"\nhandler = \"exec\"\ncommand = [\"sh\", \"-c\", \"exit 100\"]\n";
+    let text = env.config_text("classic", "", "", jobs);
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let fine = enqueue_keys(&config, "fine", 20, |_| serde_json::json!({})).await;
+    let broken = enqueue_keys(&config, "broken", 1, |_| serde_json::json!({})).await;
+    let worker = Child::worker(&env.dir, &path, &[], "w");
+    wait_all_done(&config, &env, &fine, Duration::from_secs(30)).await;
+    let reader = chime_shared::history::HistoryReader::connect(&config.redis, env.names()).await.unwrap();
+    let b = broken.clone();
+    wait_until("the broken job dead-lettered", Duration::from_secs(30), || {
+        let (reader, b) = (reader.clone(), b.clone());
+        async move { matches!(reader.states(&b).await.unwrap()[0], Some((KeyState::Dead, _))) }
+    })
+    .await;
+    let w = &worker;
+    wait_until("the failure logged", Duration::from_secs(10), || {
+        let log = w.log_text();
+        async move { log.contains("dead-lettered") }
+    })
+    .await;
+    let log = worker.log_text();
+    assert!(!log.contains("job succeeded"), "no success logged at a sample of 0:\n{log}");
+    assert!(log.contains("job failed"), "{log}");
+    let (_, runs) = history_runs(&env).await;
+    assert_eq!(runs.iter().filter(|e| e.outcome == Outcome::Succeeded).count(), 20, "history stays complete");
 }

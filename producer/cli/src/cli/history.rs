@@ -213,8 +213,10 @@ fn print_totals(totals: &chime_shared::history::Totals) {
     let upper: Vec<String> = outcomes.iter().map(|o| o.to_uppercase()).collect();
     for (title, map) in [("JOB", &totals.by_job), ("QUEUE", &totals.by_queue), ("WORKER", &totals.by_worker)]
     {
-        let mut head = [title, "RUNS", "", "", "", "", "", "", ""];
-        debug_assert_eq!(upper.len() + 2, head.len(), "a column per outcome");
+        // A column per outcome, whatever their number.
+        let mut head = [""; Outcome::ALL.len() + 2];
+        head[0] = title;
+        head[1] = "RUNS";
         for (slot, name) in head.iter_mut().skip(2).zip(&upper) {
             *slot = name;
         }
