@@ -24,6 +24,7 @@
 #![warn(missing_docs)]
 
 mod enqueue;
+pub mod spool;
 mod wait;
 
 pub use chime_shared::job::{Job, JobOptions};
