@@ -172,6 +172,9 @@ impl Catalog {
                 broadcast: false,
                 priority: None,
                 rate_limit: None,
+                circuit: None,
+                criticality: Default::default(),
+                promote_after: None,
             });
         }
         let known = config.all_queues();

@@ -5,7 +5,7 @@
 //! that is wrong so that `chime check-config` can point the operator straight at it.
 
 use serde::Deserialize;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
@@ -28,6 +28,7 @@ pub const DEFAULT_PERMANENT_EXIT_CODE: i32 = 100;
 // Each section: its types, defaults and rules together; `Config::validate` runs them and the
 // rules that span sections.
 mod amqp;
+mod circuits;
 mod jobs;
 mod limits;
 mod ops;
@@ -35,11 +36,12 @@ mod store;
 mod workers;
 
 pub use amqp::{AmqpConfig, Urls};
+pub use circuits::{Circuit, CircuitRef, NamedCircuit, OnOpen, ResolvedCircuit, Trip};
 pub use jobs::{CatchUp, ExecConfig, HandlerConfig, JobConfig, Overlap, Shards};
 pub use limits::{LimitKey, NO_TENANT, NamedLimit, Rate, RateLimit, RateLimitRef, ResolvedLimit};
 pub use ops::{AlertsConfig, CheckpointsConfig, HistoryConfig, LogConfig, ResultsConfig};
 pub use store::RedisConfig;
-pub use workers::{TickerConfig, WorkerConfig};
+pub use workers::{Criticality, ShedConfig, TickerConfig, WorkerConfig};
 
 /// A configuration problem. `Display` names the file and key at fault.
 #[derive(Debug, thiserror::Error)]
@@ -118,6 +120,9 @@ pub struct Config {
     /// Rate limits several jobs share by name (`jobs[].rate_limit = "<name>"`).
     #[serde(deserialize_with = "limits::de_limits")]
     pub limits: Vec<NamedLimit>,
+    /// Circuit breakers several jobs share by name (`jobs[].circuit = "<name>"`).
+    #[serde(deserialize_with = "circuits::de_circuits")]
+    pub circuits: Vec<NamedCircuit>,
     /// Queues known only from the workers' catalog (never read from the file): they join
     /// [`Config::all_queues`] for the operator tools (see `crate::catalog`).
     #[serde(skip)]
@@ -139,6 +144,7 @@ impl Default for Config {
             log: LogConfig::default(),
             jobs: Vec::new(),
             limits: Vec::new(),
+            circuits: Vec::new(),
             catalog_queues: Vec::new(),
         }
     }
@@ -381,6 +387,48 @@ impl Config {
             }
         }
         limits::validate(&self.limits, &self.jobs)?;
+        circuits::validate(&self.circuits, &self.jobs)?;
+        let queues = self.all_queues();
+        for q in self.worker.shed.keys() {
+            if !queues.contains(q) {
+                return Err(ConfigError::invalid(
+                    format!("worker.shed.{q}"),
+                    format!(
+                        "{q:?} is not a queue of this config (queues: {}; a queue only Rust code names goes in worker.queues)",
+                        queues.join(", ")
+                    ),
+                ));
+            }
+        }
+        for (i, job) in self.jobs.iter().enumerate() {
+            if let Some(after) = job.promote_after {
+                let at = format!("jobs[{i}] ({}).promote_after", job.name);
+                if !(Duration::from_secs(1)..=Duration::from_secs(86_400)).contains(&after) {
+                    return Err(ConfigError::invalid(
+                        at,
+                        "must be between 1s and 1d (it counts whole seconds)",
+                    ));
+                }
+                if self.levels(job.queue()).len() < 2 {
+                    return Err(ConfigError::invalid(
+                        at,
+                        format!(
+                            "queue {:?} has no priority levels to promote through (set priority on one of its jobs)",
+                            job.queue()
+                        ),
+                    ));
+                }
+            }
+            if job.criticality == Criticality::Sheddable && !self.worker.shed.contains_key(job.queue()) {
+                return Err(ConfigError::invalid(
+                    format!("jobs[{i}] ({}).criticality", job.name),
+                    format!(
+                        "\"sheddable\" needs a threshold for its queue: [worker.shed.{}] with max_depth or max_age",
+                        job.queue()
+                    ),
+                ));
+            }
+        }
         // A record must outlive the longest run it guards (renewals refresh its TTL, but a
         // retention shorter than a run would still let a finished key expire early).
         let (longest, job) = self
@@ -456,6 +504,25 @@ mod tests {
         match Config::from_toml_str(text) {
             Ok(_) => panic!("config unexpectedly valid:\n{text}"),
             Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn promote_after_needs_levels_and_whole_seconds() {
+        let job = |extra: &str| format!("[[jobs]]\nname = \"bulk\"\nhandler = \"noop\"\n{extra}\n");
+        let ok = Config::from_toml_str(&job("priority = \"low\"\npromote_after = \"30s\"")).unwrap();
+        assert_eq!(ok.job("bulk").and_then(|j| j.promote_after), Some(Duration::from_secs(30)));
+        for (text, says) in [
+            (
+                job("promote_after = \"30s\""),
+                "jobs[0] (bulk).promote_after: queue \"default\" has no priority levels",
+            ),
+            (job("priority = \"low\"\npromote_after = \"500ms\""), "between 1s and 1d"),
+            (job("priority = \"low\"\npromote_after = \"2d\""), "between 1s and 1d"),
+            (job("priority = \"low\"\npromote_after = 30"), "promote_after"),
+        ] {
+            let e = err(&text);
+            assert!(e.contains(says), "{text}\n→ {e}");
         }
     }
 

@@ -50,11 +50,14 @@ pub enum Outcome {
     /// back): it was sent round the delay chain for about that long, its attempt unchanged
     /// (`reason` says why).
     Parked,
+    /// Skipped while its queue was backed up past its shedding threshold (a `sheddable` job):
+    /// the run by a worker, or the slot by the ticker (`error` says which threshold).
+    Shed,
 }
 
 impl Outcome {
     /// Every outcome, in a fixed order.
-    pub const ALL: [Outcome; 8] = [
+    pub const ALL: [Outcome; 9] = [
         Outcome::Succeeded,
         Outcome::Retried,
         Outcome::DeadLettered,
@@ -63,6 +66,7 @@ impl Outcome {
         Outcome::LostLease,
         Outcome::Skipped,
         Outcome::Parked,
+        Outcome::Shed,
     ];
 
     /// The spelling in events, filters and URLs.
@@ -76,6 +80,7 @@ impl Outcome {
             Outcome::LostLease => "lost_lease",
             Outcome::Skipped => "skipped",
             Outcome::Parked => "parked",
+            Outcome::Shed => "shed",
         }
     }
 
@@ -90,6 +95,7 @@ impl Outcome {
             Outcome::LostLease => 'l',
             Outcome::Skipped => 'k',
             Outcome::Parked => 'p',
+            Outcome::Shed => 'h',
         }
     }
 

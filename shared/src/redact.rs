@@ -77,9 +77,12 @@ pub fn redact_text(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     while let Some(i) = rest.find("://") {
+        // The scheme starts after the last character that cannot be part of one (which may
+        // be several bytes long).
         let start = rest[..i]
-            .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '+' || c == '-' || c == '.'))
-            .map_or(0, |j| j + 1);
+            .char_indices()
+            .rfind(|&(_, c)| !(c.is_ascii_alphanumeric() || c == '+' || c == '-' || c == '.'))
+            .map_or(0, |(j, c)| j + c.len_utf8());
         let end = rest[i..]
             .find(|c: char| c.is_whitespace() || c == '"' || c == '\'' || c == '`' || c == '<' || c == '>')
             .map_or(rest.len(), |j| i + j);
@@ -138,6 +141,11 @@ mod tests {
             redact_text(text),
             "request to \"https://h/x?token=***\" failed; fallback amqp://a:***@c/ also"
         );
+        assert_eq!(
+            redact_text("\u{112a7}redis://u:p@h/0 and é·amqp://a:b@c"),
+            "\u{112a7}redis://u:***@h/0 and é·amqp://a:***@c",
+            "a scheme right after a character of several bytes"
+        );
         assert_eq!(escape_control("ok"), "ok");
         assert_eq!(escape_control("a\nINFO forged\u{1b}[2J"), "a\\nINFO forged\\u{1b}[2J");
     }
@@ -181,6 +189,20 @@ mod tests {
             let shown = redact_text(&text);
             prop_assert!(!shown.contains(&secret), "{text:?} -> {shown:?}");
             prop_assert!(shown.contains(&host), "the host stays: {shown:?}");
+        }
+
+        /// Any text at all, URLs or not, any characters around `://`: redaction never panics
+        /// and keeps the text outside the URLs.
+        #[test]
+        fn any_text_redacts(
+            before in "\\PC{0,12}",
+            scheme in "\\PC{0,6}",
+            after in "\\PC{0,24}",
+        ) {
+            let text = format!("{before}{scheme}://{after}");
+            let shown = redact_text(&text);
+            prop_assert!(shown.contains("://"), "{text:?} -> {shown:?}");
+            let _ = redact_text(&after);
         }
     }
 }

@@ -39,6 +39,16 @@ pub const ALERT_NOTIFICATIONS: &str = "chime_alert_notifications_total";
 /// Counter: runs parked (`job`, `reason`: `rate_limit`, `global_concurrency` or
 /// `pushed_back`): sent round the delay chain to wait, their attempt unchanged.
 pub const RUNS_PARKED: &str = "chime_runs_parked_total";
+/// Counter: scheduled slots the ticker did not publish because their queue was shedding
+/// (`job`; a `sheddable` job).
+pub const SLOTS_SHED: &str = "chime_slots_shed_total";
+/// Gauge: 1 while this worker sheds the `sheddable` runs of a queue (`queue`).
+pub const QUEUE_SHEDDING: &str = "chime_queue_shedding";
+/// Gauge: the state of a circuit breaker as a worker last saw it (`circuit`): 0 closed, 1
+/// half-open, 2 open.
+pub const CIRCUIT_STATE: &str = "chime_circuit_state";
+/// Counter: circuit breaker state changes a worker made (`circuit`, `to`: `open` or `closed`).
+pub const CIRCUIT_TRANSITIONS: &str = "chime_circuit_transitions_total";
 
 /// Every metric name above (tests check dashboards and alert rules against it).
 pub const ALL: &[&str] = &[
@@ -59,6 +69,10 @@ pub const ALL: &[&str] = &[
     UP,
     ALERT_NOTIFICATIONS,
     RUNS_PARKED,
+    CIRCUIT_STATE,
+    CIRCUIT_TRANSITIONS,
+    SLOTS_SHED,
+    QUEUE_SHEDDING,
 ];
 
 /// Values of the `outcome` label of [`JOBS_COMPLETED`].
@@ -73,6 +87,8 @@ pub mod outcome {
     pub const DUPLICATE: &str = "duplicate";
     /// A scheduled run older than its job's `expires` was dropped.
     pub const EXPIRED: &str = "expired";
+    /// A `sheddable` run skipped while its queue was above its shedding threshold.
+    pub const SHED: &str = "shed";
 }
 
 /// Label used instead of a job name that is not in the config (keeps cardinality bounded).
@@ -98,6 +114,11 @@ pub fn describe() {
     describe_gauge!(WORKER_RUNNING, "Jobs this worker process is running now.");
     describe_counter!(
         ALERT_NOTIFICATIONS,
-        "DLQ alert notifications posted to the webhook, by queue and result."
+        "Alert notifications posted to the webhook, by queue (or circuit:<name>) and result."
     );
+    describe_counter!(RUNS_PARKED, "Runs parked on the delay chain to wait, by job and reason.");
+    describe_gauge!(CIRCUIT_STATE, "Circuit breaker state last seen: 0 closed, 1 half-open, 2 open.");
+    describe_counter!(CIRCUIT_TRANSITIONS, "Circuit breaker state changes, by circuit and new state.");
+    describe_counter!(SLOTS_SHED, "Scheduled slots not published because their queue was shedding.");
+    describe_gauge!(QUEUE_SHEDDING, "1 while this worker sheds the sheddable runs of the queue.");
 }

@@ -49,7 +49,9 @@ impl TestEnv {
         path
     }
 
-    async fn cleanup(&self) {
+    /// Deletes the test's queues, exchanges and keys, and its directory unless `keep_dir` (a
+    /// failed test's logs are kept for whoever reads the failure).
+    async fn cleanup(&self, keep_dir: bool) {
         // The test's own URL first (a private broker); else the shared broker's (a test that
         // switched to a user it has deleted since, or a broker that is gone).
         let conn = match Connection::connect(&self.amqp_url, ConnectionProperties::default()).await {
@@ -60,7 +62,11 @@ impl TestEnv {
             self.delete_topology(&conn).await;
         }
         self.delete_keys().await;
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if keep_dir {
+            eprintln!("the failed test's files and logs are kept in {}", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 
     async fn delete_topology(&self, conn: &Connection) {
@@ -132,10 +138,11 @@ impl Drop for TestEnv {
             redis_url: self.redis_url.clone(),
             dir: self.dir.clone(),
         };
+        let keep_dir = std::thread::panicking();
         // Runs on its own thread and runtime: Drop may run inside (or outside) a runtime.
         let _ = std::thread::spawn(move || {
             if let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                rt.block_on(env.cleanup());
+                rt.block_on(env.cleanup(keep_dir));
             }
             std::mem::forget(env); // its own Drop must not recurse
         })

@@ -19,11 +19,13 @@
 //! | claimed | permanent | any | as above | as above |
 //! | claimed | the downstream pushed back (`rate_limited`) | any | slow the job's rate bucket, publish the same attempt after the wait, free the key, ack (`parked`) | free the key, requeue |
 //! | claimed | lease taken over by another owner | — | ack (that owner settles its own copy) | |
+//! | claimed, a `sheddable` job while its queue sheds | not run | — | record `done` with a `shed` run (a later copy is a duplicate), ack | (not recorded by the drain deadline: requeue) |
 //! | claimed | stopped at the drain deadline | — | free the key, requeue | |
 //! | (no handler for the job) | — | — | re-delay for `worker.unknown_job_grace`, then dead-letter `unknown_job` | requeue |
 //! | (malformed, too large) | — | — | dead-letter, ack | requeue |
 //! | (scheduled slot past its deadline) | — | — | ack (expired) | |
 //! | (its rate limit's start, or a global slot, further off than `worker.max_hold`) | — | — | publish the same attempt after the wait (`parked`), ack | requeue |
+//! | (its circuit breaker open, or half-open with every probe out) | — | — | publish the same attempt after the wait (`parked`), ack; or dead-letter `circuit_open` (`on_open = "dead_letter"`) | requeue |
 
 use chime_shared::config::BackoffConfig;
 use chime_shared::idempotency::{Claim, DeadInfo, IdemError};
@@ -71,13 +73,16 @@ pub(crate) enum Redelay {
 /// Why a run is parked (its `parked` history event's reason).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Park {
-    /// Its rate limit's start is this far off; the start (µs of Redis time) is reserved for
-    /// it and travels with the copy (`x-chime-rate-at`).
-    RateLimit { start_us: u64 },
+    /// Its rate limit cannot start it within the wait it may do in place; its ticket (µs of
+    /// Redis time: its place in line) travels with the copy (`x-chime-rate-at`).
+    RateLimit { ticket_us: u64 },
     /// Every global concurrency slot stayed held; `parks` counts the times it was parked so.
     GlobalSlot { parks: u32 },
     /// The downstream pushed back (`JobError::rate_limited`).
     PushedBack,
+    /// Its circuit breaker was open, or half-open with every probe out; `parks` counts the
+    /// times it was parked so.
+    Circuit { parks: u32 },
 }
 
 impl Park {
@@ -87,6 +92,7 @@ impl Park {
             Park::RateLimit { .. } => "rate_limit",
             Park::GlobalSlot { .. } => "global_concurrency",
             Park::PushedBack => "pushed_back",
+            Park::Circuit { .. } => "circuit_open",
         }
     }
 }
@@ -134,6 +140,9 @@ pub(crate) enum HeldPlan {
     Park {
         delay: Duration,
     },
+    /// A `sheddable` run while its queue sheds: record `done` with a `shed` run, ack. Settled,
+    /// so that a copy coming back later (an ack a broker lost) is a duplicate, not a run.
+    Shed,
 }
 
 /// What the claim leads to.

@@ -35,10 +35,12 @@ use crate::store::{KeyStore, Outbox};
 
 /// Header carrying when a job was first seen without a handler (rolling deploys).
 pub(crate) const UNKNOWN_SINCE: &str = "x-chime-unknown-since";
-/// Header carrying the start a parked run's rate limit reserved for it (µs of Redis time).
+/// Header carrying a parked rate-limited run's ticket, its place in line (µs of Redis time).
 pub(crate) const RATE_AT: &str = "x-chime-rate-at";
 /// Header counting the times a run was parked waiting for a global concurrency slot.
 pub(crate) const SLOT_PARKS: &str = "x-chime-slot-parks";
+/// Header counting the times a run was parked by its circuit breaker.
+pub(crate) const CIRCUIT_PARKS: &str = "x-chime-circuit-parks";
 
 /// A delivery, as far as deciding its fate goes.
 pub(crate) struct Incoming {
@@ -202,13 +204,15 @@ enum Gate {
     Stopped,
 }
 
-/// Asks the job's rate limit (if any) when this run may start: at once; after a wait of under
-/// a second, or of at most `worker.max_hold` when one of the worker's in-place waits is free,
-/// in place (its worker-wide slot given back meanwhile); else it is parked for the whole
-/// seconds of its wait (the delay chain counts whole seconds: rounded up, every run parked
-/// within one second would come back together, late, and run at once), and on its return
-/// waits the rest in place. A copy parked earlier brings its reservation back and keeps it
-/// (unless a push-back voided it), so runs start at their reserved times, spaced.
+/// Asks the job's rate limit (if any) when this run may start. It may wait in place for
+/// under a second, or for up to `worker.max_hold` when one of the worker's in-place waits is
+/// free (its worker-wide slot given back meanwhile); a start within that is its own. Else it
+/// is parked, carrying its ticket: until about its ticket's turn when that is further off,
+/// or (due, but every start within its wait taken by other due runs) for about the wait.
+/// Parks are the whole seconds of the wait less one, at least one (the delay chain counts
+/// whole seconds, and a loaded chain returns copies late): a copy should be back a little
+/// early and wait the rest in place. However late copies come back, starts stay spaced by
+/// the limit (see `chime_shared::limit`).
 async fn rate_gate<S: KeyStore>(
     core: &Core,
     store: &S,
@@ -218,24 +222,23 @@ async fn rate_gate<S: KeyStore>(
 ) -> Result<Gate, IdemError> {
     let Some(limit) = &spec.rate else { return Ok(Gate::Go) };
     let key = rate_key(core, limit, env);
-    let reserved = header_str(&incoming.properties, RATE_AT).and_then(|s| s.parse::<u64>().ok());
+    let ticket = header_str(&incoming.properties, RATE_AT).and_then(|s| s.parse::<u64>().ok());
     let rate = &limit.limit.rate;
-    let take = store.take_rate(key, rate.interval_us(), rate.burst, reserved).await?;
+    let max_hold = core.config.worker.max_hold;
+    let mut hold =
+        if max_hold >= Duration::from_secs(1) { core.holds.clone().try_acquire_owned().ok() } else { None };
+    let horizon = if hold.is_some() { max_hold } else { IN_PLACE };
+    let take = store.take_rate(key, rate.interval_us(), rate.burst, ticket, horizon).await?;
+    if !take.admitted {
+        let secs = take.wait.as_secs().saturating_sub(1).max(1);
+        return Ok(Gate::Park(Duration::from_secs(secs), Park::RateLimit { ticket_us: take.ticket_us }));
+    }
     if take.wait.is_zero() {
         return Ok(Gate::Go);
     }
-    let park =
-        Gate::Park(Duration::from_secs(take.wait.as_secs()), Park::RateLimit { start_us: take.start_us });
-    let hold = if take.wait < Duration::from_secs(1) {
-        None
-    } else if take.wait > core.config.worker.max_hold {
-        return Ok(park);
-    } else {
-        match core.holds.clone().try_acquire_owned() {
-            Ok(hold) => Some(hold),
-            Err(_) => return Ok(park),
-        }
-    };
+    if take.wait < IN_PLACE {
+        hold = None;
+    }
     let worker_wide = give_back(&incoming.slot);
     tokio::select! {
         _ = tokio::time::sleep(take.wait) => {}
@@ -243,6 +246,136 @@ async fn rate_gate<S: KeyStore>(
     }
     drop(hold);
     Ok(if take_again(core, &incoming.slot, worker_wide).await { Gate::Go } else { Gate::Stopped })
+}
+
+/// How long any rate-limited run may wait in place without one of the worker's in-place
+/// waits (`worker.max_hold` with one).
+const IN_PLACE: Duration = Duration::from_millis(999);
+
+/// Whether the delivery carries header `name`.
+fn has_header(props: &BasicProperties, name: &str) -> bool {
+    props.headers().as_ref().is_some_and(|h| h.inner().contains_key(name))
+}
+
+/// What a run's circuit breaker says.
+enum Breaker<'a, S: KeyStore> {
+    /// Closed, or no circuit (or Redis did not answer: a breaker fails open, and the claim
+    /// that follows needs Redis anyway).
+    Go,
+    /// Half-open: the run goes as one of its probes.
+    Probe(Probe<'a, S>),
+    /// Open (or half-open with every probe out): park it this long, its attempt unchanged.
+    Park(Duration, Park),
+    /// Open with `on_open = "dead_letter"`: why.
+    DeadLetter(String),
+}
+
+/// A probe a half-open circuit let through: reported when its run ends, else given back
+/// when dropped (the run was parked or found its key settled), so the next run may probe.
+struct Probe<'a, S: KeyStore> {
+    store: &'a S,
+    spec: Arc<JobSpec>,
+    token: Option<String>,
+}
+
+impl<S: KeyStore> Probe<'_, S> {
+    fn token(&mut self) -> Option<String> {
+        self.token.take()
+    }
+}
+
+impl<S: KeyStore> Drop for Probe<'_, S> {
+    fn drop(&mut self) {
+        if let (Some(token), Some(c)) = (self.token.take(), &self.spec.circuit) {
+            self.store.circuit_give_back(c.key.clone(), &c.limits, &token);
+        }
+    }
+}
+
+/// Asks the job's circuit breaker (if any) whether the run may go: closed, it goes; open, it
+/// is parked until probes may go (whole seconds, at least one), or dead-lettered with
+/// `on_open = "dead_letter"`; half-open, it goes as a probe while fewer than `probes` are out,
+/// else it is parked for 1 s, doubling with each such park, at most `open_for`.
+async fn breaker<'a, S: KeyStore>(store: &'a S, spec: &Arc<JobSpec>, incoming: &Incoming) -> Breaker<'a, S> {
+    use chime_shared::circuit::Admit;
+    let Some(c) = &spec.circuit else { return Breaker::Go };
+    if c.known_closed() {
+        return Breaker::Go;
+    }
+    let admit = match store.circuit_admit(c.key.clone(), &c.limits).await {
+        Ok(a) => a,
+        Err(e) => {
+            warn!(circuit = %c.name, error = %e, "circuit breaker unreadable in redis; the run goes through");
+            return Breaker::Go;
+        }
+    };
+    c.show(admit.state());
+    c.answered(admit == Admit::Go);
+    let parks: u32 =
+        header_str(&incoming.properties, CIRCUIT_PARKS).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let why = Park::Circuit { parks: parks.saturating_add(1) };
+    match admit {
+        Admit::Go => Breaker::Go,
+        Admit::Probe(token) => {
+            info!(circuit = %c.name, "circuit half-open: this run goes as a probe");
+            Breaker::Probe(Probe { store, spec: spec.clone(), token: Some(token) })
+        }
+        Admit::Open(_) if c.on_open == chime_shared::config::OnOpen::DeadLetter => {
+            Breaker::DeadLetter(format!("circuit {:?} is open", c.name))
+        }
+        Admit::Open(left) => {
+            Breaker::Park(Duration::from_secs(chime_shared::delay::seconds(left).max(1)), why)
+        }
+        Admit::Busy(_) => {
+            let wait = Duration::from_secs(1 << parks.min(12)).min(c.limits.open_for);
+            Breaker::Park(wait.max(Duration::from_secs(1)), why)
+        }
+    }
+}
+
+/// Tells the job's circuit breaker how its run ended (a probe's report decides the circuit).
+async fn report<S: KeyStore>(store: &S, spec: &JobSpec, end: &RunEnd, probe: Option<Probe<'_, S>>) {
+    use chime_shared::circuit::{CircuitState, Ended};
+    let Some(c) = &spec.circuit else { return };
+    let ended = match end {
+        RunEnd::Succeeded => Ended::Succeeded,
+        RunEnd::Failed(..) | RunEnd::RetryAfter(..) => Ended::Failed,
+        RunEnd::RateLimited(..) | RunEnd::LeaseTaken | RunEnd::Stopped => Ended::Neither,
+    };
+    let token = probe.and_then(|mut p| p.token());
+    // Successes are reported in batches (a closed circuit only needs their number); a
+    // failure or a probe's end at once, with the successes not yet reported.
+    let (ended, more) = match (ended, &token) {
+        (Ended::Succeeded, None) => match c.succeeded() {
+            0 => return,
+            n => (Ended::Succeeded, n - 1),
+        },
+        (Ended::Failed, _) => {
+            // After a failure the next run asks again: this one may have opened it.
+            c.answered(false);
+            (Ended::Failed, c.take_successes())
+        }
+        (e, _) => (e, 0),
+    };
+    match store.circuit_record(c.key.clone(), &c.limits, ended, token.as_deref(), more).await {
+        Ok(r) => match r.changed {
+            Some(CircuitState::Open) => {
+                c.show(CircuitState::Open);
+                metrics::counter!(telemetry::CIRCUIT_TRANSITIONS, "circuit" => c.name.clone(), "to" => "open")
+                    .increment(1);
+                warn!(circuit = %c.name, failed = r.failed, runs = r.succeeded + r.failed,
+                    open_for = ?c.limits.open_for, "circuit opened: its runs wait until a probe succeeds");
+            }
+            Some(CircuitState::Closed) => {
+                c.show(CircuitState::Closed);
+                metrics::counter!(telemetry::CIRCUIT_TRANSITIONS, "circuit" => c.name.clone(), "to" => "closed")
+                    .increment(1);
+                info!(circuit = %c.name, "circuit closed: a probe succeeded");
+            }
+            _ => {}
+        },
+        Err(e) => warn!(circuit = %c.name, error = %e, "cannot count the run in its circuit breaker"),
+    }
 }
 
 /// The Redis bucket of `env`'s run under `limit`: the limit's, for the run's tenant.
@@ -383,6 +516,12 @@ pub(crate) async fn handle<S: KeyStore, O: Outbox, A: AckSink>(
 
 /// Handler lookup, deadline, claim and run: the plan for a decoded envelope.
 async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: Envelope) -> Verdict {
+    // How long the queue made it wait, for load shedding: only a copy published straight to
+    // the queue says so (one back from the delay chain, `x-death`, waited on purpose).
+    if !core.shed.is_empty() && !has_header(&incoming.properties, "x-death") {
+        let waited = (Utc::now() - env.enqueued_at).num_milliseconds().max(0);
+        core.saw_age(&incoming.queue, u64::try_from(waited).unwrap_or(0));
+    }
     let Some(spec) = core.job(&env.job) else {
         let now = Utc::now();
         let since = header_str(&incoming.properties, UNKNOWN_SINCE)
@@ -403,6 +542,31 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
             return Verdict::unheld(Plan::Ack(Settled::Expired), env, Some(spec));
         }
     }
+    if spec.sheddable && core.shedding(&incoming.queue).is_some() {
+        let (key, owner) = (env.key.to_string(), core.owner_token());
+        return match decision::on_claim(claim(core, store, &key, &owner).await.as_ref().cloned()) {
+            AfterClaim::Run(fence) => {
+                let held = Held { key, owner, fence, result: None };
+                Verdict::Held { env, spec, held, plan: HeldPlan::Shed, run: None }
+            }
+            AfterClaim::Settle(plan) => Verdict::unheld(plan, env, Some(spec)),
+            AfterClaim::Hold { fence, plan } => {
+                let held = Held { key, owner, fence, result: None };
+                Verdict::Held { env, spec, held, plan, run: None }
+            }
+        };
+    }
+    let mut probe = match breaker(store, &spec, incoming).await {
+        Breaker::Go => None,
+        Breaker::Probe(p) => Some(p),
+        Breaker::Park(delay, why) => {
+            return Verdict::unheld(Plan::Redelay { delay, why: Redelay::Parked(why) }, env, Some(spec));
+        }
+        Breaker::DeadLetter(why) => {
+            let dead = decision::dead_info(DeadReason::CircuitOpen, &why, env.attempt);
+            return Verdict::unheld(Plan::DeadLetter(dead), env, Some(spec));
+        }
+    };
     match rate_gate(core, store, &spec, &env, incoming).await {
         Ok(Gate::Go) => {}
         Ok(Gate::Park(delay, why)) => {
@@ -423,44 +587,31 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         None => None,
     };
     let owner = core.owner_token();
+    let parks: u32 = header_str(&incoming.properties, SLOT_PARKS).and_then(|s| s.parse().ok()).unwrap_or(0);
     let _global_slot = match spec.global {
-        Some(limit) => match global_slot(core, store, &spec, &env.job, &owner, limit, &incoming.slot, {
-            header_str(&incoming.properties, SLOT_PARKS).and_then(|s| s.parse().ok()).unwrap_or(0)
-        })
-        .await
-        {
-            Ok(SlotWait::Got(slot)) => Some(slot),
-            Ok(SlotWait::Stopped) => return Verdict::unheld(Plan::Requeue, env, Some(spec)),
-            Ok(SlotWait::Park(delay)) => {
-                let parks =
-                    header_str(&incoming.properties, SLOT_PARKS).and_then(|s| s.parse().ok()).unwrap_or(0);
-                let why = Redelay::Parked(Park::GlobalSlot { parks: parks + 1 });
-                return Verdict::unheld(Plan::Redelay { delay, why }, env, Some(spec));
+        Some(limit) => {
+            match global_slot(core, store, &spec, &env.job, &owner, limit, &incoming.slot, parks).await {
+                Ok(SlotWait::Got(slot)) => Some(slot),
+                Ok(SlotWait::Stopped) => return Verdict::unheld(Plan::Requeue, env, Some(spec)),
+                Ok(SlotWait::Park(delay)) => {
+                    let why = Redelay::Parked(Park::GlobalSlot { parks: parks.saturating_add(1) });
+                    return Verdict::unheld(Plan::Redelay { delay, why }, env, Some(spec));
+                }
+                Err(e) => {
+                    slot_error(core, &e);
+                    return Verdict::unheld(decision::on_redis_error(&e), env, Some(spec));
+                }
             }
-            Err(e) => {
-                slot_error(core, &e);
-                return Verdict::unheld(decision::on_redis_error(&e), env, Some(spec));
-            }
-        },
+        }
         None => None,
     };
     let key = env.key.to_string();
-    let claim = store.claim(&key, &owner).await;
-    match &claim {
-        Err(e) if e.is_bad_record() => {
-            warn!(error = %e, "the key's record is unreadable; dead-lettering this delivery")
-        }
-        Err(e) => {
-            warn!(error = %e, "redis unreachable: requeueing without a decision");
-            core.redis_failed();
-        }
-        Ok(_) => {}
-    }
+    let claim = claim(core, store, &key, &owner).await;
     let checkpoint = match &claim {
         Ok(Claim::Claimed { checkpoint, .. }) => checkpoint.clone(),
         _ => None,
     };
-    let fence = match decision::on_claim(claim.as_ref().map(Clone::clone)) {
+    let fence = match decision::on_claim(claim.as_ref().cloned()) {
         AfterClaim::Run(fence) => fence,
         AfterClaim::Settle(plan) => return Verdict::unheld(plan, env, Some(spec)),
         // A `dying` claim made us the owner of the dead letter to publish again.
@@ -502,10 +653,27 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
             warn!(error = %e, "cannot hold the job's rate limit in redis; only this run waits");
         }
     }
+    report(store, &spec, &end, probe.take()).await;
     let plan = decision::on_run(end, env.attempt, env.max_attempts, &spec.backoff, env.key);
     let result = result.map(|r| StoredResult::encode(r, core.config.results.max_bytes));
     let held = Held { key, owner, fence: fence.load(Ordering::Relaxed), result };
     Verdict::Held { env, spec, held, plan, run: Some(RunFacts { started_at, duration, error }) }
+}
+
+/// Claims `key` for `owner`; a failure is logged (and an unreachable Redis pauses the intake).
+async fn claim<S: KeyStore>(core: &Core, store: &S, key: &str, owner: &str) -> Result<Claim, IdemError> {
+    let claim = store.claim(key, owner).await;
+    match &claim {
+        Err(e) if e.is_bad_record() => {
+            warn!(error = %e, "the key's record is unreadable; dead-lettering this delivery")
+        }
+        Err(e) => {
+            warn!(error = %e, "redis unreachable: requeueing without a decision");
+            core.redis_failed();
+        }
+        Ok(_) => {}
+    }
+    claim
 }
 
 /// Why a run was stopped before it returned.
@@ -849,11 +1017,14 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                     Redelay::UnknownJob(since) => {
                         put_header(&mut headers, UNKNOWN_SINCE, &since.to_rfc3339())
                     }
-                    Redelay::Parked(Park::RateLimit { start_us }) => {
-                        put_header(&mut headers, RATE_AT, &start_us.to_string())
+                    Redelay::Parked(Park::RateLimit { ticket_us }) => {
+                        put_header(&mut headers, RATE_AT, &ticket_us.to_string())
                     }
                     Redelay::Parked(Park::GlobalSlot { parks }) => {
                         put_header(&mut headers, SLOT_PARKS, &parks.to_string())
+                    }
+                    Redelay::Parked(Park::Circuit { parks }) => {
+                        put_header(&mut headers, CIRCUIT_PARKS, &parks.to_string())
                     }
                     Redelay::Parked(Park::PushedBack) | Redelay::Busy => {}
                 }
@@ -951,6 +1122,21 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                         error!(error = %e, "cannot park the run; requeueing");
                         self.requeue(ticket).await;
                     }
+                }
+            }
+            HeldPlan::Shed => {
+                let why = self.core.shedding(&self.incoming.queue).unwrap_or_default();
+                let shed = self.streamed(Outcome::Shed, Some("load"), Some(&why));
+                if let Some(logged) = record_until_done(core, store, h, shed.as_ref()).await {
+                    if self.logs_success() {
+                        info!(reason = %why, "queue backed up: sheddable run skipped (shed)");
+                    }
+                    self.completed(outcome::SHED);
+                    self.log_unless(shed, logged);
+                    ticket.ack().await;
+                } else {
+                    error!("drain deadline passed before the shed run could be recorded; requeueing");
+                    self.requeue(ticket).await;
                 }
             }
             HeldPlan::DeadLetter { dead, mark } => self.dead_letter(&dead, Some((h, mark)), ticket).await,

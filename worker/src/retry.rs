@@ -40,6 +40,8 @@ pub enum DeadReason {
     TooLarge,
     /// The key's Redis record is not a chime record (WRONGTYPE, unreadable fields).
     BadRecord,
+    /// Its circuit breaker was open (`on_open = "dead_letter"`).
+    CircuitOpen,
 }
 
 impl DeadReason {
@@ -54,6 +56,7 @@ impl DeadReason {
             DeadReason::Panic => "panic",
             DeadReason::TooLarge => "too_large",
             DeadReason::BadRecord => "bad_record",
+            DeadReason::CircuitOpen => "circuit_open",
         }
     }
 }

@@ -21,8 +21,9 @@ use futures_util::stream::SelectAll;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
@@ -225,6 +226,12 @@ impl Worker {
             self.health.clone(),
             shutdown.clone(),
         ));
+        let shedding = tokio::spawn(shedding(
+            self.core.clone(),
+            self.store.clone(),
+            self.queues.clone(),
+            shutdown.clone(),
+        ));
         let steering = tokio::spawn(control(
             self.core.clone(),
             self.store.clone(),
@@ -287,6 +294,7 @@ impl Worker {
         }
         monitor.abort();
         let _ = steering.await;
+        let _ = shedding.await;
         // Runs no finish followed (expired, lost lease) may still wait for their pipeline.
         self.store.flush_history().await;
         self.health.set("consuming", false);
@@ -461,15 +469,26 @@ impl Worker {
                         Err(_) => break Pause::Shutdown,
                     },
                 };
-                let next = tokio::select! {
-                    biased;
-                    _ = shutdown.cancelled() => break Pause::Shutdown,
-                    _ = redis_becomes(&mut self.redis_rx, false) => break Pause::Redis,
-                    _ = paused_rx.changed() => break Pause::Steer,
-                    _ = outbox.broken.cancelled() => break Pause::Lost("the broker closed the publish channel".into()),
-                    next = high.next(), if !high.get_ref().is_empty() => next,
-                    next = normal.next(), if !normal.get_ref().is_empty() => next,
-                    next = low.next(), if !low.get_ref().is_empty() => next,
+                // Aging (`jobs[].promote_after`): of the deliveries here, the one of the most
+                // urgent level after promotion, the longest waiting among equals.
+                let aged = if self.core.promote.is_empty() {
+                    None
+                } else {
+                    aged_pick(&self.core, [&mut *high, &mut *normal, &mut *low])
+                };
+                let next = if let Some(next) = aged {
+                    Some(next)
+                } else {
+                    tokio::select! {
+                        biased;
+                        _ = shutdown.cancelled() => break Pause::Shutdown,
+                        _ = redis_becomes(&mut self.redis_rx, false) => break Pause::Redis,
+                        _ = paused_rx.changed() => break Pause::Steer,
+                        _ = outbox.broken.cancelled() => break Pause::Lost("the broker closed the publish channel".into()),
+                        next = high.next(), if !high.get_ref().is_empty() => next,
+                        next = normal.next(), if !normal.get_ref().is_empty() => next,
+                        next = low.next(), if !low.get_ref().is_empty() => next,
+                    }
                 };
                 match next {
                     Some((queue, route, acks, Ok(delivery))) => {
@@ -545,6 +564,57 @@ impl Worker {
             .await?;
         Ok(consumer)
     }
+}
+
+/// What the intake's streams of one level yield: queue, route, its acks, the delivery.
+type Arrival = (String, String, AckBatcher, Result<lapin::message::Delivery, lapin::Error>);
+
+/// With aging: the delivery a free slot takes among those already here (none here: `None`,
+/// and the first to arrive goes). Each is ranked by its level less one for each whole
+/// `promote_after` of its job it has waited ([`queued_since`]), then by how long it waited.
+fn aged_pick<S>(core: &Core, levels: [&mut futures_util::stream::Peekable<S>; 3]) -> Option<Arrival>
+where
+    S: futures_util::Stream<Item = Arrival> + Unpin,
+{
+    use futures_util::FutureExt;
+    let now = u64::try_from(chrono::Utc::now().timestamp()).unwrap_or(0);
+    let mut best: Option<(usize, u64, usize)> = None;
+    let mut levels = levels;
+    for (level, stream) in levels.iter_mut().enumerate() {
+        let Some(Some((_, _, _, Ok(d)))) = std::pin::Pin::new(&mut **stream).peek().now_or_never() else {
+            continue;
+        };
+        let since = queued_since(&d.properties).unwrap_or(now);
+        let steps = d
+            .properties
+            .kind()
+            .as_ref()
+            .and_then(|job| core.promote.get(job.as_str()))
+            .map_or(0, |after| now.saturating_sub(since) / after.as_secs().max(1));
+        let rank = (level.saturating_sub(usize::try_from(steps).unwrap_or(usize::MAX)), since, level);
+        if best.is_none_or(|b| rank < b) {
+            best = Some(rank);
+        }
+    }
+    let (_, _, level) = best?;
+    levels[level].next().now_or_never().flatten()
+}
+
+/// Since when a delivery has waited in its queue (Unix seconds): since it came back from the
+/// delay chain (its latest `x-death`), else since it was enqueued (the `timestamp` property).
+fn queued_since(props: &lapin::BasicProperties) -> Option<u64> {
+    use lapin::types::AMQPValue;
+    let back = props.headers().as_ref().and_then(|h| match h.inner().get("x-death")? {
+        AMQPValue::FieldArray(deaths) => match deaths.as_slice().first()? {
+            AMQPValue::FieldTable(death) => match death.inner().get("time")? {
+                AMQPValue::Timestamp(t) => Some(*t),
+                _ => None,
+            },
+            _ => None,
+        },
+        _ => None,
+    });
+    back.or(*props.timestamp())
 }
 
 /// A route the session consumes: a queue, or one of its priority levels.
@@ -660,6 +730,88 @@ async fn control(
     let last = heartbeat(&core, &queues, concurrency, &health);
     if control::retire(&mut conn, &core.names, &last).await.is_err() {
         let _ = control::unregister(&mut conn, &core.names, &core.worker_id).await;
+    }
+}
+
+/// Every second, for each consumed queue with a shedding threshold: reads its depth (every
+/// priority level) and the longest wait of the runs taken from it since, decides whether it
+/// must shed (`chime_shared::shed::judge`), sets or clears its flag in Redis, and sheds while
+/// this worker's reading or another worker's flag says so.
+async fn shedding(core: Arc<Core>, store: IdemStore, queues: Vec<String>, shutdown: CancellationToken) {
+    use chime_shared::shed;
+    let watched: Vec<String> = queues.iter().filter(|q| core.shed.contains_key(*q)).cloned().collect();
+    if watched.is_empty() {
+        return;
+    }
+    let mut conn = store.connection();
+    let mut amqp: Option<lapin::Connection> = None;
+    let mut own: HashMap<String, bool> = HashMap::new();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.cancelled() => break,
+        }
+        if amqp.as_ref().is_none_or(|c| !c.status().connected()) {
+            amqp = chime_shared::amqp::connect(&core.config.amqp, "chime-worker shedding").await.ok();
+        }
+        let flags = match shed::read(&mut conn, &core.names, &watched).await {
+            Ok(f) => f,
+            Err(e) => {
+                debug!(error = %e, "shedding flags unreadable");
+                vec![None; watched.len()]
+            }
+        };
+        for (q, flag) in watched.iter().zip(flags) {
+            let (Some(state), Some(cfg)) = (core.shed.get(q), core.config.worker.shed.get(q)) else {
+                continue;
+            };
+            let mut depth = None;
+            if let Some(c) = &amqp {
+                let mut sum = 0u32;
+                let mut read = true;
+                for (route, _) in core.config.routes(q) {
+                    match chime_shared::topology::depth(c, &core.names.work_queue(&route)).await {
+                        Ok((d, _)) => sum = sum.saturating_add(d),
+                        Err(_) => read = false,
+                    }
+                }
+                depth = read.then_some(sum);
+            }
+            let age = Duration::from_millis(state.max_age_ms.swap(0, Ordering::Relaxed));
+            let was_own = own.get(q).copied().unwrap_or(false);
+            let mine = shed::judge(cfg, shed::Reading { depth, age: Some(age) }, was_own);
+            let written = match (&mine, was_own) {
+                (Some(why), _) => shed::set(&mut conn, &core.names, q, why).await,
+                (None, true) => shed::clear(&mut conn, &core.names, q).await,
+                (None, false) => Ok(()),
+            };
+            if let Err(e) = written {
+                debug!(error = %e, queue = %q, "shedding flag not written");
+            }
+            own.insert(q.clone(), mine.is_some());
+            // Another worker's flag counts too (the one read before this reading was ours).
+            let now = mine.or(if was_own { None } else { flag });
+            let mut reason = state.reason.write().unwrap_or_else(|p| p.into_inner());
+            match (reason.is_some(), &now) {
+                (false, Some(why)) => {
+                    warn!(queue = %q, reason = %why, "queue backed up: shedding its sheddable runs")
+                }
+                (true, None) => {
+                    info!(queue = %q, "queue below its shedding threshold: its sheddable runs run again")
+                }
+                _ => {}
+            }
+            metrics::gauge!(chime_shared::telemetry::QUEUE_SHEDDING, "queue" => q.clone())
+                .set(if now.is_some() { 1.0 } else { 0.0 });
+            *reason = now;
+        }
+    }
+    // This worker no longer watches: its own flag goes (another worker still shedding sets it again).
+    for (q, mine) in own {
+        if mine {
+            let _ = shed::clear(&mut conn, &core.names, &q).await;
+        }
     }
 }
 

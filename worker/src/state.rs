@@ -39,6 +39,10 @@ pub(crate) struct JobSpec {
     pub global_freed: tokio::sync::Notify,
     /// The rate every worker together runs it at (`jobs[].rate_limit`).
     pub rate: Option<chime_shared::config::ResolvedLimit>,
+    /// The circuit breaker its runs go through (`jobs[].circuit`).
+    pub circuit: Option<CircuitSpec>,
+    /// Skipped while its queue sheds (`jobs[].criticality = "sheddable"`).
+    pub sheddable: bool,
     /// Metric handles of this job, registered on first use (after the recorder is installed).
     metrics: OnceLock<JobMetrics>,
 }
@@ -71,6 +75,8 @@ impl JobSpec {
             global_turn: tokio::sync::Mutex::new(()),
             global_freed: tokio::sync::Notify::new(),
             rate: None,
+            circuit: None,
+            sheddable: false,
             metrics: OnceLock::new(),
         }
     }
@@ -81,9 +87,107 @@ impl JobSpec {
         self
     }
 
+    /// With the circuit breaker its config entry names; `names` spells its Redis key.
+    pub fn with_circuit(mut self, config: &Config, job: &str) -> Self {
+        self.circuit = config.circuit_of(job).map(|c| CircuitSpec::new(c, config, self.timeout));
+        self.sheddable =
+            config.job(job).is_some_and(|j| j.criticality == chime_shared::config::Criticality::Sheddable);
+        self
+    }
+
     /// The handles of the per-job series updated on every delivery (looked up once, not per job).
     pub fn metrics(&self, job: &str) -> &JobMetrics {
         self.metrics.get_or_init(|| JobMetrics::new(job))
+    }
+}
+
+/// A circuit breaker as a job's runs use it.
+pub(crate) struct CircuitSpec {
+    /// Its name (`[[circuits]]` entry, or the job's own).
+    pub name: String,
+    /// Its Redis hash (`Names::circuit`).
+    pub key: String,
+    pub limits: chime_shared::circuit::Limits,
+    pub on_open: chime_shared::config::OnOpen,
+    /// `chime_circuit_state{circuit}`, looked up once.
+    gauge: OnceLock<metrics::Gauge>,
+    /// Until when a `closed` answer stands without asking Redis again ([`CIRCUIT_CACHE`]).
+    closed_until: Mutex<Option<std::time::Instant>>,
+    /// Successes not yet reported, and when they last were.
+    successes: AtomicU64,
+    reported_at: Mutex<Option<std::time::Instant>>,
+}
+
+/// How long a worker trusts a circuit's `closed` answer, and batches its successes: a
+/// circuit opening reaches every worker within this (plus the runs already admitted).
+pub(crate) const CIRCUIT_CACHE: Duration = Duration::from_millis(250);
+
+impl CircuitSpec {
+    fn new(c: chime_shared::config::ResolvedCircuit, config: &Config, timeout: Duration) -> Self {
+        let (failures, failure_ratio) = match c.circuit.trip {
+            chime_shared::config::Trip::Failures(n) => (n, 0.0),
+            chime_shared::config::Trip::Ratio(r) => (0, r),
+        };
+        let limits = chime_shared::circuit::Limits {
+            window: c.circuit.window,
+            min_volume: c.circuit.min_volume,
+            failures,
+            failure_ratio,
+            open_for: c.circuit.open_for,
+            probes: c.circuit.probes,
+            // A probe reports when its run ends: at the latest after its timeout, the grace
+            // its handler gets to stop, and a lease (a worker that died holding it).
+            probe_ttl: timeout + config.worker.cancel_grace + config.redis.lease,
+        };
+        let key = Names::new(&config.prefix).circuit(&c.name);
+        Self {
+            key,
+            limits,
+            on_open: c.circuit.on_open,
+            name: c.name,
+            gauge: OnceLock::new(),
+            closed_until: Mutex::new(None),
+            successes: AtomicU64::new(0),
+            reported_at: Mutex::new(None),
+        }
+    }
+
+    /// Whether a recent `closed` answer still stands.
+    pub fn known_closed(&self) -> bool {
+        let until = *self.closed_until.lock().unwrap_or_else(|p| p.into_inner());
+        until.is_some_and(|t| std::time::Instant::now() < t)
+    }
+
+    /// Notes the answer of an ask: `closed` stands for [`CIRCUIT_CACHE`].
+    pub fn answered(&self, closed: bool) {
+        *self.closed_until.lock().unwrap_or_else(|p| p.into_inner()) =
+            closed.then(|| std::time::Instant::now() + CIRCUIT_CACHE);
+    }
+
+    /// Counts a success; returns the successes to report now (every [`CIRCUIT_CACHE`]), or 0.
+    pub fn succeeded(&self) -> u64 {
+        self.successes.fetch_add(1, Ordering::Relaxed);
+        let mut at = self.reported_at.lock().unwrap_or_else(|p| p.into_inner());
+        let now = std::time::Instant::now();
+        if at.is_some_and(|t| now.duration_since(t) < CIRCUIT_CACHE) {
+            return 0;
+        }
+        *at = Some(now);
+        self.successes.swap(0, Ordering::Relaxed)
+    }
+
+    /// The successes not yet reported (sent with a failure, so the window's ratio sees them).
+    pub fn take_successes(&self) -> u64 {
+        self.successes.swap(0, Ordering::Relaxed)
+    }
+
+    /// Sets `chime_circuit_state` to what this worker last saw.
+    pub fn show(&self, state: chime_shared::circuit::CircuitState) {
+        self.gauge
+            .get_or_init(
+                || metrics::gauge!(chime_shared::telemetry::CIRCUIT_STATE, "circuit" => self.name.clone()),
+            )
+            .set(state.gauge());
     }
 }
 
@@ -195,7 +299,8 @@ pub(crate) fn resolve_jobs(
                             limit,
                             options.global_concurrency,
                         )
-                        .with_rate(config.rate_limit_of(&job.name)),
+                        .with_rate(config.rate_limit_of(&job.name))
+                        .with_circuit(config, &job.name),
                     ),
                 );
             }
@@ -260,10 +365,23 @@ pub(crate) struct Core {
     pub started_at: chrono::DateTime<chrono::Utc>,
     /// What it settled per minute since the last flush to Redis (the dashboard's charts).
     minutes: Mutex<std::collections::BTreeMap<i64, chime_shared::minutes::Counts>>,
-    /// Runs that may wait in place for their rate limit's start at once (a quarter of the
-    /// worker's concurrency): beyond that a run is parked, so waiting runs never fill the
-    /// prefetch that other jobs of the queue arrive through.
+    /// Runs that may wait in place for their rate limit's start at once (half the worker's
+    /// concurrency): beyond that a run is parked, so waiting runs never fill the prefetch that
+    /// other jobs of the queue arrive through.
     pub holds: Arc<tokio::sync::Semaphore>,
+    /// Load shedding of the queues that have a threshold (`[worker.shed.<queue>]`).
+    pub shed: HashMap<String, QueueShed>,
+    /// Aging: `jobs[].promote_after` by job (empty: strict priorities, nothing looked up).
+    pub promote: HashMap<String, Duration>,
+}
+
+/// One queue's load shedding, as this worker sees it.
+#[derive(Default)]
+pub(crate) struct QueueShed {
+    /// The longest a run taken from the queue since the last reading had waited (ms).
+    pub max_age_ms: AtomicU64,
+    /// The threshold crossed while the queue sheds (this worker's reading, or another's flag).
+    pub reason: RwLock<Option<String>>,
 }
 
 /// Removes a run from [`Core::running`] when dropped.
@@ -283,8 +401,12 @@ impl Drop for RunningGuard<'_> {
 impl Core {
     pub fn new(config: ValidConfig, registry: Registry, jobs: Jobs, worker_id: String) -> Self {
         let names = Names::new(&config.prefix);
-        let holds = Arc::new(tokio::sync::Semaphore::new((config.worker.concurrency / 4).max(1)));
+        let holds = Arc::new(tokio::sync::Semaphore::new((config.worker.concurrency / 2).max(1)));
+        let shed = config.worker.shed.keys().map(|q| (q.clone(), QueueShed::default())).collect();
+        let promote =
+            config.jobs.iter().filter_map(|j| j.promote_after.map(|after| (j.name.clone(), after))).collect();
         Self {
+            promote,
             holds,
             config,
             names,
@@ -302,7 +424,20 @@ impl Core {
             paused: watch::channel(BTreeSet::new()).0,
             started_at: chrono::Utc::now(),
             minutes: Mutex::new(std::collections::BTreeMap::new()),
+            shed,
         }
+    }
+
+    /// A run taken from `queue` had waited this long (kept for the next shedding reading).
+    pub fn saw_age(&self, queue: &str, waited_ms: u64) {
+        if let Some(s) = self.shed.get(queue) {
+            s.max_age_ms.fetch_max(waited_ms, Ordering::Relaxed);
+        }
+    }
+
+    /// Why `queue` sheds its `sheddable` runs now, if it does.
+    pub fn shedding(&self, queue: &str) -> Option<String> {
+        self.shed.get(queue).and_then(|s| s.reason.read().unwrap_or_else(|p| p.into_inner()).clone())
     }
 
     /// Counts into this minute's totals (flushed with the heartbeat).

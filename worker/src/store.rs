@@ -4,6 +4,7 @@
 //! without services (`process/tests.rs`); the real implementations are below.
 
 use chime_shared::amqp::{self, AmqpError};
+use chime_shared::circuit::{Admit, Ended, Limits, Recorded as CircuitRecorded};
 use chime_shared::config::QueueType;
 use chime_shared::delay;
 use chime_shared::envelope::Envelope;
@@ -64,7 +65,8 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
         key: String,
         interval_us: u64,
         burst: u32,
-        reserved: Option<u64>,
+        ticket: Option<u64>,
+        horizon: Duration,
     ) -> impl Future<Output = Result<RateTake, IdemError>> + Send;
     /// Holds rate bucket `key` for `hold`, for every worker (the downstream pushed back).
     fn slow_rate(
@@ -74,6 +76,24 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
         interval_us: u64,
         burst: u32,
     ) -> impl Future<Output = Result<(), IdemError>> + Send;
+    /// Whether a run may go through circuit `key` now.
+    fn circuit_admit(
+        &self,
+        key: String,
+        limits: &Limits,
+    ) -> impl Future<Output = Result<Admit, IdemError>> + Send;
+    /// Counts how a run of circuit `key` ended (a probe's `token` decides a half-open circuit).
+    fn circuit_record(
+        &self,
+        key: String,
+        limits: &Limits,
+        ended: Ended,
+        token: Option<&str>,
+        successes: u64,
+    ) -> impl Future<Output = Result<CircuitRecorded, IdemError>> + Send;
+    /// Gives a probe of circuit `key` back unreported (best-effort: an unreported probe
+    /// stops counting after `probe_ttl`).
+    fn circuit_give_back(&self, key: String, limits: &Limits, token: &str);
     /// Whether settled runs are recorded in the history.
     fn records_history(&self) -> bool;
     /// Appends a settled run to its queue's history stream, ahead of any `finish` called
@@ -100,9 +120,10 @@ impl KeyStore for IdemStore {
         key: String,
         interval_us: u64,
         burst: u32,
-        reserved: Option<u64>,
+        ticket: Option<u64>,
+        horizon: Duration,
     ) -> impl Future<Output = Result<RateTake, IdemError>> + Send {
-        IdemStore::take_rate(self, key, interval_us, burst, reserved)
+        IdemStore::take_rate(self, key, interval_us, burst, ticket, horizon)
     }
     fn slow_rate(
         &self,
@@ -112,6 +133,26 @@ impl KeyStore for IdemStore {
         burst: u32,
     ) -> impl Future<Output = Result<(), IdemError>> + Send {
         IdemStore::slow_rate(self, key, hold, interval_us, burst)
+    }
+    fn circuit_admit(
+        &self,
+        key: String,
+        limits: &Limits,
+    ) -> impl Future<Output = Result<Admit, IdemError>> + Send {
+        IdemStore::circuit_admit(self, key, limits)
+    }
+    fn circuit_record(
+        &self,
+        key: String,
+        limits: &Limits,
+        ended: Ended,
+        token: Option<&str>,
+        successes: u64,
+    ) -> impl Future<Output = Result<CircuitRecorded, IdemError>> + Send {
+        IdemStore::circuit_record(self, key, limits, ended, token, successes)
+    }
+    fn circuit_give_back(&self, key: String, limits: &Limits, token: &str) {
+        IdemStore::circuit_give_back(self, key, limits, token)
     }
     fn records_history(&self) -> bool {
         IdemStore::records_history(self)

@@ -1,4 +1,4 @@
-//! DLQ depth monitor and alerts.
+//! DLQ depth monitor and alerts, and circuit breaker alerts.
 //!
 //! Every `alerts.interval` it reads each DLQ's depth with a passive declare (no plugin) and
 //! sets `chime_dlq_messages{queue}` (and `chime_queue_messages{queue}` for work queues). A DLQ
@@ -6,6 +6,10 @@
 //! it drops below, one `resolved`. Sinks: the log, and optionally a webhook that receives an
 //! Alertmanager-compatible (webhook v4) JSON body, retried with backoff; notifications are
 //! sent one at a time, in order, so `resolved` never overtakes its `firing`.
+//!
+//! At the same interval it reads every circuit breaker of the config from Redis: one that is
+//! not closed (open, half-open, or held open by an operator) raises `firing` at once; closed
+//! again, `resolved`. Workers change circuits; the monitor, one per prefix, tells people.
 
 use chime_shared::amqp;
 use chime_shared::catalog;
@@ -44,14 +48,38 @@ pub async fn run_while(
     }
 }
 
-/// One state change of one DLQ's alert.
+/// One state change of one DLQ's or circuit's alert.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Notification {
+    /// The DLQ's queue, or the circuit's name.
     pub queue: String,
     pub firing: bool,
+    /// The DLQ's depth (0 for a circuit).
     pub depth: u32,
     pub starts_at: DateTime<Utc>,
     pub ends_at: Option<DateTime<Utc>>,
+    /// A circuit breaker's or a shedding queue's alert (a DLQ's: `None`).
+    pub about: Option<About>,
+}
+
+/// What an alert other than a DLQ's is about, with its state in words.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum About {
+    /// A circuit breaker that is not closed (`queue` is its name).
+    Circuit(String),
+    /// A queue shedding its sheddable runs (the threshold crossed).
+    Shedding(String),
+}
+
+impl Notification {
+    /// The alert it changes (one delivery task each).
+    fn subject(&self) -> String {
+        match &self.about {
+            Some(About::Circuit(_)) => format!("circuit:{}", self.queue),
+            Some(About::Shedding(_)) => format!("shed:{}", self.queue),
+            None => self.queue.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -92,6 +120,7 @@ impl Alerts {
                     depth,
                     starts_at: since_wall,
                     ends_at: None,
+                    about: None,
                 });
             }
             None
@@ -103,9 +132,90 @@ impl Alerts {
                 depth,
                 starts_at,
                 ends_at: Some(wall),
+                about: None,
             })
         }
     }
+
+    /// Records the state of circuit `name` (`detail` says it in words); returns a notification
+    /// when it left `closed` (at once: a circuit opens on a window of failures already) or
+    /// came back to it.
+    pub fn observe_circuit(
+        &mut self,
+        name: &str,
+        closed: bool,
+        detail: String,
+        wall: DateTime<Utc>,
+    ) -> Option<Notification> {
+        self.observe_state(name, !closed, About::Circuit(detail), wall)
+    }
+
+    /// Records whether `queue` sheds (`about` says why); a notification when that changes.
+    pub fn observe_shedding(
+        &mut self,
+        queue: &str,
+        reason: Option<String>,
+        wall: DateTime<Utc>,
+    ) -> Option<Notification> {
+        let on = reason.is_some();
+        self.observe_state(
+            queue,
+            on,
+            About::Shedding(reason.unwrap_or_else(|| "below its threshold".into())),
+            wall,
+        )
+    }
+
+    /// A state that fires at once while `on` and resolves when it goes off.
+    fn observe_state(
+        &mut self,
+        name: &str,
+        on: bool,
+        about: About,
+        wall: DateTime<Utc>,
+    ) -> Option<Notification> {
+        let key = Notification {
+            queue: name.to_string(),
+            firing: false,
+            depth: 0,
+            starts_at: wall,
+            ends_at: None,
+            about: Some(about.clone()),
+        }
+        .subject();
+        let s = self.state.entry(key).or_default();
+        let closed = !on;
+        let n = |firing, starts_at, ends_at| Notification {
+            queue: name.to_string(),
+            firing,
+            depth: 0,
+            starts_at,
+            ends_at,
+            about: Some(about.clone()),
+        };
+        match (closed, s.firing) {
+            (false, None) => {
+                s.firing = Some(wall);
+                Some(n(true, wall, None))
+            }
+            (true, Some(since)) => {
+                s.firing = None;
+                Some(n(false, since, Some(wall)))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A circuit's state in words, for its alert.
+fn circuit_detail(c: &chime_shared::circuit::CircuitView) -> String {
+    let s = &c.status;
+    let mut d = if s.forced { "open (held by an operator)".to_string() } else { s.state.to_string() };
+    if let Some((failed, runs)) = s.tripped.as_deref().and_then(|t| t.split_once(' ')) {
+        d.push_str(&format!(": {failed} of {runs} runs failed"));
+    }
+    d.push_str(&format!(" ({}; jobs {})", c.settings, c.jobs.join(", ")));
+    d
 }
 
 fn rfc3339(t: DateTime<Utc>) -> String {
@@ -115,25 +225,59 @@ fn rfc3339(t: DateTime<Utc>) -> String {
 /// The Alertmanager webhook (v4) body for one notification.
 pub fn webhook_body(n: &Notification, names: &Names, threshold: u64) -> serde_json::Value {
     let status = if n.firing { "firing" } else { "resolved" };
-    let labels = json!({
-        "alertname": "ChimeDeadLetters",
-        "severity": "warning",
-        "prefix": names.prefix(),
-        "queue": n.queue,
-        "dlq": names.dlq(&n.queue),
-    });
-    let annotations = json!({
-        "summary": format!("dead letters in {}", names.dlq(&n.queue)),
-        "description": format!("{} message(s) in {} (threshold {threshold}); inspect with `chime dlq list --queue {}`",
-            n.depth, names.dlq(&n.queue), n.queue),
-    });
+    let (labels, annotations, group, identity) = match &n.about {
+        None => (
+            json!({
+                "alertname": "ChimeDeadLetters",
+                "severity": "warning",
+                "prefix": names.prefix(),
+                "queue": n.queue,
+                "dlq": names.dlq(&n.queue),
+            }),
+            json!({
+                "summary": format!("dead letters in {}", names.dlq(&n.queue)),
+                "description": format!("{} message(s) in {} (threshold {threshold}); inspect with `chime dlq list --queue {}`",
+                    n.depth, names.dlq(&n.queue), n.queue),
+            }),
+            json!({"alertname": "ChimeDeadLetters", "queue": n.queue}),
+            format!("{{alertname=\"ChimeDeadLetters\",queue=\"{}\"}}", n.queue),
+        ),
+        Some(About::Shedding(reason)) => (
+            json!({
+                "alertname": "ChimeShedding",
+                "severity": "warning",
+                "prefix": names.prefix(),
+                "queue": n.queue,
+            }),
+            json!({
+                "summary": format!("queue {} is shedding its sheddable jobs", n.queue),
+                "description": format!("{reason}; its sheddable runs and slots are skipped (recorded `shed`) until it drops below 80 % of its threshold"),
+            }),
+            json!({"alertname": "ChimeShedding", "queue": n.queue}),
+            format!("{{alertname=\"ChimeShedding\",queue=\"{}\"}}", n.queue),
+        ),
+        Some(About::Circuit(detail)) => (
+            json!({
+                "alertname": "ChimeCircuitOpen",
+                "severity": "warning",
+                "prefix": names.prefix(),
+                "circuit": n.queue,
+            }),
+            json!({
+                "summary": format!("circuit breaker {} is not closed", n.queue),
+                "description": format!("{detail}; its runs wait (see `chime circuits`, `chime circuit close {}`)", n.queue),
+            }),
+            json!({"alertname": "ChimeCircuitOpen", "circuit": n.queue}),
+            format!("{{alertname=\"ChimeCircuitOpen\",circuit=\"{}\"}}", n.queue),
+        ),
+    };
     json!({
         "version": "4",
-        "groupKey": format!("{{}}:{{alertname=\"ChimeDeadLetters\",queue=\"{}\"}}", n.queue),
+        "groupKey": format!("{{}}:{identity}"),
         "truncatedAlerts": 0,
         "status": status,
         "receiver": "chime",
-        "groupLabels": {"alertname": "ChimeDeadLetters", "queue": n.queue},
+        "groupLabels": group,
         "commonLabels": labels,
         "commonAnnotations": annotations,
         "externalURL": "",
@@ -144,7 +288,7 @@ pub fn webhook_body(n: &Notification, names: &Names, threshold: u64) -> serde_js
             "startsAt": rfc3339(n.starts_at),
             "endsAt": n.ends_at.map(rfc3339).unwrap_or_else(|| "0001-01-01T00:00:00Z".into()),
             "generatorURL": "",
-            "fingerprint": format!("{:016x}", fingerprint(&names.dlq(&n.queue))),
+            "fingerprint": format!("{:016x}", fingerprint(&identity)),
         }],
     })
 }
@@ -176,19 +320,22 @@ impl Dispatch {
     }
 
     fn send(&mut self, n: Notification) {
-        let tx = self.queues.entry(n.queue.clone()).or_insert_with(|| {
+        let tx = self.queues.entry(n.subject()).or_insert_with(|| {
             let (tx, mut rx) = mpsc::unbounded_channel::<Notification>();
             let (names, threshold, webhook) = (self.names.clone(), self.threshold, self.webhook.clone());
             self.tasks.push(tokio::spawn(async move {
                 while let Some(n) = rx.recv().await {
-                    if n.firing {
-                        warn!(queue = %n.queue, depth = n.depth, "DLQ alert firing");
-                    } else {
-                        info!(queue = %n.queue, depth = n.depth, "DLQ alert resolved");
+                    match (&n.about, n.firing) {
+                        (None, true) => warn!(queue = %n.queue, depth = n.depth, "DLQ alert firing"),
+                        (None, false) => info!(queue = %n.queue, depth = n.depth, "DLQ alert resolved"),
+                        (Some(About::Circuit(d)), true) => warn!(circuit = %n.queue, state = %d, "circuit alert firing"),
+                        (Some(About::Circuit(_)), false) => info!(circuit = %n.queue, "circuit alert resolved: closed"),
+                        (Some(About::Shedding(d)), true) => warn!(queue = %n.queue, reason = %d, "shedding alert firing"),
+                        (Some(About::Shedding(_)), false) => info!(queue = %n.queue, "shedding alert resolved"),
                     }
                     if let Some(w) = &webhook {
                         let result = w.send(&n, &webhook_body(&n, &names, threshold)).await;
-                        metrics::counter!(telemetry::ALERT_NOTIFICATIONS, "queue" => n.queue.clone(), "result" => result)
+                        metrics::counter!(telemetry::ALERT_NOTIFICATIONS, "queue" => n.subject(), "result" => result)
                             .increment(1);
                     }
                 }
@@ -421,6 +568,32 @@ pub async fn run(config: ValidConfig, health: Health, token: CancellationToken) 
                     dispatch.send(n);
                 }
             }
+            // Circuit breakers: firing while one is not closed.
+            if let Some(mut redis) = known.redis.clone() {
+                let read = chime_shared::circuit::read_all(&mut redis, &names, &config);
+                match tokio::time::timeout(Duration::from_secs(5), read).await {
+                    Ok(Ok(circuits)) => {
+                        for c in circuits {
+                            let closed = c.status.state == "closed";
+                            let detail = circuit_detail(&c);
+                            if let Some(n) = alerts.observe_circuit(&c.name, closed, detail, Utc::now()) {
+                                dispatch.send(n);
+                            }
+                        }
+                    }
+                    Ok(Err(e)) => warn!(error = %e, "cannot read the circuit breakers from redis"),
+                    Err(_) => warn!("reading the circuit breakers from redis timed out"),
+                }
+                let shed_queues: Vec<String> = config.worker.shed.keys().cloned().collect();
+                let read = chime_shared::shed::read(&mut redis, &names, &shed_queues);
+                if let Ok(Ok(flags)) = tokio::time::timeout(Duration::from_secs(5), read).await {
+                    for (q, flag) in shed_queues.iter().zip(flags) {
+                        if let Some(n) = alerts.observe_shedding(q, flag, Utc::now()) {
+                            dispatch.send(n);
+                        }
+                    }
+                }
+            }
             // For the dashboard's charts: the depths of this minute (the last reading stands).
             if let Some(mut redis) = known.redis.clone() {
                 let minute = chime_shared::minutes::minute_of(Utc::now());
@@ -470,11 +643,37 @@ mod tests {
             depth: 3,
             starts_at: Utc::now(),
             ends_at: None,
+            about: None,
         };
         let b = webhook_body(&n, &Names::new("chime"), 1);
         assert_eq!(b["version"], "4");
         assert_eq!(b["status"], "firing");
         assert_eq!(b["alerts"][0]["labels"]["dlq"], "chime.dlq.default");
         assert_eq!(b["alerts"][0]["endsAt"], "0001-01-01T00:00:00Z");
+    }
+
+    #[test]
+    fn a_circuit_fires_when_it_leaves_closed_and_resolves_when_back() {
+        let mut a = Alerts::new(1, Duration::from_secs(60));
+        let w = Utc::now();
+        assert_eq!(a.observe_circuit("stripe", true, "closed".into(), w), None);
+        let f = a.observe_circuit("stripe", false, "open: 5 failed of 8".into(), w).unwrap();
+        assert!(f.firing && f.about.is_some());
+        assert_eq!(a.observe_circuit("stripe", false, "half_open".into(), w), None, "fires once");
+        let r = a.observe_circuit("stripe", true, "closed".into(), w).unwrap();
+        assert!(!r.firing);
+        let b = webhook_body(&f, &Names::new("chime"), 1);
+        assert_eq!(b["alerts"][0]["labels"]["alertname"], "ChimeCircuitOpen");
+        assert_eq!(b["alerts"][0]["labels"]["circuit"], "stripe");
+        // A queue named like the circuit keeps its own alerts.
+        assert!(a.observe("stripe", 5, Instant::now(), w).is_none());
+        let s = a.observe_shedding("stripe", Some("depth 10 >= max_depth 10".into()), w).unwrap();
+        assert!(s.firing);
+        assert_eq!(
+            webhook_body(&s, &Names::new("chime"), 1)["alerts"][0]["labels"]["alertname"],
+            "ChimeShedding"
+        );
+        assert_eq!(a.observe_shedding("stripe", Some("still".into()), w), None);
+        assert!(!a.observe_shedding("stripe", None, w).unwrap().firing);
     }
 }

@@ -144,6 +144,16 @@ impl Names {
             .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
         format!("{}:rate:{bucket}:#{h:016x}", self.prefix)
     }
+    /// Redis string set while a queue is shedding its `sheddable` jobs (the threshold it
+    /// crossed; refreshed every second by the workers that see it, expiring 5 s after).
+    pub fn shed(&self, queue: &str) -> String {
+        format!("{}:shed:{queue}", self.prefix)
+    }
+    /// Redis hash of a circuit breaker (`jobs[].circuit`, `[[circuits]]`): its state and
+    /// rolling window.
+    pub fn circuit(&self, name: &str) -> String {
+        format!("{}:circuit:{name}", self.prefix)
+    }
     /// Redis hash of a fanned-out run (sharded or broadcast): its members' keys.
     pub fn group(&self, base_key: &str) -> String {
         format!("{}:group:{base_key}", self.prefix)

@@ -115,6 +115,14 @@ pub struct JobConfig {
     pub priority: Option<Priority>,
     /// The rate every worker together runs this job at (its own, or a `[[limits]]` entry's).
     pub rate_limit: Option<RateLimitRef>,
+    /// The circuit breaker its runs go through (its own, or a `[[circuits]]` entry's).
+    pub circuit: Option<CircuitRef>,
+    /// Whether its runs are skipped while its queue is backed up (default `normal`: never).
+    pub criticality: Criticality,
+    /// Aging: a waiting run of this job is taken one priority level up for each whole
+    /// `promote_after` it has waited (low → normal → high), and among runs of one level the
+    /// one that waited longest goes first, so no run starves.
+    pub promote_after: Option<Duration>,
 }
 
 /// What runs a job. In TOML it is the `handler` key plus the keys of that handler alone
@@ -216,6 +224,12 @@ struct RawJobConfig {
     priority: Option<Priority>,
     #[serde(default)]
     rate_limit: Option<RateLimitRef>,
+    #[serde(default)]
+    circuit: Option<CircuitRef>,
+    #[serde(default)]
+    criticality: Option<Criticality>,
+    #[serde(default, deserialize_with = "duration::de_opt")]
+    promote_after: Option<Duration>,
 }
 
 /// `[[jobs]]` with each entry's index in its errors, as `validate` names them.
@@ -320,6 +334,9 @@ impl RawJobConfig {
             broadcast: raw.broadcast.unwrap_or(false),
             priority: raw.priority,
             rate_limit: raw.rate_limit,
+            circuit: raw.circuit,
+            criticality: raw.criticality.unwrap_or_default(),
+            promote_after: raw.promote_after,
         })
     }
 }

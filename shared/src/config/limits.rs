@@ -237,37 +237,54 @@ pub(super) fn de_limits<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Na
 
 /// The rules of `[[limits]]` and of the jobs' references to them.
 pub(super) fn validate(limits: &[NamedLimit], jobs: &[JobConfig]) -> Result<(), ConfigError> {
-    let mut names = BTreeSet::new();
-    for (i, l) in limits.iter().enumerate() {
-        if !valid_name(&l.name) {
-            return Err(ConfigError::invalid(
-                format!("limits[{i}].name"),
-                format!("{:?} must be 1-100 letters, digits, '-', '_' or '.'", l.name),
-            ));
-        }
-        if !names.insert(l.name.as_str()) {
-            return Err(ConfigError::invalid(
-                format!("limits[{i}] ({}).name", l.name),
-                "duplicate limit name",
-            ));
-        }
-    }
+    let names = entry_names("limits", "limit", limits.iter().map(|l| l.name.as_str()))?;
     for (i, job) in jobs.iter().enumerate() {
         if let Some(RateLimitRef::Named(n)) = &job.rate_limit
             && !names.contains(n.as_str())
         {
-            let known = if names.is_empty() {
-                "there are no [[limits]] entries".to_string()
-            } else {
-                format!("known: {}", names.iter().copied().collect::<Vec<_>>().join(", "))
-            };
             return Err(ConfigError::invalid(
                 format!("jobs[{i}] ({}).rate_limit", job.name),
-                format!("{n:?} is neither a rate (\"100/s\") nor the name of a [[limits]] entry ({known})"),
+                format!(
+                    "{n:?} is neither a rate (\"100/s\") nor the name of a [[limits]] entry ({})",
+                    known_entries("limits", &names)
+                ),
             ));
         }
     }
     Ok(())
+}
+
+/// The names of a `[[<section>]]` array, each checked (valid, not repeated).
+pub(super) fn entry_names<'a>(
+    section: &str,
+    what: &str,
+    names: impl Iterator<Item = &'a str>,
+) -> Result<BTreeSet<&'a str>, ConfigError> {
+    let mut seen = BTreeSet::new();
+    for (i, name) in names.enumerate() {
+        if !valid_name(name) {
+            return Err(ConfigError::invalid(
+                format!("{section}[{i}].name"),
+                format!("{name:?} must be 1-100 letters, digits, '-', '_' or '.'"),
+            ));
+        }
+        if !seen.insert(name) {
+            return Err(ConfigError::invalid(
+                format!("{section}[{i}] ({name}).name"),
+                format!("duplicate {what} name"),
+            ));
+        }
+    }
+    Ok(seen)
+}
+
+/// "known: a, b", or that there are none, for an error naming an unknown entry.
+pub(super) fn known_entries(section: &str, names: &BTreeSet<&str>) -> String {
+    if names.is_empty() {
+        format!("there are no [[{section}]] entries")
+    } else {
+        format!("known: {}", names.iter().copied().collect::<Vec<_>>().join(", "))
+    }
 }
 
 /// The limit a job's runs take, resolved: the bucket it counts in (`job:<name>` for a job's

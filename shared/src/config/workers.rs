@@ -40,6 +40,36 @@ pub struct WorkerConfig {
     /// must wait longer is parked (sent round the delay chain, its attempt unchanged).
     #[serde(deserialize_with = "duration::de")]
     pub max_hold: Duration,
+    /// Load shedding per queue (`[worker.shed.<queue>]`): above a backlog depth or age,
+    /// workers skip the queue's `sheddable` runs and the ticker their slots.
+    pub shed: BTreeMap<String, ShedConfig>,
+}
+
+/// `[worker.shed.<queue>]`: when a queue is backed up enough that its `sheddable` jobs are
+/// skipped. Shedding starts when either threshold is reached and stops when both are below
+/// 80 % of theirs (hysteresis, so it does not flap at the line).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShedConfig {
+    /// Ready messages in the queue (all its priority levels).
+    #[serde(default)]
+    pub max_depth: Option<u32>,
+    /// How long the runs a worker takes from the queue have waited since they were due.
+    #[serde(default, deserialize_with = "duration::de_opt")]
+    pub max_age: Option<Duration>,
+}
+
+/// How much a job matters when its queue is backed up (`jobs[].criticality`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Criticality {
+    /// Never shed.
+    Critical,
+    /// Not shed (default); reserved for a second level of shedding.
+    #[default]
+    Normal,
+    /// Skipped (recorded `shed`) while its queue is above its shedding threshold.
+    Sheddable,
 }
 
 impl Default for WorkerConfig {
@@ -56,6 +86,7 @@ impl Default for WorkerConfig {
             cancel_grace: Duration::from_secs(5),
             pass_env: Vec::new(),
             max_hold: Duration::from_secs(2),
+            shed: BTreeMap::new(),
         }
     }
 }
@@ -110,6 +141,26 @@ impl WorkerConfig {
         }
         if self.cancel_grace > Duration::from_secs(3600) {
             return Err(ConfigError::invalid("worker.cancel_grace", "must be at most 1h"));
+        }
+        for (q, s) in &self.shed {
+            if !valid_name(q) {
+                return Err(ConfigError::invalid(
+                    format!("worker.shed.{q}"),
+                    "a queue name: 1-100 letters, digits, '-', '_' or '.'",
+                ));
+            }
+            if s.max_depth.is_none() && s.max_age.is_none() {
+                return Err(ConfigError::invalid(
+                    format!("worker.shed.{q}"),
+                    "needs max_depth (ready messages) or max_age (a duration such as \"5m\"), or both",
+                ));
+            }
+            if s.max_depth == Some(0) {
+                return Err(ConfigError::invalid(format!("worker.shed.{q}.max_depth"), "must be at least 1"));
+            }
+            if s.max_age.is_some_and(|a| a < Duration::from_secs(1)) {
+                return Err(ConfigError::invalid(format!("worker.shed.{q}.max_age"), "must be at least 1s"));
+            }
         }
         if self.max_hold > Duration::from_secs(60) {
             return Err(ConfigError::invalid(

@@ -1,16 +1,21 @@
 //! Global concurrency limits (`jobs[].global_concurrency`): at most N runs of a job at once
 //! across every worker sharing the prefix; and rate limits (`jobs[].rate_limit`).
 //!
-//! **Rate limits** are GCRA (the generic cell rate algorithm) with reservations, one hash per
-//! bucket and tenant (`<prefix>:rate:<bucket>:<tenant>`, see `Names::rate`): `t` is the
-//! theoretical arrival time (µs of Redis `TIME`), advanced by the interval (`per / limit`)
-//! for every run that asks; a run may start at `t − burst·interval` (at once if that is past).
-//! Every ask reserves its start, so runs asking together are spaced exactly, whichever
-//! worker asks: a run whose start is near waits in place, one whose start is far is parked
-//! until then and runs on its return without asking again (its reservation travels with it).
+//! **Rate limits** are two GCRA counters (the generic cell rate algorithm) in one hash per
+//! bucket and tenant (`<prefix>:rate:<bucket>:<tenant>`, see `Names::rate`), in µs of Redis
+//! `TIME`, each advanced by the interval (`per / limit`):
+//! - `t`, the **ticket** counter, orders runs: a run's first ask gives it a ticket, the time
+//!   its turn comes at the limit's pace (`t − burst·interval`, now if that is past). A run whose
+//!   ticket is further off than it may wait in place is parked until about then and carries
+//!   its ticket back (header `x-chime-rate-at`): a late copy keeps its place in line.
+//! - `a`, the **admission** counter, times starts: only a run whose ticket is due (within the
+//!   wait it may do in place) asks it, and it reserves a start only within that wait. Starts
+//!   are therefore spaced by the interval whatever the delay chain does: copies it returns
+//!   late in a clump are due together and are let through one interval apart (the others park
+//!   a second or wait in place), never at once.
+//!
 //! A downstream that pushed back (`JobError::rate_limited`, a declared exit code, HTTP 429 or
-//! 503) sets `h`, a time nothing starts before: later asks are scheduled after it, and a
-//! returning reservation older than the push-back asks again.
+//! 503) sets `h`, a time nothing starts before; both counters resume after it.
 //!
 //! A job's slots are one sorted set, `<prefix>:limit:<job>`: member = the run's owner token
 //! (the same token as its claim), score = when the slot lapses (ms of Redis `TIME`). A run
@@ -43,25 +48,36 @@ return {0, math.max(0, tonumber(first[2]) - now)}",
     )
 });
 
-/// KEYS[1] a rate bucket; ARGV interval_us, burst, reserved_us (a start reserved earlier,
-/// or 0) → `{start_us, now_us}`: the run starts at `start_us` (Redis time; `now_us` or
-/// earlier: at once). A reservation still valid (not older than a push-back) is kept; else a
-/// new start is reserved.
+/// KEYS[1] a rate bucket; ARGV interval_us, burst, ticket_us (the run's ticket from an
+/// earlier ask, or 0 for a new one), horizon_us (how long it may wait in place) →
+/// `{ticket_us, admitted, wait_us}`: admitted 1, it starts in `wait_us` (≤ horizon; that start
+/// is its own); admitted 0, it comes back in about `wait_us` (its ticket is further off than
+/// the horizon, or it is due but every start within the horizon is taken).
 static RATE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local T, b, reserved = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local v = redis.call('HMGET', KEYS[1], 't', 'h')
-local hold = tonumber(v[2]) or 0
-if reserved > 0 and reserved >= hold then
-  return {string.format('%.0f', reserved), string.format('%.0f', now)}
+local T, b, ticket, horizon = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local v = redis.call('HMGET', KEYS[1], 't', 'a', 'h')
+local hold = tonumber(v[3]) or 0
+local q, a = tonumber(v[1]) or now, tonumber(v[2]) or now
+if ticket <= 0 then
+  q = math.max(q, now) + T
+  ticket = math.max(q - b * T, now, hold)
+  redis.call('HSET', KEYS[1], 't', string.format('%.0f', q))
 end
-local tat = math.max(tonumber(v[1]) or now, now) + T
-local start = math.max(tat - b * T, now, hold)
-redis.call('HSET', KEYS[1], 't', string.format('%.0f', tat))
-redis.call('PEXPIRE', KEYS[1], math.ceil((math.max(tat, hold) - now) / 1000) + 1000)
-return {string.format('%.0f', start), string.format('%.0f', now)}",
+local admitted, wait = 0, ticket - now
+if wait <= horizon then
+  local next = math.max(a, now) + T
+  local start = math.max(next - b * T, now, hold)
+  wait = start - now
+  if wait <= horizon then
+    admitted, a = 1, next
+    redis.call('HSET', KEYS[1], 'a', string.format('%.0f', a))
+  end
+end
+redis.call('PEXPIRE', KEYS[1], math.ceil((math.max(q, a, hold) - now) / 1000) + 1000)
+return {string.format('%.0f', ticket), admitted, string.format('%.0f', math.max(wait, 0))}",
     )
 });
 
@@ -73,11 +89,12 @@ static SLOW: LazyLock<Script> = LazyLock::new(|| {
         r"local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local T, b = tonumber(ARGV[2]), tonumber(ARGV[3])
-local v = redis.call('HMGET', KEYS[1], 't', 'h')
-local hold = math.max(tonumber(v[2]) or 0, now + tonumber(ARGV[1]))
-local tat = math.max(tonumber(v[1]) or 0, hold + (b - 1) * T)
-redis.call('HSET', KEYS[1], 't', string.format('%.0f', tat), 'h', string.format('%.0f', hold))
-redis.call('PEXPIRE', KEYS[1], math.ceil((math.max(tat, hold) - now) / 1000) + 1000)
+local v = redis.call('HMGET', KEYS[1], 't', 'a', 'h')
+local hold = math.max(tonumber(v[3]) or 0, now + tonumber(ARGV[1]))
+local q = math.max(tonumber(v[1]) or 0, hold + (b - 1) * T)
+local a = math.max(tonumber(v[2]) or 0, hold + (b - 1) * T)
+redis.call('HSET', KEYS[1], 't', string.format('%.0f', q), 'a', string.format('%.0f', a), 'h', string.format('%.0f', hold))
+redis.call('PEXPIRE', KEYS[1], math.ceil((math.max(q, a, hold) - now) / 1000) + 1000)
 return string.format('%.0f', hold)",
     )
 });
@@ -90,9 +107,12 @@ pub(crate) fn scripts() -> [&'static Script; 3] {
 /// Answer of [`IdemStore::take_rate`]: when the run may start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RateTake {
-    /// The start reserved for it, in µs of Redis time (carry it when the run is parked).
-    pub start_us: u64,
-    /// Until then (zero: at once).
+    /// The run's ticket, in µs of Redis time (carry it when the run is parked).
+    pub ticket_us: u64,
+    /// Whether a start is the run's: it starts after `wait`. Else it comes back in about
+    /// `wait` and asks again with its ticket.
+    pub admitted: bool,
+    /// Until it starts (admitted; zero: at once) or should ask again.
     pub wait: Duration,
 }
 
@@ -125,22 +145,27 @@ impl IdemStore {
         }
     }
 
-    /// Asks rate bucket `key` (`Names::rate`) when a run may start, reserving its start, or
-    /// keeping `reserved` (µs, from an earlier answer) when no push-back voided it.
+    /// Asks rate bucket `key` (`Names::rate`) whether a run may start within `horizon` (the
+    /// wait it may do in place), giving it a ticket unless it brings one (µs, from an earlier
+    /// answer).
     pub async fn take_rate(
         &self,
         key: String,
         interval_us: u64,
         burst: u32,
-        reserved: Option<u64>,
+        ticket: Option<u64>,
+        horizon: Duration,
     ) -> Result<RateTake, IdemError> {
         let mut cmd = evalsha(&RATE, key);
-        cmd.arg(interval_us).arg(burst).arg(reserved.unwrap_or(0));
-        let (start, now): (String, String) = self.call(cmd).await?;
-        let (Ok(start_us), Ok(now_us)) = (start.parse::<u64>(), now.parse::<u64>()) else {
-            return Err(IdemError::Protocol(format!("rate script replied {start:?}, {now:?}")));
+        cmd.arg(interval_us)
+            .arg(burst)
+            .arg(ticket.unwrap_or(0))
+            .arg(u64::try_from(horizon.as_micros()).unwrap_or(u64::MAX));
+        let (ticket, admitted, wait): (String, u8, String) = self.call(cmd).await?;
+        let (Ok(ticket_us), Ok(wait_us)) = (ticket.parse::<u64>(), wait.parse::<u64>()) else {
+            return Err(IdemError::Protocol(format!("rate script replied {ticket:?}, {admitted}, {wait:?}")));
         };
-        Ok(RateTake { start_us, wait: Duration::from_micros(start_us.saturating_sub(now_us)) })
+        Ok(RateTake { ticket_us, admitted: admitted == 1, wait: Duration::from_micros(wait_us) })
     }
 
     /// Holds rate bucket `key` for `hold` (the downstream pushed back), for every worker.

@@ -29,6 +29,7 @@
 //! persistence loses keys. Handlers that need exactly-once effects use the key or the fence
 //! in their own transaction.
 
+pub mod circuit;
 pub mod limit;
 
 use redis::aio::ConnectionLike;
@@ -134,6 +135,41 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1"
     ))
 });
+
+/// KEYS[1]; ARGV owner, retention_ms[, run line, runs kept, job, queue] → 1 settled, 0 the key
+/// already has a record (nothing written). A key that never runs (a slot the ticker skipped
+/// for overlap or shed) becomes `done` with its run in the record, so a copy published for it
+/// later is a duplicate; a key already published and claimed, or settled, is left as it is:
+/// of two tickers deciding one slot (a lease that lapsed mid-publish) the first decision holds.
+static SETTLE_UNRUN: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        r"{PRELUDE}
+{LOG_RUN}
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 's', 'done', 'o', ARGV[1], 'f', 0, 'u', 0, 't', int(now_ms))
+if ARGV[3] then log_run(3) end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1"
+    ))
+});
+
+/// Settles `key`, which never runs, as `done` with `run` in its record (history on) unless it
+/// already has a record: `Ok(false)` then, and nothing is written (see [`SETTLE_UNRUN`]).
+pub async fn settle_unrun(
+    conn: &mut RedisConn,
+    names: &Names,
+    retention: Duration,
+    history: &HistoryConfig,
+    run: &RunEvent,
+) -> Result<bool, IdemError> {
+    let mut inv = SETTLE_UNRUN.key(names.idem_key(&run.key));
+    inv.arg(&run.worker).arg(IdemStore::ms(retention));
+    if history.enabled {
+        inv.arg(run.record_line()).arg(history.runs_per_key).arg(&run.job).arg(&run.queue);
+    }
+    let n: i64 = inv.invoke_async(conn).await?;
+    Ok(n == 1)
+}
 
 /// KEYS[1]; ARGV owner, checkpoint, retention_ms → 1 saved, 0 another owner (or a final
 /// state) holds the key, 2 saved although the record was gone (Redis lost data: the
@@ -769,7 +805,7 @@ async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
             return;
         }
         let ours = [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*RUNLOG, &*XADDS, &*CHECKPOINT];
-        for script in ours.into_iter().chain(limit::scripts()) {
+        for script in ours.into_iter().chain(limit::scripts()).chain(circuit::scripts()) {
             if let Err(e) = script.prepare_invoke().load_async(conn).await {
                 return fail_all(again_replies, || IdemError::Redis(e.clone()));
             }

@@ -157,6 +157,12 @@ fn config_keys() -> BTreeSet<String> {
                     keys.insert(format!("limits[].{k}"));
                 }
             }
+            "circuits" => {
+                let circuit = format!("[[circuits]]\nname = \"a\"\nfailures = 1\n{UNKNOWN}\n");
+                for k in accepted_keys(&circuit) {
+                    keys.insert(format!("circuits[].{k}"));
+                }
+            }
             "prefix" => {
                 keys.insert(top.clone());
             }

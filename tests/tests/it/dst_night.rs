@@ -141,7 +141,25 @@ async fn finish(
             && slots.contains(&"2026-10-25T01:00:00Z".to_string())
     );
     let in_range = |s: &str| slots.iter().any(|x| x == s);
-    // Every run of the window has ended (the overlap job's last started by 01:00:30Z).
+    // The keys of the overlap job's slots the ticker recorded as skipped.
+    let skipped = || {
+        let (code, out, err) = chime(
+            &env.dir.join("chime.toml"),
+            &["history", "--job", "single", "--outcome", "skipped", "--json", "--limit", "1000"],
+            None,
+        );
+        assert_eq!(code, 0, "{err}");
+        let found: serde_json::Value = serde_json::from_str(&out).unwrap();
+        found["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["key"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    let single_key = |s: &str| scheduled_key("single", s.parse().unwrap()).to_string();
+    // Every run of the window has ended, and each of the overlap job's slots started or was
+    // skipped (its last slot's run may start after the sharded job's).
     // (On a timeout the checks below say what is missing.)
     let ended = || {
         let split_done = slots.iter().all(|s| rows(split).iter().filter(|r| &r[0] == s).count() >= 2);
@@ -149,7 +167,11 @@ async fn finish(
         let r = rows(single);
         let single_done =
             r.iter().filter(|l| l[0] == "S").count() == r.iter().filter(|l| l[0] == "E").count();
-        split_done && every_done && single_done
+        let skipped = skipped();
+        let single_accounted = slots
+            .iter()
+            .all(|s| r.iter().any(|l| l[0] == "S" && &l[1] == s) || skipped.contains(&single_key(s)));
+        split_done && every_done && single_done && single_accounted
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !ended() && std::time::Instant::now() < deadline {
@@ -191,18 +213,10 @@ async fn finish(
         );
     }
     let ran: Vec<&String> = r.iter().filter(|l| l[0] == "S").map(|l| &l[1]).collect();
-    let (code, out, err) = chime(
-        &env.dir.join("chime.toml"),
-        &["history", "--job", "single", "--outcome", "skipped", "--json", "--limit", "1000"],
-        None,
-    );
-    assert_eq!(code, 0, "{err}");
-    let found: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let skipped: Vec<String> =
-        found["runs"].as_array().unwrap().iter().map(|e| e["key"].as_str().unwrap().to_string()).collect();
+    let skipped = skipped();
     let (mut n_ran, mut n_skipped) = (0, 0);
     for s in &slots {
-        let key = scheduled_key("single", s.parse().unwrap()).to_string();
+        let key = single_key(s);
         let times_ran = ran.iter().filter(|x| **x == s).count();
         let times_skipped = skipped.iter().filter(|k| **k == key).count();
         assert_eq!(times_ran + times_skipped, 1, "single at {s}: ran {times_ran}, skipped {times_skipped}");

@@ -1,4 +1,4 @@
-//! Every branch of the idempotency scripts (CLAIM, RENEW, FINISH, DYING, REVIVE) against real
+//! Every branch of the idempotency scripts (CLAIM, RENEW, FINISH, DYING, REVIVE, SETTLE_UNRUN) against real
 //! Redis, under the test's own prefix.
 
 use crate::common::*;
@@ -168,4 +168,52 @@ async fn finish_and_revive_branches() {
     t.store.mark_dying("w", "o1", f, &dead).await.unwrap();
     assert!(t.store.revive("w").await.unwrap());
     assert!(t.claimed("w", "o2").await > f);
+}
+
+/// SETTLE_UNRUN: a key that never runs (a slot skipped or shed by the ticker) is settled `done`
+/// with its run once; a second decision for it, or one for a key already claimed, writes
+/// nothing; a copy of a settled key is a duplicate.
+#[tokio::test]
+async fn a_key_that_never_runs_is_settled_once() {
+    use chime_shared::history::{Outcome, RunEvent};
+    let mut t = Keys::new("lua-unrun").await;
+    let config = t.env.config("quorum", "", "", "");
+    let conn = chime_shared::redis_conn::RedisConn::connect(&config.redis).await.unwrap();
+    let names = t.env.names();
+    let event = |key: &str, worker: &str| RunEvent {
+        job: "j".into(),
+        key: key.into(),
+        id: String::new(),
+        queue: "default".into(),
+        attempt: 0,
+        max_attempts: 3,
+        worker: worker.into(),
+        started_at: None,
+        finished_at: chrono::Utc::now(),
+        outcome: Outcome::Skipped,
+        duration_ms: None,
+        reason: Some("overlap".into()),
+        error: None,
+        entry: None,
+    };
+    let settle = |e: RunEvent| {
+        let (mut conn, names, history) = (conn.clone(), names.clone(), config.history.clone());
+        async move {
+            chime_shared::idempotency::settle_unrun(&mut conn, &names, Duration::from_secs(600), &history, &e)
+                .await
+                .unwrap()
+        }
+    };
+    assert!(settle(event("s", "ticker-1")).await, "the first decision settles the key");
+    assert_eq!(t.field("s", "s").await.as_deref(), Some("done"));
+    assert_eq!(t.field("s", "n").await.as_deref(), Some("1"), "its run is in the record");
+    assert!(t.ttl_ms("s").await > 500_000);
+    assert!(!settle(event("s", "ticker-2")).await, "a second decision writes nothing");
+    assert_eq!(t.field("s", "o").await.as_deref(), Some("ticker-1"));
+    assert_eq!(t.field("s", "n").await.as_deref(), Some("1"));
+    assert!(matches!(t.store.claim("s", "w").await.unwrap(), Claim::Done { .. }), "a copy is a duplicate");
+    // A key published and claimed already: left to its run.
+    t.claimed("c", "w").await;
+    assert!(!settle(event("c", "ticker-2")).await);
+    assert_eq!(t.field("c", "s").await.as_deref(), Some("run"));
 }

@@ -188,7 +188,7 @@ fn the_circle_finder_finds_circles() {
 }
 
 /// What follows a `{placeholder}` in a string that spells a broker or Redis name.
-const NAME_SHAPES: [&str; 15] = [
+const NAME_SHAPES: [&str; 17] = [
     ".q.",
     ".dlq.",
     ".work\"",
@@ -201,6 +201,8 @@ const NAME_SHAPES: [&str; 15] = [
     ":paused:",
     ":overlap:",
     ":limit:",
+    ":rate:",
+    ":circuit:",
     ":group:",
     ":dlq-lock:",
     "^",

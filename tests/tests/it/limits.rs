@@ -24,7 +24,7 @@ fn most_in_window(runs: &[&RunEvent], window: chrono::Duration) -> usize {
 }
 
 /// Enqueues `n` jobs of `job` with `payload(i)`; returns their keys.
-async fn enqueue_keys(
+pub(crate) async fn enqueue_keys(
     config: &chime_shared::config::ValidConfig,
     job: &str,
     n: usize,
@@ -40,7 +40,7 @@ async fn enqueue_keys(
     keys
 }
 
-async fn wait_all_done(
+pub(crate) async fn wait_all_done(
     config: &chime_shared::config::ValidConfig,
     env: &TestEnv,
     keys: &[String],
@@ -94,6 +94,7 @@ async fn a_rate_limit_holds_across_two_workers_and_parked_runs_run_once() {
     // latency, which varies under load: any 2 s hold at most 41 reservations, plus 4 for
     // that spread.
     let most = most_in_window(&succeeded, chrono::Duration::seconds(2));
+    println!("rate limit: {most} starts at most in 2 s, {parked} parks");
     assert!(most <= 45, "{most} runs started within two seconds under a limit of 20/s");
     drop((a, b));
 }
@@ -244,4 +245,312 @@ async fn sampled_logs_drop_successes_and_keep_failures() {
     assert!(log.contains("job failed"), "{log}");
     let (_, runs) = history_runs(&env).await;
     assert_eq!(runs.iter().filter(|e| e.outcome == Outcome::Succeeded).count(), 20, "history stays complete");
+}
+
+/// Load shedding: a queue 300 deep over its `max_depth` of 100. The worker skips the runs of
+/// the `sheddable` job (acked, recorded `shed` with the threshold crossed), runs every
+/// `critical` one; every sheddable key ran or was shed, none both. Once the depth is below 80 %
+/// of the threshold the flag goes, and sheddable jobs enqueued then all run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backed_up_queue_sheds_its_sheddable_runs_and_never_its_critical_ones() {
+    let env = TestEnv::new("shed");
+    let jobs = "[worker.shed.default]\nmax_depth = 100\n\
+                [[jobs]]\nname = \"report\"\nhandler = \"slow\"\ncriticality = \"sheddable\"\n\
+                [[jobs]]\nname = \"pay\"\nhandler = \"slow\"\ncriticality = \"critical\"\n";
+    let config = env.config("classic", "", "", jobs);
+    let client = chime_producer::EnqueueClient::connect(config.clone()).await.unwrap();
+    let (report, pay) = pay_and_report(&client, 300, 6).await;
+    let worker = Running::start(config.clone(), sleeper(50), 2).await;
+    let e = &env;
+    wait_all_done(&config, &env, &pay, Duration::from_secs(60)).await;
+    wait_until("every report run or shed", Duration::from_secs(60), || async {
+        let (ran, shed) = ran_and_shed(e).await;
+        report.iter().all(|k| ran.contains_key(k) || shed.contains_key(k))
+    })
+    .await;
+    // Below the threshold (the flag gone), sheddable jobs run again.
+    wait_until("the shedding flag gone", Duration::from_secs(30), || async {
+        let mut c = connect_redis(&e.redis_url).await;
+        chime_shared::shed::read(&mut c, &e.names(), &["default".into()]).await.unwrap()[0].is_none()
+    })
+    .await;
+    let reqs: Vec<_> =
+        (0..20).map(|i| chime_producer::EnqueueRequest::new("report").key(format!("later-{i}"))).collect();
+    let later: Vec<String> =
+        reqs.iter().map(|r| client.prepare(r).unwrap().envelope.key.to_string()).collect();
+    assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, 20);
+    wait_all_done(&config, &env, &later, Duration::from_secs(30)).await;
+    worker.stop().await;
+    let (ran, shed_keys) = ran_and_shed(&env).await;
+    assert!(later.iter().all(|k| ran.get(k) == Some(&1)), "sheddable runs enqueued later run");
+    let (_, runs) = history_runs(&env).await;
+    let shed: Vec<&RunEvent> =
+        runs.iter().filter(|x| x.outcome == Outcome::Shed && !later.contains(&x.key)).collect();
+    assert!(pay.iter().all(|k| !shed_keys.contains_key(k)), "a critical job is never shed");
+    let shed_reports = report.iter().filter(|k| shed_keys.contains_key(*k)).count();
+    let ran_reports = report.iter().filter(|k| ran.contains_key(*k)).count();
+    println!("shedding: {shed_reports} of 250 sheddable runs shed, {ran_reports} ran");
+    assert!(shed_reports > 0, "the backed-up queue shed sheddable runs");
+    for k in &report {
+        let (r, s) = (ran.get(k).copied().unwrap_or(0), shed_keys.get(k).copied().unwrap_or(0));
+        assert_eq!(r + s, 1, "{k}: ran {r} times, shed {s} times (once in all, never both)");
+    }
+    let why = shed.iter().find(|x| x.job == "report").and_then(|x| x.error.clone()).unwrap_or_default();
+    assert!(why.contains(">= max_depth 100"), "{why}");
+    assert!(
+        chime_shared::shed::read(&mut connect_redis(&env.redis_url).await, &env.names(), &["default".into()])
+            .await
+            .unwrap()[0]
+            .is_none(),
+        "the queue no longer sheds once its backlog is gone"
+    );
+}
+
+/// While a queue's shedding flag is set, the ticker records the slots of its sheddable jobs
+/// as `shed` (the watermark moves on: they are not published later) and publishes the others;
+/// once it is gone, it publishes them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ticker_sheds_the_slots_of_sheddable_jobs_while_their_queue_sheds() {
+    let env = TestEnv::new("shed-tick");
+    let jobs = "[worker.shed.default]\nmax_age = \"1m\"\n\
+                [[jobs]]\nname = \"digest\"\nhandler = \"noop\"\ncriticality = \"sheddable\"\nschedule = \"* * * * * *\"\n\
+                [[jobs]]\nname = \"beat\"\nhandler = \"noop\"\nschedule = \"* * * * * *\"\n";
+    let text = env.config_text("classic", "", "", jobs);
+    let path = env.write_config(&text);
+    let mut conn = connect_redis(&env.redis_url).await;
+    let names = env.names();
+    chime_shared::shed::set(&mut conn, &names, "default", "age 2m >= max_age 1m").await.unwrap();
+    let ticker = Child::ticker(&env.dir, &path, &[], "t");
+    let e = &env;
+    let shed_slots = || async move {
+        history_runs(e).await.1.iter().filter(|r| r.job == "digest" && r.outcome == Outcome::Shed).count()
+    };
+    // Kept set (it expires 5 s after the last refresh) until three slots were shed.
+    wait_until("three digest slots shed", Duration::from_secs(30), || async {
+        let mut c = connect_redis(&e.redis_url).await;
+        chime_shared::shed::set(&mut c, &names, "default", "age 2m >= max_age 1m").await.unwrap();
+        shed_slots().await >= 3
+    })
+    .await;
+    let (_, runs) = history_runs(&env).await;
+    let shed = runs.iter().find(|r| r.job == "digest" && r.outcome == Outcome::Shed).unwrap();
+    assert!(shed.error.as_deref().unwrap_or_default().ends_with("age 2m >= max_age 1m"), "{shed:?}");
+    // Meanwhile the job that is not sheddable was published: its slots wait in the queue.
+    let ready = depth(&env.names().work_queue("default")).await;
+    assert!(ready >= 2, "{ready} messages: beat's slots are published");
+    chime_shared::shed::clear(&mut conn, &names, "default").await.unwrap();
+    let (before, shed_before) = (ready, shed_slots().await);
+    wait_until("six more slots published", Duration::from_secs(30), || async move {
+        depth(&e.names().work_queue("default")).await >= before + 6
+    })
+    .await;
+    drop(ticker);
+    let shed_after = shed_slots().await;
+    assert!(
+        shed_after <= shed_before + 1,
+        "digest's slots are published again ({shed_before} shed, then {shed_after})"
+    );
+}
+
+/// A worker SIGKILLed while runs are parked and held in place (a rate limit of 10/s over 60
+/// jobs): nothing is lost and nothing runs twice. A delivery whose parked copy was confirmed
+/// but not yet acked comes back as well as its copy; the key absorbs the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_with_runs_parked_loses_nothing_and_runs_nothing_twice() {
+    let env = TestEnv::new("rate-kill");
+    let jobs = "[[jobs]]\nname = \"paced\"\nhandler = \"noop\"\nrate_limit = \"10/s\"\n";
+    let text = env.config_text("classic", "", "max_hold = \"1s\"", jobs);
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let keys = enqueue_keys(&config, "paced", 60, |_| serde_json::json!({})).await;
+    let a = Child::worker(&env.dir, &path, &[], "a");
+    let b = Child::worker(&env.dir, &path, &[], "b");
+    let e = &env;
+    wait_until("runs parked and some done", Duration::from_secs(30), || async move {
+        let (_, runs) = history_runs(e).await;
+        runs.iter().filter(|r| r.outcome == Outcome::Parked).count() >= 20
+            && runs.iter().any(|r| r.outcome == Outcome::Succeeded)
+    })
+    .await;
+    a.signal(libc::SIGKILL);
+    let c = Child::worker(&env.dir, &path, &[], "c");
+    wait_all_done(&config, &env, &keys, Duration::from_secs(60)).await;
+    let (_, runs) = history_runs(&env).await;
+    let mut per_key: BTreeMap<&str, usize> = BTreeMap::new();
+    for r in runs.iter().filter(|r| r.outcome == Outcome::Succeeded) {
+        *per_key.entry(r.key.as_str()).or_default() += 1;
+    }
+    assert!(per_key.len() == 60 && per_key.values().all(|n| *n == 1), "each ran once: {per_key:?}");
+    drop((a, b, c));
+}
+
+/// The rate script against real Redis: a run's first ask gives it a ticket (its place in
+/// line); copies that come back together, however late, are let through one interval apart
+/// (a start within the wait each may do in place is its own; the rest are told to come back),
+/// never all at once; a fresh run behind them in line is not let ahead of them.
+#[tokio::test]
+async fn copies_back_late_together_start_an_interval_apart() {
+    let env = TestEnv::new("rate-script");
+    let config = env.config("classic", "", "", "");
+    let store = chime_shared::idempotency::IdemStore::connect(&config.redis, env.names()).unwrap();
+    let key = env.names().rate("b", "-");
+    let (interval, burst) = (10_000u64, 1u32); // 100/s
+    let mut tickets = Vec::new();
+    for _ in 0..50 {
+        let take = store.take_rate(key.clone(), interval, burst, None, Duration::ZERO).await.unwrap();
+        tickets.push(take.ticket_us);
+    }
+    assert!(tickets.windows(2).all(|w| w[1] >= w[0] + interval), "tickets in line: {tickets:?}");
+    // Every copy comes back at once, long after its ticket (a clump from a late delay chain),
+    // each allowed 200 ms in place: 20 starts of the next 200 ms go to them, spaced.
+    // A start (Redis time) lies within [sent + wait, received + wait] of the client's clock.
+    let mut starts = Vec::new();
+    let mut told_back = 0;
+    for t in &tickets {
+        let sent = std::time::Instant::now();
+        let take = store
+            .take_rate(key.clone(), interval, burst, Some(*t), Duration::from_millis(200))
+            .await
+            .unwrap();
+        let received = std::time::Instant::now();
+        assert_eq!(take.ticket_us, *t, "a copy keeps its ticket");
+        if take.admitted {
+            starts.push((sent + take.wait, received + take.wait));
+        } else {
+            told_back += 1;
+            assert!(take.wait > Duration::from_millis(200), "told to come back later: {take:?}");
+        }
+    }
+    assert!((19..=22).contains(&starts.len()), "{} of 50 admitted within 200 ms at 100/s", starts.len());
+    assert_eq!(told_back, 50 - starts.len());
+    for w in starts.windows(2) {
+        let gap = w[1].1.saturating_duration_since(w[0].0);
+        assert!(gap >= Duration::from_micros(interval), "starts one interval apart: {gap:?} in {starts:?}");
+    }
+    // A new run is in line behind all 50: its ticket is after theirs.
+    let fresh =
+        store.take_rate(key.clone(), interval, burst, None, Duration::from_millis(200)).await.unwrap();
+    assert!(!fresh.admitted && fresh.ticket_us > *tickets.last().unwrap(), "{fresh:?}");
+    // A push-back holds every start, however old the ticket.
+    store.slow_rate(key.clone(), Duration::from_secs(3), interval, burst).await.unwrap();
+    let held = store
+        .take_rate(key.clone(), interval, burst, Some(tickets[0]), Duration::from_secs(2))
+        .await
+        .unwrap();
+    assert!(!held.admitted && held.wait > Duration::from_secs(2), "{held:?}");
+}
+
+/// The broker (a private node) SIGKILLed and restarted while a queue sheds: every critical
+/// run is done, every sheddable key ran or was shed (none both, none lost), and sheddable
+/// runs enqueued after the backlog is gone all run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_restart_while_shedding_loses_nothing() {
+    let rabbit = PrivateRabbit::start().await;
+    let mut env = TestEnv::new("shed-restart");
+    env.amqp_url = rabbit.url();
+    let jobs = "[worker.shed.default]\nmax_depth = 100\n\
+                [[jobs]]\nname = \"report\"\nhandler = \"slow\"\ncriticality = \"sheddable\"\n\
+                [[jobs]]\nname = \"pay\"\nhandler = \"slow\"\ncriticality = \"critical\"\n";
+    let config = env.config("quorum", "", "", jobs);
+    let client = chime_producer::EnqueueClient::connect(config.clone()).await.unwrap();
+    let (report, pay) = pay_and_report(&client, 400, 4).await;
+    drop(client);
+    let worker = Running::start(config.clone(), sleeper(40), 2).await;
+    let e = &env;
+    wait_until("the queue sheds", Duration::from_secs(30), || async {
+        let (_, runs) = history_runs(e).await;
+        runs.iter().any(|x| x.outcome == Outcome::Shed)
+    })
+    .await;
+    rabbit.kill().await;
+    let reader = chime_shared::history::HistoryReader::connect(&config.redis, env.names()).await.unwrap();
+    let pay_done = |states: Vec<Option<(KeyState, _)>>| {
+        states.iter().filter(|s| matches!(s, Some((KeyState::Done, _)))).count()
+    };
+    let before = pay_done(reader.states(&pay).await.unwrap());
+    assert!(before < 80, "the broker went down with critical runs still waiting ({before} of 100 done)");
+    let h = worker.health.clone();
+    wait_until("the worker notices the broker is gone", Duration::from_secs(30), || {
+        let h = h.clone();
+        async move { !h.get("amqp") }
+    })
+    .await;
+    rabbit.restart().await;
+    wait_all_done(&config, &env, &pay, Duration::from_secs(120)).await;
+    wait_until("every report run or shed", Duration::from_secs(120), || async {
+        let (ran, shed) = ran_and_shed(e).await;
+        report.iter().all(|k| ran.contains_key(k) || shed.contains_key(k))
+    })
+    .await;
+    let (ran, shed) = ran_and_shed(e).await;
+    assert!(pay.iter().all(|k| !shed.contains_key(k)), "a critical run was shed");
+    for k in &report {
+        let (r, s) = (ran.get(k).copied().unwrap_or(0), shed.get(k).copied().unwrap_or(0));
+        assert_eq!(r + s, 1, "{k}: ran {r} times, shed {s} times (once in all, never both)");
+    }
+    println!(
+        "shedding across a broker restart: {before} of 100 critical runs done at the kill; {} of 300 sheddable runs shed, the rest ran",
+        report.iter().filter(|k| shed.contains_key(*k)).count()
+    );
+    wait_until("the shedding flag gone", Duration::from_secs(30), || async {
+        let mut c = connect_redis(&e.redis_url).await;
+        chime_shared::shed::read(&mut c, &e.names(), &["default".into()]).await.unwrap()[0].is_none()
+    })
+    .await;
+    let client = chime_producer::EnqueueClient::connect(config.clone()).await.unwrap();
+    let reqs: Vec<_> =
+        (0..20).map(|i| chime_producer::EnqueueRequest::new("report").key(format!("later-{i}"))).collect();
+    let later: Vec<String> =
+        reqs.iter().map(|r| client.prepare(r).unwrap().envelope.key.to_string()).collect();
+    assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, 20);
+    wait_all_done(&config, &env, &later, Duration::from_secs(60)).await;
+    worker.stop().await;
+    let (ran, _) = ran_and_shed(e).await;
+    assert!(later.iter().all(|k| ran.get(k) == Some(&1)), "sheddable runs enqueued later run");
+}
+
+/// How many times the history says each key ran (`succeeded`), and was shed.
+async fn ran_and_shed(
+    env: &TestEnv,
+) -> (std::collections::BTreeMap<String, usize>, std::collections::BTreeMap<String, usize>) {
+    let (mut ran, mut shed) = (std::collections::BTreeMap::new(), std::collections::BTreeMap::new());
+    for r in history_runs(env).await.1 {
+        match r.outcome {
+            Outcome::Succeeded => *ran.entry(r.key).or_insert(0) += 1,
+            Outcome::Shed => *shed.entry(r.key).or_insert(0) += 1,
+            _ => {}
+        }
+    }
+    (ran, shed)
+}
+
+/// Handler `slow`: sleeps `ms`, succeeds.
+fn sleeper(ms: u64) -> chime_worker::Registry {
+    let mut registry = chime_worker::Registry::new();
+    registry.register(
+        "slow",
+        chime_worker::raw_handler_fn(move |_, _| async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            Ok(())
+        }),
+    );
+    registry
+}
+
+/// Enqueues a backlog of `n` runs, every `every`th of job `pay`, the others of `report`;
+/// returns the keys of each (`report`, `pay`).
+async fn pay_and_report(
+    client: &chime_producer::EnqueueClient,
+    n: usize,
+    every: usize,
+) -> (Vec<String>, Vec<String>) {
+    let (mut report, mut pay, mut reqs) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..n {
+        let (job, keys) = if i % every == 0 { ("pay", &mut pay) } else { ("report", &mut report) };
+        let req = chime_producer::EnqueueRequest::new(job).key(format!("{job}-{i}"));
+        keys.push(client.prepare(&req).unwrap().envelope.key.to_string());
+        reqs.push(req);
+    }
+    assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, n);
+    (report, pay)
 }

@@ -4,6 +4,7 @@
 mod backfill;
 mod broker_restart;
 mod catalog;
+mod circuits;
 mod cli;
 mod common;
 mod dead_letters;

@@ -15,8 +15,8 @@ const JOBS: &str = "[[jobs]]\nname = \"bulk\"\nhandler = \"rec\"\npriority = \"l
                     [[jobs]]\nname = \"plain\"\nhandler = \"rec\"\n\
                     [[jobs]]\nname = \"elsewhere\"\nhandler = \"rec\"\nqueue = \"flat\"\n";
 
-/// Records the order jobs start in (`<job>:<n>`); sleeps 5 ms; `fail` payloads fail for good.
-fn recorder(order: &Arc<Mutex<Vec<String>>>) -> Registry {
+/// Records the order jobs start in (`<job>:<n>`); sleeps `ms`; `fail` payloads fail for good.
+fn recorder(order: &Arc<Mutex<Vec<String>>>, ms: u64) -> Registry {
     let o = order.clone();
     let mut r = Registry::new();
     r.register(
@@ -24,7 +24,7 @@ fn recorder(order: &Arc<Mutex<Vec<String>>>) -> Registry {
         raw_handler_fn(move |ctx: JobContext, p: serde_json::Value| {
             o.lock().unwrap().push(format!("{}:{}", ctx.job(), p["n"]));
             async move {
-                tokio::time::sleep(Duration::from_millis(5)).await;
+                tokio::time::sleep(Duration::from_millis(ms)).await;
                 if p["fail"] == true {
                     return Err(JobError::permanent("refused"));
                 }
@@ -50,7 +50,7 @@ async fn high_jobs_pass_a_low_backlog_on_quorum_and_classic_queues() {
             (0..100).map(|n| EnqueueRequest::new("plain").payload(serde_json::json!({"n": n}))).collect();
         assert_eq!(client.enqueue_batch(&normal).await.unwrap().confirmed, 100);
         let order = Arc::new(Mutex::new(Vec::new()));
-        let worker = Running::start(config.clone(), recorder(&order), 4).await;
+        let worker = Running::start(config.clone(), recorder(&order, 5), 4).await;
         // Every normal job runs before the low ones still waiting (the worker took some low ones
         // into its prefetch before the normal ones arrived on their level: at most 4 running).
         wait_until("100 normal jobs done", Duration::from_secs(60), || async {
@@ -143,7 +143,7 @@ async fn a_worker_starting_on_a_mixed_backlog_takes_the_high_jobs_first() {
     }
     let order = Arc::new(Mutex::new(Vec::new()));
     // 4 at once: the prefetch is 8 for high and normal, 4 for low.
-    let worker = Running::start(config.clone(), recorder(&order), 4).await;
+    let worker = Running::start(config.clone(), recorder(&order, 5), 4).await;
     wait_until("90 jobs ran", Duration::from_secs(60), || async { order.lock().unwrap().len() == 90 }).await;
     worker.stop().await;
     let started = order.lock().unwrap().clone();
@@ -164,4 +164,87 @@ async fn a_worker_starting_on_a_mixed_backlog_takes_the_high_jobs_first() {
         lows_before_normal <= 4,
         "{lows_before_normal} low jobs started before the last normal one: {started:?}"
     );
+}
+
+/// Aging (`jobs[].promote_after`): under a high backlog that keeps growing, a low run would
+/// wait for all of it; promoted a level for each second it waits, it is taken as high after
+/// two, ahead of high runs enqueued after it.
+#[tokio::test]
+async fn an_aged_low_run_passes_a_growing_high_backlog() {
+    let env = TestEnv::new("prio-aging");
+    let jobs = "[[jobs]]\nname = \"bulk\"\nhandler = \"rec\"\npriority = \"low\"\npromote_after = \"1s\"\n\
+                [[jobs]]\nname = \"urgent\"\nhandler = \"rec\"\npriority = \"high\"\n";
+    let config = env.config("classic", "", "", jobs);
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let worker = Running::start(config.clone(), recorder(&order, 30), 1).await;
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
+    // Busy with 20 high runs when the low one comes, then 50 more a second of 30 ms each, one
+    // at a time: 1.5x what the worker can do.
+    let first: Vec<EnqueueRequest> =
+        (0..20).map(|n| EnqueueRequest::new("urgent").payload(serde_json::json!({"n": n}))).collect();
+    assert_eq!(client.enqueue_batch(&first).await.unwrap().confirmed, 20);
+    client.enqueue(EnqueueRequest::new("bulk").payload(serde_json::json!({"n": "old"}))).await.unwrap();
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    for n in 20..200 {
+        tick.tick().await;
+        client.enqueue(EnqueueRequest::new("urgent").payload(serde_json::json!({"n": n}))).await.unwrap();
+    }
+    wait_until("every run started", Duration::from_secs(60), || async { order.lock().unwrap().len() == 201 })
+        .await;
+    worker.stop().await;
+    let started = order.lock().unwrap().clone();
+    let low = started.iter().position(|s| s == "bulk:\"old\"").unwrap();
+    println!("the low run started {low}th of 201");
+    assert!(low < 150, "the low run waited for {low} high runs (of 200), aging did not promote it");
+}
+
+/// `chime priority KEY LEVEL` moves one waiting run to another level; every other run stays
+/// where it was (in its order on a classic queue; on a quorum queue those looked at on the
+/// way may come back in another order among themselves); a key not waiting, a bad level or a queue without levels is
+/// refused by name.
+#[tokio::test]
+async fn chime_priority_moves_one_waiting_run_and_keeps_the_rest_in_order() {
+    for queue_type in ["quorum", "classic"] {
+        let mut env = TestEnv::new(&format!("prio-move-{queue_type}"));
+        env.queues = vec!["default".into(), "flat".into()];
+        let text = env.config_text(queue_type, "", "", JOBS);
+        let path = env.write_config(&text);
+        let config = chime_shared::Config::from_toml_str(&text).unwrap();
+        let client = EnqueueClient::connect(config.clone()).await.unwrap();
+        let low: Vec<EnqueueRequest> = (0..50)
+            .map(|n| EnqueueRequest::new("bulk").key(format!("b{n}")).payload(serde_json::json!({"n": n})))
+            .collect();
+        let keys: Vec<String> =
+            low.iter().map(|r| client.prepare(r).unwrap().envelope.key.to_string()).collect();
+        assert_eq!(client.enqueue_batch(&low).await.unwrap().confirmed, 50);
+        let (code, out, err) = chime(&path, &["priority", &keys[40], "high"], None);
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(out.contains("moved from default low to high"), "{out}");
+        let (code, _, err) = chime(&path, &["priority", &keys[40], "high"], None);
+        assert!(
+            code == 1 && err.contains("no run with key") && err.contains("at high already"),
+            "{code} {err}"
+        );
+        let (code, _, err) = chime(&path, &["priority", &keys[1], "urgent"], None);
+        assert!(code == 2 && err.contains("\"urgent\": high, normal or low"), "{code} {err}");
+        let (code, _, err) = chime(&path, &["priority", &keys[1], "high", "--queue", "flat"], None);
+        assert!(code == 2 && err.contains("queue \"flat\" has no priority levels"), "{code} {err}");
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let worker = Running::start(config.clone(), recorder(&order, 5), 1).await;
+        wait_until("50 runs", Duration::from_secs(60), || async { order.lock().unwrap().len() == 50 }).await;
+        worker.stop().await;
+        let started = order.lock().unwrap().clone();
+        assert_eq!(started[0], "bulk:40", "the moved run first: {started:?}");
+        let rest: Vec<String> = (0..50).filter(|n| *n != 40).map(|n| format!("bulk:{n}")).collect();
+        if queue_type == "classic" {
+            assert_eq!(started[1..], rest[..], "{queue_type}: the others in their order");
+        } else {
+            // A quorum queue gives the runs taken on the way back ahead of the rest, but not
+            // always in their order among themselves (RabbitMQ's returns).
+            let mut taken = started[1..41].to_vec();
+            taken.sort_by_key(|s| s[5..].parse::<u32>().unwrap());
+            assert_eq!(taken, rest[..40], "{queue_type}: the runs looked at first");
+            assert_eq!(started[41..], rest[40..], "{queue_type}: the runs behind, in their order");
+        }
+    }
 }

@@ -14,7 +14,7 @@ fn jobs(dir: &Path) -> String {
         "[[jobs]]\nname = \"payment-run\"\nschedule = \"30 2 * * *\"\ntimezone = \"Europe/Berlin\"\nhandler = \"exec\"\n\
          command = [\"sh\", \"-c\", \"test -f {} || {{ echo 'bank API answered 503 <b>unavailable</b>' >&2; exit 3; }}\"]\n\
          max_attempts = 1\n\
-         [[jobs]]\nname = \"send-receipt\"\nhandler = \"noop\"\n",
+         [[jobs]]\nname = \"send-receipt\"\nhandler = \"noop\"\ncircuit = {{ failures = 3 }}\n",
         dir.join("fixed").display()
     )
 }
@@ -291,6 +291,38 @@ async fn the_dashboard_guards_its_actions_and_its_address() {
     assert!(notice(schedule("resume").await.unwrap()).await.starts_with("Resumed schedule"));
     assert!(notice(schedule("resume").await.unwrap()).await.contains("was not paused"));
     assert_eq!(schedule("explode").await.unwrap().status(), 400);
+    // Circuit breakers: shown on the overview, held open and closed from it.
+    let circuit = |op: &'static str, name: &'static str| {
+        http.post(format!("{base}/actions/circuit"))
+            .bearer_auth(token)
+            .form(&[("csrf", csrf.as_str()), ("back", "/"), ("op", op), ("circuit", name)])
+            .send()
+    };
+    let overview = || async {
+        http.get(format!("{base}/")).bearer_auth(token).send().await.unwrap().text().await.unwrap()
+    };
+    assert!(overview().await.contains("Circuit breakers"));
+    let r = circuit("open", "send-receipt").await.unwrap();
+    let text = shown(r.headers()["location"].to_str().unwrap().to_string()).await.unwrap_or_default();
+    assert!(text.starts_with("Circuit send-receipt held open (was closed)"), "{text}");
+    let mut conn = connect_redis(&env.redis_url).await;
+    let forced: Option<String> = redis::cmd("HGET")
+        .arg(env.names().circuit("send-receipt"))
+        .arg("forced")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(forced.as_deref(), Some("1"));
+    assert!(overview().await.contains("open (held by an operator)"));
+    let r = circuit("close", "send-receipt").await.unwrap();
+    let text = shown(r.headers()["location"].to_str().unwrap().to_string()).await.unwrap_or_default();
+    assert!(text.starts_with("Circuit send-receipt closed (was forced_open)"), "{text}");
+    assert_eq!(circuit("open", "nope").await.unwrap().status(), 400);
+    // A queue shedding its sheddable jobs is marked on the overview.
+    chime_shared::shed::set(&mut conn, &env.names(), "default", "depth 12 >= max_depth 10").await.unwrap();
+    assert!(overview().await.contains("title=\"depth 12 &gt;= max_depth 10\">shedding"));
+    chime_shared::shed::clear(&mut conn, &env.names(), "default").await.unwrap();
+    assert_eq!(circuit("explode", "send-receipt").await.unwrap().status(), 400);
     // Run now: published with a key of its own, and waiting in the queue (no worker here).
     let ran = notice(schedule("run").await.unwrap()).await;
     assert!(ran.starts_with("Triggered payment-run now"), "{ran}");

@@ -53,6 +53,10 @@ struct FakeStore {
     rate_wait: Mutex<Option<Duration>>,
     /// `slow_rate` calls: bucket and hold.
     slowed: Mutex<Vec<(String, Duration)>>,
+    /// What `circuit_admit` answers (`None`: closed).
+    circuit: Mutex<Option<chime_shared::circuit::Admit>>,
+    /// `circuit_record` and `circuit_give_back` calls: how the run ended and its probe token.
+    circuit_reports: Mutex<Vec<(chime_shared::circuit::Ended, Option<String>)>>,
 }
 
 impl FakeStore {
@@ -112,10 +116,12 @@ impl KeyStore for FakeStore {
         _key: String,
         _interval_us: u64,
         _burst: u32,
-        reserved: Option<u64>,
+        ticket: Option<u64>,
+        horizon: Duration,
     ) -> Result<chime_shared::limit::RateTake, IdemError> {
-        let wait = if reserved.is_some() { None } else { *self.rate_wait.lock().unwrap() };
-        Ok(chime_shared::limit::RateTake { start_us: 42, wait: wait.unwrap_or_default() })
+        let wait = if ticket.is_some() { None } else { *self.rate_wait.lock().unwrap() };
+        let wait = wait.unwrap_or_default();
+        Ok(chime_shared::limit::RateTake { ticket_us: 42, admitted: wait <= horizon, wait })
     }
     async fn slow_rate(
         &self,
@@ -126,6 +132,30 @@ impl KeyStore for FakeStore {
     ) -> Result<(), IdemError> {
         self.slowed.lock().unwrap().push((key, hold));
         Ok(())
+    }
+    async fn circuit_admit(
+        &self,
+        _key: String,
+        _limits: &chime_shared::circuit::Limits,
+    ) -> Result<chime_shared::circuit::Admit, IdemError> {
+        Ok(self.circuit.lock().unwrap().clone().unwrap_or(chime_shared::circuit::Admit::Go))
+    }
+    async fn circuit_record(
+        &self,
+        _key: String,
+        _limits: &chime_shared::circuit::Limits,
+        ended: chime_shared::circuit::Ended,
+        token: Option<&str>,
+        _successes: u64,
+    ) -> Result<chime_shared::circuit::Recorded, IdemError> {
+        self.circuit_reports.lock().unwrap().push((ended, token.map(str::to_string)));
+        Ok(chime_shared::circuit::Recorded { changed: None, succeeded: 0, failed: 0 })
+    }
+    fn circuit_give_back(&self, _key: String, _limits: &chime_shared::circuit::Limits, token: &str) {
+        self.circuit_reports
+            .lock()
+            .unwrap()
+            .push((chime_shared::circuit::Ended::Neither, Some(token.into())));
     }
     fn stream_run(&self, event: &RunEvent) {
         assert!(
@@ -344,6 +374,8 @@ enum Sent {
         unknown_since: Option<String>,
         /// `x-chime-rate-at` and `x-chime-slot-parks` (a parked run).
         parked: (Option<String>, Option<String>),
+        /// `x-chime-circuit-parks`.
+        circuit_parks: Option<String>,
     },
     Dead {
         reason: String,
@@ -371,7 +403,14 @@ impl Outbox for FakeOutbox {
         let props = BasicProperties::default().with_headers(headers);
         let unknown_since = header_str(&props, UNKNOWN_SINCE);
         let parked = (header_str(&props, RATE_AT), header_str(&props, SLOT_PARKS));
-        self.sent.lock().unwrap().push(Sent::Delayed { attempt: env.attempt, delay, unknown_since, parked });
+        let circuit_parks = header_str(&props, CIRCUIT_PARKS);
+        self.sent.lock().unwrap().push(Sent::Delayed {
+            attempt: env.attempt,
+            delay,
+            unknown_since,
+            parked,
+            circuit_parks,
+        });
         Ok(())
     }
     async fn dead_letter(&self, _queue: &str, _body: &[u8], props: BasicProperties) -> Result<(), AmqpError> {
@@ -440,6 +479,12 @@ fn harness() -> Harness {
                 [[jobs]]\nname = \"rated\"\nhandler = \"job\"\nrate_limit = { rate = \"1/s\", key = \"tenant\" }\n\
                 [[jobs]]\nname = \"pushy\"\nhandler = \"pushy\"\nrate_limit = \"shared\"\n\
                 [[limits]]\nname = \"shared\"\nrate = \"10/s\"\n\
+                [[jobs]]\nname = \"guarded\"\nhandler = \"job\"\ncircuit = \"dep\"\n\
+                [[jobs]]\nname = \"guarded_rated\"\nhandler = \"job\"\ncircuit = \"dep\"\nrate_limit = \"1/s\"\n\
+                [[jobs]]\nname = \"guarded_dl\"\nhandler = \"job\"\ncircuit = { failures = 2, on_open = \"dead_letter\" }\n\
+                [[jobs]]\nname = \"optional\"\nhandler = \"job\"\ncriticality = \"sheddable\"\n\
+                [[circuits]]\nname = \"dep\"\nfailures = 3\nopen_for = \"10s\"\n\
+                [worker.shed.default]\nmax_depth = 100\n\
                 [results]\nmax_bytes = 64\n";
     let config = Config::from_toml_str(text).unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
@@ -1022,7 +1067,7 @@ async fn a_globally_limited_delivery_is_parked_once_it_waited_max_hold() {
 /// A rate-limited run whose start is further off than `worker.max_hold` is parked until
 /// then, carrying its reserved start; the copy that comes back with it runs.
 #[tokio::test(start_paused = true)]
-async fn a_rate_limited_run_far_from_its_start_is_parked_with_its_reservation() {
+async fn a_rate_limited_run_far_from_its_turn_is_parked_with_its_ticket() {
     let h = harness();
     *h.store.rate_wait.lock().unwrap() = Some(Duration::from_millis(4500));
     let env = envelope("rated", r#"{"tenant":"a"}"#, 1, 3);
@@ -1034,8 +1079,8 @@ async fn a_rate_limited_run_far_from_its_start_is_parked_with_its_reservation() 
     };
     assert_eq!(
         (delay, at.as_str()),
-        (Duration::from_secs(4), "42"),
-        "whole seconds: the rest is waited on return"
+        (Duration::from_secs(3), "42"),
+        "whole seconds less one (back early): the rest is waited on return"
     );
     assert_eq!(h.runs.load(Ordering::SeqCst), 0);
     let reason = h.store.events.lock().unwrap()[0].reason.clone();
@@ -1061,6 +1106,29 @@ async fn a_rate_limited_run_near_its_start_waits_in_place() {
     assert_eq!(h.store.state(&env.key.to_string()), Some("done"));
 }
 
+/// A run shed while its queue is backed up settles its key (`done`, with a `shed` run), so a
+/// copy that comes back after shedding stopped (an ack the broker lost) is a duplicate.
+#[tokio::test(start_paused = true)]
+async fn a_shed_run_settles_its_key_and_a_later_copy_is_a_duplicate() {
+    let h = harness();
+    let env = envelope("optional", "ok", 1, 3);
+    *h.core.shed["default"].reason.write().unwrap() = Some("depth 150 >= 100".into());
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert_eq!(h.runs.load(Ordering::SeqCst), 0, "a shed run does not run");
+    assert_eq!(h.store.state(&env.key.to_string()), Some("done"));
+    *h.core.shed["default"].reason.write().unwrap() = None;
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert_eq!(h.runs.load(Ordering::SeqCst), 0, "the copy back later is a duplicate");
+    let events = h.store.events.lock().unwrap().clone();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!((events[0].outcome, events[0].reason.as_deref()), (Outcome::Shed, Some("load")));
+    // A critical job of the same queue runs.
+    let env = envelope("job", "ok", 1, 3);
+    *h.core.shed["default"].reason.write().unwrap() = Some("depth 150 >= 100".into());
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert_eq!(h.runs.load(Ordering::SeqCst), 1);
+}
+
 /// A handler reporting that the downstream pushed back: its bucket is held for the wait it
 /// asked for, and the same attempt is parked for that long (not retried, not counted).
 #[tokio::test(start_paused = true)]
@@ -1082,4 +1150,71 @@ async fn a_pushed_back_run_slows_its_bucket_and_is_parked_as_the_same_attempt() 
     assert_eq!(h.store.state(&env.key.to_string()), Some("free"));
     let events = h.store.events.lock().unwrap().clone();
     assert_eq!((events[0].outcome, events[0].reason.as_deref()), (Outcome::Parked, Some("pushed_back")));
+}
+
+/// A run whose circuit is open is parked until probes may go (whole seconds), its attempt
+/// unchanged and its key never claimed; half-open with every probe out, it is parked for 1 s
+/// doubling with each such park.
+#[tokio::test(start_paused = true)]
+async fn a_run_whose_circuit_is_open_is_parked_without_a_claim() {
+    use chime_shared::circuit::Admit;
+    let h = harness();
+    *h.store.circuit.lock().unwrap() = Some(Admit::Open(Duration::from_millis(4200)));
+    let env = envelope("guarded", "ok", 2, 3);
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    let Some(Sent::Delayed { attempt: 2, delay, circuit_parks: Some(parks), .. }) = h.sent().first().cloned()
+    else {
+        panic!("{:?}", h.sent())
+    };
+    assert_eq!((delay, parks.as_str()), (Duration::from_secs(5), "1"));
+    assert_eq!((h.runs.load(Ordering::SeqCst), h.store.state(&env.key.to_string())), (0, None));
+    let events = h.store.events.lock().unwrap().clone();
+    assert_eq!((events[0].outcome, events[0].reason.as_deref()), (Outcome::Parked, Some("circuit_open")));
+    *h.store.circuit.lock().unwrap() = Some(Admit::Busy(Duration::from_secs(30)));
+    let mut again = incoming(&env);
+    let mut headers = FieldTable::default();
+    put_header(&mut headers, CIRCUIT_PARKS, "2");
+    again.properties = again.properties.with_headers(headers);
+    assert_eq!(h.deliver(again).await, ["ack"]);
+    assert!(
+        matches!(&h.sent()[1], Sent::Delayed { delay, circuit_parks: Some(p), .. } if *delay == Duration::from_secs(4) && p == "3"),
+        "{:?}",
+        h.sent()
+    );
+    assert!(h.store.circuit_reports.lock().unwrap().is_empty(), "nothing ran, nothing to report");
+}
+
+/// `on_open = "dead_letter"`: a run that finds its circuit open goes to the DLQ at once.
+#[tokio::test(start_paused = true)]
+async fn a_run_whose_circuit_is_open_can_be_dead_lettered_instead() {
+    use chime_shared::circuit::Admit;
+    let h = harness();
+    *h.store.circuit.lock().unwrap() = Some(Admit::Open(Duration::from_secs(20)));
+    let env = envelope("guarded_dl", "ok", 1, 3);
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert_eq!(h.sent(), [Sent::Dead { reason: "circuit_open".into(), attempts: "1".into() }]);
+    assert_eq!(h.runs.load(Ordering::SeqCst), 0);
+}
+
+/// Every run through a circuit reports how it ended; a probe's report carries its token, and a
+/// probe that does not run (parked by its rate limit) is given back.
+#[tokio::test(start_paused = true)]
+async fn runs_report_to_their_circuit_and_a_probe_that_does_not_run_is_given_back() {
+    use chime_shared::circuit::{Admit, Ended};
+    let h = harness();
+    assert_eq!(h.deliver(incoming(&envelope("guarded", "ok", 1, 3))).await, ["ack"]);
+    // (A `closed` answer stands for a moment in the job that got it: the probe is another job's.)
+    let mut failing = envelope("guarded_rated", "transient", 1, 3);
+    failing.key = adhoc_key("guarded_rated", "other");
+    *h.store.circuit.lock().unwrap() = Some(Admit::Probe("77".into()));
+    assert_eq!(h.deliver(incoming(&failing)).await, ["ack"]);
+    *h.store.rate_wait.lock().unwrap() = Some(Duration::from_secs(9));
+    let mut rated = envelope("guarded_rated", "ok", 1, 3);
+    rated.key = adhoc_key("guarded_rated", "r");
+    assert_eq!(h.deliver(incoming(&rated)).await, ["ack"]);
+    assert_eq!(
+        h.store.circuit_reports.lock().unwrap().clone(),
+        [(Ended::Succeeded, None), (Ended::Failed, Some("77".into())), (Ended::Neither, Some("77".into()))]
+    );
+    assert_eq!(h.runs.load(Ordering::SeqCst), 2);
 }

@@ -71,6 +71,24 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Circuit breakers: their state, the failures in their window and the jobs behind each
+    Circuits {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Hold a circuit breaker open (until closed) or close it, for every worker at once
+    #[command(subcommand)]
+    Circuit(steer::CircuitCommand),
+    /// Move a waiting run to another priority level of its queue (`high`, `normal`, `low`)
+    Priority {
+        /// The run's idempotency key (a UUID, as `chime enqueue` and `chime history` print it)
+        key: String,
+        /// The level it should wait at
+        level: String,
+        /// Look in this queue only (default: every queue with priority levels)
+        #[arg(long)]
+        queue: Option<String>,
+    },
     /// Stop consuming a queue, or stop publishing a schedule's slots (kept in Redis)
     #[command(subcommand)]
     Pause(steer::PauseTarget),
@@ -208,6 +226,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::History(args) => history::history(config, args).await,
         Command::Inspect(args) => history::inspect(config, args).await,
         Command::Workers { json } => steer::workers(config, json).await,
+        Command::Circuits { json } => steer::circuits(config, json).await,
+        Command::Circuit(cmd) => steer::circuit(config, cmd).await,
+        Command::Priority { key, level, queue } => {
+            steer::priority(config, &key, &level, queue.as_deref()).await
+        }
         Command::Pause(target) => steer::pause(config, target, &chime_shared::control::operator()).await,
         Command::Resume(target) => steer::resume(config, target).await,
         Command::Backfill(args) => backfill::run(config, args).await,

@@ -45,6 +45,20 @@ pub enum ResumeTarget {
     },
 }
 
+#[derive(Debug, Subcommand)]
+pub enum CircuitCommand {
+    /// Hold it open: runs through it are parked (or dead-lettered) until `chime circuit close`
+    Open {
+        /// The circuit's name (a [[circuits]] entry, or a job with a circuit of its own)
+        name: String,
+    },
+    /// Close it now (its window of failures forgotten): runs go through again
+    Close {
+        /// The circuit's name
+        name: String,
+    },
+}
+
 async fn redis(config: &Config) -> Result<chime_shared::redis_conn::RedisConn, Failure> {
     Ok(super::history::reader(config).await?.connection())
 }
@@ -264,4 +278,186 @@ pub async fn workers(config: ValidConfig, json: bool) -> Result<(), Failure> {
         print_workers(&workers);
     }
     Ok(())
+}
+
+/// `chime circuits`: every circuit of the config with its state.
+pub async fn circuits(config: ValidConfig, json: bool) -> Result<(), Failure> {
+    let names = Names::new(&config.prefix);
+    let mut conn = redis(&config).await?;
+    let all = chime_shared::circuit::read_all(&mut conn, &names, &config).await.map_err(runtime)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&all).unwrap_or_default());
+        return Ok(());
+    }
+    if all.is_empty() {
+        println!("no circuit breakers in this config (jobs[].circuit, [[circuits]])");
+        return Ok(());
+    }
+    let now = Utc::now().timestamp_millis();
+    let mut t = table::new(["CIRCUIT", "STATE", "SINCE (UTC)", "WINDOW", "JOBS", "SETTINGS"], &[]);
+    for c in &all {
+        let s = &c.status;
+        let state = match (s.state, s.forced, s.until_ms, s.tripped.as_deref()) {
+            (_, true, _, _) => "open (held by an operator)".to_string(),
+            ("open", _, Some(until), _) => {
+                format!("open (probes in {}s)", ((until as i64 - now).max(0) + 999) / 1000)
+            }
+            ("half_open", _, _, _) => format!("half_open ({} probe(s) out)", s.probes_out),
+            (state, _, _, _) => state.to_string(),
+        };
+        let since = s
+            .since_ms
+            .and_then(|ms| DateTime::<Utc>::from_timestamp_millis(ms as i64))
+            .map_or("-".to_string(), |t| t.format("%Y-%m-%d %H:%M:%S").to_string());
+        let window = match (s.state, s.tripped.as_deref()) {
+            ("closed", _) => format!("{} failed of {}", s.failed, s.succeeded + s.failed),
+            (_, Some(t)) => match t.split_once(' ') {
+                Some((f, n)) => format!("opened at {f} failed of {n}"),
+                None => "-".into(),
+            },
+            _ => "-".into(),
+        };
+        t.add_row([c.name.clone(), state, since, window, c.jobs.join(","), c.settings.clone()]);
+    }
+    table::print(&t);
+    Ok(())
+}
+
+/// `chime circuit open|close NAME`.
+pub async fn circuit(config: ValidConfig, cmd: CircuitCommand) -> Result<(), Failure> {
+    let (name, open) = match &cmd {
+        CircuitCommand::Open { name } => (name, true),
+        CircuitCommand::Close { name } => (name, false),
+    };
+    let known: Vec<String> = config.all_circuits().into_iter().map(|(c, _)| c.name).collect();
+    if !known.contains(name) {
+        let known = if known.is_empty() {
+            "this config has none".to_string()
+        } else {
+            format!("known: {}", known.join(", "))
+        };
+        return Err(usage(anyhow::anyhow!("{name:?} is not a circuit breaker of this config ({known})")));
+    }
+    let names = Names::new(&config.prefix);
+    let mut conn = redis(&config).await?;
+    let before = chime_shared::circuit::force(&mut conn, &names, name, open).await.map_err(runtime)?;
+    if open {
+        println!("circuit {name} held open (was {before}); its runs wait until `chime circuit close {name}`");
+    } else {
+        println!("circuit {name} closed (was {before}); its runs go through again");
+    }
+    Ok(())
+}
+
+/// `chime priority KEY LEVEL`: finds the waiting run with key `KEY` on the other levels of
+/// its queue (a pass over each level's messages, taken and given back in their order) and
+/// moves it to `LEVEL`: a copy published there (confirmed) before the original is acked.
+/// A run already delivered to a worker (its prefetch), running, retrying or done is not
+/// waiting: exit 1, saying so.
+pub async fn priority(
+    config: ValidConfig,
+    key: &str,
+    level: &str,
+    queue: Option<&str>,
+) -> Result<(), Failure> {
+    use chime_shared::config::Priority;
+    let target: Priority = level.parse().map_err(|e: String| usage(anyhow::anyhow!("level {e}")))?;
+    let leveled: Vec<String> =
+        config.all_queues().into_iter().filter(|q| config.levels(q).len() > 1).collect();
+    let queues: Vec<String> = match queue {
+        Some(q) if leveled.iter().any(|l| l == q) => vec![q.to_string()],
+        Some(q) => {
+            check_queue(&config, q)?;
+            return Err(usage(anyhow::anyhow!(
+                "queue {q:?} has no priority levels (set priority on one of its jobs)"
+            )));
+        }
+        None if leveled.is_empty() => {
+            return Err(usage(anyhow::anyhow!(
+                "no queue of this config has priority levels (set priority on a job)"
+            )));
+        }
+        None => leveled,
+    };
+    let moved = move_waiting(&config, &queues, key, target).await.map_err(runtime)?;
+    match moved {
+        Some((queue, from)) => {
+            println!("run {key} moved from {queue} {} to {}", from.as_str(), target.as_str());
+            Ok(())
+        }
+        None => Err(Failure {
+            code: 1,
+            error: anyhow::anyhow!(
+                "no run with key {key} is waiting at another level of {} (at {} already, taken by a worker, running, retrying or done: see `chime inspect {key}`)",
+                queues.join(", "),
+                target.as_str()
+            ),
+        }),
+    }
+}
+
+/// Looks for the run with key `key` on each level of `queues` other than `target`; the first
+/// found is published to `target` (its envelope's priority changed, its headers kept) and
+/// acked once confirmed. Every message taken on the way is given back (requeued where it
+/// was). Returns the queue and level it was found at.
+async fn move_waiting(
+    config: &ValidConfig,
+    queues: &[String],
+    key: &str,
+    target: chime_shared::config::Priority,
+) -> anyhow::Result<Option<(String, chime_shared::config::Priority)>> {
+    use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, ConfirmSelectOptions};
+    let names = Names::new(&config.prefix);
+    let conn = chime_shared::amqp::connect(&config.amqp, "chime-priority").await?;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let mut found = None;
+    'queues: for queue in queues {
+        for (route, level) in config.routes(queue) {
+            if level == target {
+                continue;
+            }
+            let name = names.work_queue(&route);
+            let (depth, _) = chime_shared::topology::depth(&conn, &name).await?;
+            let mut taken = Vec::new();
+            for _ in 0..depth {
+                let Some(msg) = ch.basic_get(name.as_str().into(), BasicGetOptions::default()).await? else {
+                    break;
+                };
+                let d = msg.delivery;
+                if d.properties.message_id().as_ref().is_none_or(|id| id.as_str() != key) {
+                    taken.push(d.delivery_tag);
+                    continue;
+                }
+                // Published first, acked after: a failure between leaves two copies of one
+                // key (the second is absorbed as a duplicate), never none.
+                let mut env = Envelope::decode(&d.data)?;
+                env.priority = Some(target);
+                let props = env.properties().with_headers(d.properties.headers().clone().unwrap_or_default());
+                chime_shared::amqp::publish_confirmed(
+                    &ch,
+                    &names.work_exchange(),
+                    &env.route(),
+                    &env.encode(),
+                    props,
+                    config.amqp.publish_timeout,
+                )
+                .await?;
+                ch.basic_ack(d.delivery_tag, BasicAckOptions::default()).await?;
+                found = Some((queue.clone(), level));
+                break;
+            }
+            // Everything else taken from this level goes back, one by one in the order taken
+            // (a quorum queue gave a multiple nack's last messages back in reverse order).
+            for tag in taken {
+                ch.basic_nack(tag, BasicNackOptions { multiple: false, requeue: true }).await?;
+            }
+            if found.is_some() {
+                break 'queues;
+            }
+        }
+    }
+    let _ = ch.close(200, "done".into()).await;
+    let _ = conn.close(200, "done".into()).await;
+    Ok(found)
 }

@@ -66,6 +66,8 @@ pub struct TickerJob {
     pub broadcast: bool,
     /// What to do with a slot whose previous run is still in progress.
     pub overlap: chime_shared::config::Overlap,
+    /// Its slots are not published while its queue sheds (`criticality = "sheddable"`).
+    pub sheddable: bool,
 }
 
 impl TickerJob {
@@ -105,6 +107,7 @@ pub fn scheduled_jobs(config: &Config) -> Result<Vec<TickerJob>, (String, Schedu
             shards: job.shards,
             broadcast: job.broadcast,
             overlap: job.overlap,
+            sheddable: job.criticality == chime_shared::config::Criticality::Sheddable,
         });
     }
     Ok(out)
@@ -492,6 +495,7 @@ mod tests {
             shards: None,
             broadcast: false,
             overlap: chime_shared::config::Overlap::Allow,
+            sheddable: false,
         }
     }
 

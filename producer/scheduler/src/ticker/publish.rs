@@ -6,6 +6,7 @@ use chime_shared::config::{Config, Overlap};
 use chime_shared::envelope::{self, Envelope, Source};
 use chime_shared::group;
 use chime_shared::history::{self, Outcome, RunEvent};
+use chime_shared::idempotency;
 use chime_shared::telemetry;
 use chime_shared::topology::Names;
 use chrono::{DateTime, Utc};
@@ -70,16 +71,46 @@ impl Ticker {
                 vec![false; due_jobs.len()]
             }
         };
+        // Sheddable jobs whose queue sheds: their slots are recorded as shed, not published.
+        let shed_queues: Vec<String> = due
+            .iter()
+            .filter_map(|(i, _)| jobs.get(*i).filter(|j| j.sheddable).map(|j| j.queue.clone()))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let shedding: HashMap<String, String> = match chime_shared::shed::read(&mut conn, names, &shed_queues)
+            .await
+        {
+            Ok(flags) => shed_queues.into_iter().zip(flags).filter_map(|(q, f)| f.map(|f| (q, f))).collect(),
+            Err(e) => {
+                warn!(error = %e, "cannot read shedding flags; publishing");
+                HashMap::new()
+            }
+        };
         // Handled without a publish: the watermark moves on, the next slot is planned.
         let mut handled: Vec<(usize, DateTime<Utc>)> = Vec::new();
         let mut paused_slots = Vec::new();
         let mut due_left = Vec::new();
+        let mut shed_events = Vec::new();
         for ((i, slot), paused) in due.into_iter().zip(paused.into_iter().chain(std::iter::repeat(false))) {
             let Some(job) = jobs.get(i) else { continue };
             if paused {
                 debug!(job = %job.name, %slot, "schedule paused: slot skipped");
                 metrics::counter!(telemetry::SLOTS_PAUSED, "job" => job.name.clone()).increment(1);
                 paused_slots.push((i, slot));
+                continue;
+            }
+            if let Some(why) = shedding.get(&job.queue).filter(|_| job.sheddable) {
+                info!(job = %job.name, %slot, queue = %job.queue, reason = %why, "queue backed up: sheddable slot not published (shed)");
+                metrics::counter!(telemetry::SLOTS_SHED, "job" => job.name.clone()).increment(1);
+                shed_events.push(self.unpublished(
+                    job,
+                    slot,
+                    Outcome::Shed,
+                    "load",
+                    format!("slot {slot}: {why}"),
+                ));
+                handled.push((i, slot));
                 continue;
             }
             due_left.push((i, slot));
@@ -144,6 +175,14 @@ impl Ticker {
             let job = &jobs[i];
             let decision = match (job.overlap, states.get_mut(&i)) {
                 (Overlap::Allow, _) => Decision::Publish,
+                // An earlier leader published this very slot (its lease lapsed before it moved
+                // the watermark): handled, not a run overlapping itself.
+                (_, Some((s, _)))
+                    if s.last.is_some_and(|(k, _)| k == envelope::scheduled_key(&job.name, slot)) =>
+                {
+                    handled.push((i, slot));
+                    continue;
+                }
                 (_, Some((s, busy))) => {
                     let d = overlap::decide(job.overlap, *busy, s.buffered.is_some());
                     match d {
@@ -322,7 +361,7 @@ impl Ticker {
             }
         }
         // Overlapped: counted, and recorded in the history under the slot's key.
-        let mut events = Vec::new();
+        let mut events = shed_events;
         for (i, slot) in &skipped_overlap {
             let job = &jobs[*i];
             let previous =
@@ -330,25 +369,34 @@ impl Ticker {
             info!(job = %job.name, %slot, previous = %previous, "previous run in progress: slot skipped (overlap)");
             metrics::counter!(telemetry::SLOTS_OVERLAPPED, "job" => job.name.clone()).increment(1);
             self.store.count(&job.name, "overlapped", 1).await;
-            events.push(RunEvent {
-                job: job.name.clone(),
-                key: envelope::scheduled_key(&job.name, *slot).to_string(),
-                id: String::new(),
-                queue: job.queue.clone(),
-                attempt: 0,
-                max_attempts: job.max_attempts,
-                worker: self.id.clone(),
-                started_at: None,
-                finished_at: Utc::now(),
-                outcome: Outcome::Skipped,
-                duration_ms: None,
-                reason: Some("overlap".into()),
-                error: Some(format!("slot {slot}: the run {previous} was still in progress")),
-                entry: None,
-            });
+            let error = format!("slot {slot}: the run {previous} was still in progress");
+            events.push(self.unpublished(job, *slot, Outcome::Skipped, "overlap", error));
         }
-        if !events.is_empty()
-            && let Err(e) = history::append(&mut conn, names, &events).await
+        // Each skipped or shed slot's key is settled first: a copy of it published by another
+        // leader is a duplicate, and a slot another leader already decided is not recorded twice.
+        let mut recorded = Vec::with_capacity(events.len());
+        for event in events {
+            match idempotency::settle_unrun(
+                &mut conn,
+                names,
+                config.redis.done_retention,
+                &config.history,
+                &event,
+            )
+            .await
+            {
+                Ok(true) => recorded.push(event),
+                Ok(false) => {
+                    debug!(job = %event.job, key = %event.key, "slot already decided by another leader")
+                }
+                Err(e) => {
+                    warn!(job = %event.job, key = %event.key, error = %e, "cannot settle the slot's key");
+                    recorded.push(event);
+                }
+            }
+        }
+        if !recorded.is_empty()
+            && let Err(e) = history::append(&mut conn, names, &recorded).await
         {
             warn!(error = %e, "cannot record skipped slots in the history");
         }
@@ -377,5 +425,34 @@ impl Ticker {
             }
         }
         healthy
+    }
+}
+
+impl Ticker {
+    /// The history event of a slot the ticker did not publish (skipped for overlap, shed).
+    fn unpublished(
+        &self,
+        job: &TickerJob,
+        slot: DateTime<Utc>,
+        outcome: Outcome,
+        reason: &str,
+        error: String,
+    ) -> RunEvent {
+        RunEvent {
+            job: job.name.clone(),
+            key: envelope::scheduled_key(&job.name, slot).to_string(),
+            id: String::new(),
+            queue: job.queue.clone(),
+            attempt: 0,
+            max_attempts: job.max_attempts,
+            worker: self.id.clone(),
+            started_at: None,
+            finished_at: Utc::now(),
+            outcome,
+            duration_ms: None,
+            reason: Some(reason.into()),
+            error: Some(error),
+            entry: None,
+        }
     }
 }

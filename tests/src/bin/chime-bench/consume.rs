@@ -138,9 +138,24 @@ pub async fn completed(ports: &[u16]) -> u64 {
     total
 }
 
+/// Waits until the worker on each of `ports` consumes (its `/readyz` answers 200).
+pub async fn wait_ready(ports: &[u16]) {
+    wait_until("workers consuming", Duration::from_secs(30), || async move {
+        for p in ports {
+            let ok =
+                reqwest::get(format!("http://127.0.0.1:{p}/readyz")).await.is_ok_and(|r| r.status() == 200);
+            if !ok {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+}
+
 /// What one drain measured.
 pub struct Drain {
-    rate: f64,
+    pub rate: f64,
     rss_peak: u64,
     cpu: [f64; 3],
     /// The workers' system calls and context switches per job.
@@ -199,16 +214,30 @@ pub async fn chime_drain_worker(
     quiet: bool,
     bin: &std::path::Path,
 ) -> Drain {
+    let jobs = format!("{extra}[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n");
+    chime_drain_jobs(env, queue_type, client, n, procs, dup, &jobs, worker, quiet, bin).await
+}
+
+/// [`chime_drain_worker`] with the config's jobs (and other sections) as given: `jobs` must
+/// define the `noop` job the `n` jobs published are of.
+#[allow(clippy::too_many_arguments)]
+pub async fn chime_drain_jobs(
+    env: &TestEnv,
+    queue_type: &str,
+    client: Option<&EnqueueClient>,
+    n: usize,
+    procs: usize,
+    dup: bool,
+    jobs: &str,
+    worker: &str,
+    quiet: bool,
+    bin: &std::path::Path,
+) -> Drain {
     if let Some(client) = client {
         let batch = envelopes(n, dup);
         assert_eq!(client.publish_batch(&batch).await.confirmed, n);
     }
-    let text = env.config_text(
-        queue_type,
-        "",
-        worker,
-        &format!("{extra}[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n"),
-    );
+    let text = env.config_text(queue_type, "", worker, jobs);
     let path = env.write_config(&text);
     let ports: Vec<u16> = (0..procs).map(|_| free_port()).collect();
     let mut children = Vec::new();
@@ -227,21 +256,7 @@ pub async fn chime_drain_worker(
     // From the start: attaching perf takes a moment, in which ready workers would drain.
     let wakeups = Wakeups::start(&pids);
     // Started = every process consumes (its /readyz answers 200).
-    wait_until("workers consuming", Duration::from_secs(30), || {
-        let ports = ports.clone();
-        async move {
-            for p in ports {
-                let ok = reqwest::get(format!("http://127.0.0.1:{p}/readyz"))
-                    .await
-                    .is_ok_and(|r| r.status() == 200);
-                if !ok {
-                    return false;
-                }
-            }
-            true
-        }
-    })
-    .await;
+    wait_ready(&ports).await;
     let cpu = CpuWindow::start(pids.clone());
     let start = Instant::now();
     // Jobs finished while the other processes were still starting are not timed.

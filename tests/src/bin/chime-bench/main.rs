@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release -p chime-tests --bin chime-bench -- [--queue-type quorum|classic]
 //!     [--runs 3] [--seconds 10] [--only SCENARIO,…] [--workers 1,2,4]
-//!     [--latency-rates 1000,2000]
+//!     [--latency-rates 1000,2000] [--offer 1000]
 //! ```
 //!
 //! Scenarios: publish (raw vs EnqueueClient), consume (raw per-message ack + chime's 2 scripts,
@@ -12,12 +12,15 @@
 //! steady rates), duplicates, ticker (100,000 schedules); opt-in: properties (the broker's
 //! cost of each AMQP property of the envelope), history (the run history's cost on the drain
 //! rate, and its memory per event), web (the dashboard's page times over 1,000,000 history
-//! events and 10,000 dead letters), probes (`/livez` idle and under a connection flood).
+//! events and 10,000 dead letters), probes (`/livez` idle and under a connection flood),
+//! limits (a rate limit's accuracy across 4 workers, tenant isolation, the cost of limits and
+//! circuits, a circuit over a failing downstream).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod consume;
 mod fixtures;
 mod latency;
+mod limits;
 mod measure;
 mod probes;
 mod publish;
@@ -49,6 +52,9 @@ pub struct Opts {
     /// Extra offered rates the latency scenario measures (beside 25/50/80 % of the capacity).
     #[arg(long = "latency-rates", value_delimiter = ',')]
     pub rates: Vec<u64>,
+    /// Jobs a second offered to the 200/s limit of the `limits-rate` scenario.
+    #[arg(long, default_value_t = 1000)]
+    pub offer: usize,
 }
 
 /// What every scenario reads: the options and one connection to the shared broker.
@@ -119,6 +125,9 @@ pub async fn main() {
     }
     if c.opted("history") {
         consume::history(&c).await;
+    }
+    if c.o.only.as_ref().is_some_and(|v| v.iter().any(|s| s.starts_with("limits"))) {
+        limits::scenario(&c).await;
     }
     if c.opted("scale") {
         scale::scenario(&c).await;

@@ -334,6 +334,7 @@ pub fn router(web: Arc<Web>) -> Router {
         .route("/actions/dlq", post(pages::dlq_action))
         .route("/actions/queue", post(pages::queue_action))
         .route("/actions/schedule", post(pages::schedule_action))
+        .route("/actions/circuit", post(pages::circuit_action))
         .route("/livez", get(|| async { "ok\n" }))
         .layer(middleware::from_fn_with_state(web.clone(), guard))
         .with_state(web)

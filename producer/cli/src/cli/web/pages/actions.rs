@@ -75,6 +75,31 @@ pub async fn queue_action(State(web): State<Arc<Web>>, Form(form): Form<ActionFo
     back_to(&web, &form.back, msg)
 }
 
+/// Holds a circuit breaker open or closes it (`chime circuit open|close`).
+pub async fn circuit_action(State(web): State<Arc<Web>>, Form(form): Form<ActionForm>) -> Response {
+    if !csrf_ok(&web, &form) {
+        return csrf_refused();
+    }
+    let name = form.fields.get("circuit").cloned().unwrap_or_default();
+    if !web.config.all_circuits().iter().any(|(c, _)| c.name == name) {
+        return (StatusCode::BAD_REQUEST, format!("{name:?} is not a circuit breaker of this config\n"))
+            .into_response();
+    }
+    let open = match form.op.as_str() {
+        "open" => true,
+        "close" => false,
+        op => return (StatusCode::BAD_REQUEST, format!("unknown operation {op:?}\n")).into_response(),
+    };
+    let mut conn = web.reader.connection();
+    let msg = match chime_shared::circuit::force(&mut conn, &web.names, &name, open).await {
+        Ok(before) if open => format!("Circuit {name} held open (was {before}) until closed."),
+        Ok(before) => format!("Circuit {name} closed (was {before}): its runs go through again."),
+        Err(e) => return failed(&web, "Circuit", e),
+    };
+    tracing::info!(circuit = %name, op = %form.op, "dashboard action");
+    back_to(&web, &form.back, msg)
+}
+
 pub async fn schedule_action(State(web): State<Arc<Web>>, Form(form): Form<ActionForm>) -> Response {
     if !csrf_ok(&web, &form) {
         return csrf_refused();

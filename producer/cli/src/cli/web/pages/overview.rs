@@ -31,6 +31,7 @@ async fn body(web: &Web) -> anyhow::Result<Markup> {
     let depths = web.depths(&broker).await;
     let mut conn = web.reader.connection();
     let flags = control::flags(&mut conn, &web.names, Target::Queue, &queues).await?;
+    let shedding = chime_shared::shed::read(&mut conn, &web.names, &queues).await?;
     let workers = control::workers(&mut conn, &web.names).await?;
     let leader = web.ticker.leader().await?;
     let gone = control::gone(&mut conn, &web.names).await?;
@@ -38,6 +39,7 @@ async fn body(web: &Web) -> anyhow::Result<Markup> {
     let minutes =
         chime_shared::minutes::read(&mut conn, &web.names, this_minute - CHART_MINUTES + 1, this_minute)
             .await?;
+    let circuits = chime_shared::circuit::read_all(&mut conn, &web.names, &web.config).await?;
     let threshold = web.config.alerts.dlq_threshold;
     let f = frame(web, &Notice::default());
 
@@ -58,7 +60,12 @@ async fn body(web: &Web) -> anyhow::Result<Markup> {
             html! { (running) },
             html! { (rate) },
             dlq_cell(q, dlq, threshold),
-            paused_cell(&flags[i], now),
+            html! {
+                (paused_cell(&flags[i], now))
+                @if let Some(why) = shedding.get(i).and_then(|s| s.as_ref()) {
+                    " " span.warn title=(why) { "shedding" }
+                }
+            },
             button(&f, "/actions/queue", label, "/", &[("queue", q), ("op", op)], false),
         ]);
     }
@@ -86,6 +93,7 @@ async fn body(web: &Web) -> anyhow::Result<Markup> {
             },
             None => p #leader .warn { "No ticker holds the lease: scheduled jobs are not being published." },
         }
+        (circuits_table(&f, &circuits))
         h2 { "Last " (CHART_MINUTES / 60) " hours" }
         (crate::cli::web::charts::overview(&minutes))
         p.muted {
@@ -96,6 +104,48 @@ async fn body(web: &Web) -> anyhow::Result<Markup> {
         (workers_table(&workers, now))
         (gone_table(&gone, now))
     })
+}
+
+/// The circuit breakers of the config (none: nothing shown).
+fn circuits_table(f: &super::Frame, circuits: &[chime_shared::circuit::CircuitView]) -> Markup {
+    if circuits.is_empty() {
+        return html! {};
+    }
+    let now_ms = u64::try_from(Utc::now().timestamp_millis()).unwrap_or(0);
+    let rows: Vec<Vec<Markup>> = circuits
+        .iter()
+        .map(|c| {
+            let s = &c.status;
+            let state = html! {
+                @match (s.state, s.forced) {
+                    (_, true) => span.warn { "open (held by an operator)" },
+                    ("open", _) => span.warn {
+                        "open" @if let Some(u) = s.until_ms { ", probes in " (u.saturating_sub(now_ms).div_ceil(1000)) "s" }
+                    },
+                    ("half_open", _) => span.warn { "half-open, " (s.probes_out) " probe(s) out" },
+                    (st, _) => (st),
+                }
+            };
+            let window = match (s.state, s.tripped.as_deref().and_then(|t| t.split_once(' '))) {
+                ("closed", _) => format!("{} failed of {}", s.failed, s.succeeded + s.failed),
+                (_, Some((failed, runs))) => format!("opened at {failed} failed of {runs}"),
+                _ => "-".into(),
+            };
+            let (label, op) = if s.state == "closed" { ("Open", "open") } else { ("Close", "close") };
+            vec![
+                html! { (t(&c.name)) },
+                state,
+                html! { (window) },
+                html! { (t(&c.jobs.join(", "))) },
+                html! { (t(&c.settings)) },
+                button(f, "/actions/circuit", label, "/", &[("circuit", &c.name), ("op", op)], op == "open"),
+            ]
+        })
+        .collect();
+    html! {
+        h2 { "Circuit breakers" }
+        (table("circuits", &["Circuit", "State", "Window", "Jobs", "Settings", ""], &[], &rows))
+    }
 }
 
 /// The charts' window.

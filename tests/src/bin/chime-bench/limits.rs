@@ -1,0 +1,400 @@
+//! `limits` (opt-in): graceful degradation measured. A rate limit's accuracy across worker
+//! processes under an offered load five times the limit; tenants isolated by per-key limits
+//! while one floods; what limits and circuits cost the drain; a circuit over a downstream
+//! that fails for a while then recovers.
+
+use crate::Ctx;
+use crate::consume::chime_drain_jobs;
+use crate::fixtures::*;
+use crate::measure::*;
+use chime_producer::{EnqueueClient, EnqueueRequest};
+use chime_shared::history::{Outcome, RunEvent};
+use chime_tests::*;
+use chrono::{DateTime, Utc};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// `limits` runs every part; `limits-rate`, `limits-tenants`, `limits-cost`,
+/// `limits-circuit` one each.
+pub async fn scenario(c: &Ctx) {
+    let all = c.opted("limits");
+    if all || c.opted("limits-rate") {
+        accuracy(c).await;
+    }
+    if all || c.opted("limits-tenants") {
+        tenants(c).await;
+    }
+    if all || c.opted("limits-cost") {
+        cost(c).await;
+    }
+    if all || c.opted("limits-circuit") {
+        circuit(c).await;
+    }
+}
+
+/// Idle and total CPU time since boot (jiffies, from `/proc/stat`), where there is one.
+fn cpu_idle() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> =
+        stat.lines().next()?.split_whitespace().skip(1).filter_map(|f| f.parse().ok()).collect();
+    Some((fields.get(3)? + fields.get(4).copied().unwrap_or(0), fields.iter().sum()))
+}
+
+/// `procs` chime-worker processes on `path` (logging warnings only), consuming.
+async fn workers(path: &std::path::Path, procs: usize) -> (Vec<tokio::process::Child>, Vec<u16>) {
+    let ports: Vec<u16> = (0..procs).map(|_| free_port()).collect();
+    let mut children = Vec::new();
+    for p in &ports {
+        let mut c = tokio::process::Command::new(bin_path("chime-worker"));
+        c.arg("--config").arg(path).args(["--listen", &format!("127.0.0.1:{p}")]).env("RUST_LOG", "warn");
+        c.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).kill_on_drop(true);
+        children.push(c.spawn().unwrap());
+    }
+    crate::consume::wait_ready(&ports).await;
+    (children, ports)
+}
+
+/// Publishes `per_tick` requests every 100 ms for `secs` seconds (`req(i)` makes the i-th);
+/// returns each key's publish time.
+async fn offer(
+    client: &EnqueueClient,
+    per_second: usize,
+    secs: u64,
+    req: impl Fn(usize) -> EnqueueRequest,
+) -> HashMap<String, DateTime<Utc>> {
+    let mut sent = HashMap::new();
+    let per_tick = per_second / 10;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut i = 0;
+    for _ in 0..secs * 10 {
+        tick.tick().await;
+        let reqs: Vec<EnqueueRequest> = (i..i + per_tick).map(&req).collect();
+        i += per_tick;
+        let now = Utc::now();
+        for r in &reqs {
+            sent.insert(client.prepare(r).unwrap().envelope.key.to_string(), now);
+        }
+        assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, per_tick);
+    }
+    sent
+}
+
+/// Every run in the history of `env`'s default queue.
+async fn runs(env: &TestEnv) -> Vec<RunEvent> {
+    let mut r = connect_redis(&env.redis_url).await;
+    let stream = env.names().history("default");
+    let mut out = Vec::new();
+    let mut from = "-".to_string();
+    loop {
+        let page: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
+            .arg(&stream)
+            .arg(&from)
+            .arg("+")
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(&mut r)
+            .await
+            .unwrap();
+        for (id, f) in &page {
+            out.extend(chime_shared::history::decode_entry("default", id, f));
+        }
+        match page.last() {
+            Some((id, _)) if page.len() == 10_000 => from = format!("({id}"),
+            _ => break,
+        }
+    }
+    out
+}
+
+/// Waits until the workers on `ports` ran `n` jobs successfully (their metrics say).
+async fn wait_succeeded(ports: &[u16], n: usize, within: Duration, what: &str) {
+    let deadline = Instant::now() + within;
+    loop {
+        let mut done = 0u64;
+        for p in ports {
+            if let Ok(r) = reqwest::get(format!("http://127.0.0.1:{p}/metrics")).await
+                && let Ok(text) = r.text().await
+            {
+                done += text
+                    .lines()
+                    .filter(|l| {
+                        l.starts_with("chime_jobs_completed_total{") && l.contains("outcome=\"succeeded\"")
+                    })
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum::<f64>() as u64;
+            }
+        }
+        progress(&format!("{what}: {done}/{n}"));
+        if done >= n as u64 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{what}: stalled at {done}/{n}");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    progress("");
+}
+
+/// 200/s across 4 worker processes, `--offer` a second (1,000 by default) for 6 × `--seconds`:
+/// the runs started in each 10 s window, against the limit.
+async fn accuracy(c: &Ctx) {
+    let env = TestEnv::new("bench-rate");
+    // Every park is a history entry too: keep them all (the default would cut the first minute).
+    let jobs = "[history]\nmax_len = 100000000\n[[jobs]]\nname = \"paced\"\nhandler = \"noop\"\nrate_limit = \"200/s\"\n";
+    let text = env.config_text(&c.o.queue_type, "", "", jobs);
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
+    let (procs, ports) = workers(&path, 4).await;
+    let secs = 6 * c.o.seconds;
+    let rate = c.o.offer;
+    progress(&format!("limits: offering {rate}/s for {secs} s to a 200/s limit"));
+    let (began, idle_before) = (Instant::now(), cpu_idle());
+    let sent = offer(&client, rate, secs, |i| EnqueueRequest::new("paced").key(format!("p{i}"))).await;
+    let offered_for = began.elapsed().as_secs_f64();
+    let idle = match (idle_before, cpu_idle()) {
+        (Some(a), Some(b)) if b.1 > a.1 => {
+            format!("{:.0} %", 100.0 * (b.0 - a.0) as f64 / (b.1 - a.1) as f64)
+        }
+        _ => "unknown".to_string(),
+    };
+    let n = sent.len();
+    wait_succeeded(&ports, n, Duration::from_secs(secs * 5 + 600), "limits: draining at 200/s").await;
+    drop(procs);
+    let all = runs(&env).await;
+    let mut starts: Vec<DateTime<Utc>> =
+        all.iter().filter(|r| r.outcome == Outcome::Succeeded).filter_map(|r| r.started_at).collect();
+    starts.sort();
+    assert_eq!(starts.len(), n, "every run's start must be in the history");
+    let parks: Vec<DateTime<Utc>> =
+        all.iter().filter(|r| r.outcome == Outcome::Parked).map(|r| r.finished_at).collect();
+    let parked = parks.len();
+    let first = starts[0];
+    let windows = (starts[starts.len() - 1] - first).num_seconds() / 10;
+    let (mut rates, mut park_rates) = (Vec::new(), Vec::new());
+    for w in 0..windows {
+        let (from, to) =
+            (first + chrono::Duration::seconds(10 * w), first + chrono::Duration::seconds(10 * (w + 1)));
+        rates.push(starts.iter().filter(|s| **s >= from && **s < to).count() as f64 / 10.0);
+        park_rates.push(parks.iter().filter(|s| **s >= from && **s < to).count() as f64 / 10.0);
+    }
+    let worst = rates.iter().map(|r| (r / 200.0 - 1.0).abs()).fold(0.0, f64::max);
+    println!(
+        "limits   200/s across 4 workers, {rate}/s offered for {secs} s ({n} jobs, {parked} parks): {} full 10 s windows, {:.1}–{:.1} runs/s, worst {:.1} % off the limit",
+        rates.len(),
+        rates.iter().copied().fold(f64::MAX, f64::min),
+        rates.iter().copied().fold(0.0, f64::max),
+        worst * 100.0
+    );
+    println!(
+        "limits   per window (runs/s): {}",
+        rates.iter().map(|r| format!("{r:.1}")).collect::<Vec<_>>().join(" ")
+    );
+    println!("limits   the offer took {offered_for:.0} s (CPU idle meanwhile: {idle})");
+    println!(
+        "limits   parks per window (/s): {}",
+        park_rates.iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(" ")
+    );
+}
+
+/// What a tenth tenant does beside the nine quiet ones in [`tenants`].
+#[derive(Clone, Copy, PartialEq)]
+enum Tenth {
+    /// Nothing.
+    Idle,
+    /// Floods its limited job at 200/s (150/s of it parked).
+    Floods,
+    /// Control: 50/s (what its limit lets through), nothing parked.
+    AtItsLimit,
+    /// Control: 200/s of an unlimited job (the same offered load, no limiter).
+    Unlimited,
+}
+
+/// The p99 wait (publish to start) of nine tenants offering 10/s each under a 50/s limit per
+/// tenant: alone, while a tenth floods at 200/s, and two controls that tell the limiter's part
+/// from the load's (the tenth at its limit; 200/s of an unlimited job).
+async fn tenants(c: &Ctx) {
+    let secs = 2 * c.o.seconds;
+    let mut p = Vec::new();
+    for tenth in [Tenth::Idle, Tenth::Floods, Tenth::AtItsLimit, Tenth::Unlimited] {
+        let env = TestEnv::new("bench-tenant");
+        let jobs = "[[jobs]]\nname = \"call\"\nhandler = \"noop\"\nrate_limit = { rate = \"50/s\", key = \"tenant\" }\n\
+                    [[jobs]]\nname = \"bulk\"\nhandler = \"noop\"\n";
+        let text = env.config_text(&c.o.queue_type, "", "", jobs);
+        let path = env.write_config(&text);
+        let config = chime_shared::Config::from_toml_str(&text).unwrap();
+        let client = EnqueueClient::connect(config).await.unwrap();
+        let (procs, ports) = workers(&path, 2).await;
+        progress("limits: tenants");
+        let quiet = async {
+            offer(&client, 90, secs, |i| {
+                let t = 1 + i % 9;
+                EnqueueRequest::new("call").key(format!("t{t}-{i}")).payload(serde_json::json!({"tenant": t}))
+            })
+            .await
+        };
+        let loud = async {
+            let (job, rate) = match tenth {
+                Tenth::Idle => return HashMap::new(),
+                Tenth::Floods => ("call", 200),
+                Tenth::AtItsLimit => ("call", 50),
+                Tenth::Unlimited => ("bulk", 200),
+            };
+            offer(&client, rate, secs, |i| {
+                EnqueueRequest::new(job).key(format!("t0-{i}")).payload(serde_json::json!({"tenant": 0}))
+            })
+            .await
+        };
+        let (sent, flooded) = tokio::join!(quiet, loud);
+        let n = sent.len() + flooded.len();
+        wait_succeeded(&ports, n, Duration::from_secs(secs * 12 + 600), "limits: tenants draining").await;
+        drop(procs);
+        let mut waits = latencies().lock().unwrap().clone();
+        for r in runs(&env).await.iter().filter(|r| r.outcome == Outcome::Succeeded) {
+            if let (Some(at), Some(start)) = (sent.get(&r.key), r.started_at) {
+                waits.record(((start - *at).num_microseconds().unwrap_or(0)).max(1) as u64).unwrap();
+            }
+        }
+        p.push((quantile_ms(&waits, 0.5), quantile_ms(&waits, 0.99)));
+    }
+    println!(
+        "limits   9 tenants at 10/s each under 50/s per tenant, {secs} s, p50/p99 wait: {:.1}/{:.1} ms alone; \
+         {:.1}/{:.1} ms while a 10th floods at 200/s ({:.2}x p99 alone); controls: the 10th at its 50/s {:.1}/{:.1} ms, \
+         200/s of an unlimited job {:.1}/{:.1} ms (flood {:.2}x p99 of the unlimited control)",
+        p[0].0,
+        p[0].1,
+        p[1].0,
+        p[1].1,
+        p[1].1 / p[0].1,
+        p[2].0,
+        p[2].1,
+        p[3].0,
+        p[3].1,
+        p[1].1 / p[3].1
+    );
+}
+
+/// The drain of unlimited `noop` jobs with a limited job and a circuit configured for another
+/// job, against none; and of `noop` jobs that go through a (closed) circuit.
+async fn cost(c: &Ctx) {
+    let env = TestEnv::new("bench-lcost");
+    let client = EnqueueClient::connect(bench_config(&env, &c.o.queue_type, "")).await.unwrap();
+    let n = 20_000 * c.o.seconds as usize;
+    let noop = "[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n";
+    let others = "[[jobs]]\nname = \"limited\"\nhandler = \"noop\"\nrate_limit = \"stripe\"\ncircuit = \"dep\"\n\
+                  [[limits]]\nname = \"stripe\"\nrate = \"100/s\"\n[[circuits]]\nname = \"dep\"\nfailures = 5\n";
+    let guarded = "[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\ncircuit = { failures = 5 }\n";
+    let variants = [noop.to_string(), format!("{others}{noop}"), guarded.to_string()];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); 3];
+    for r in 0..c.o.runs {
+        for k in 0..3 {
+            // Rotate the order each round.
+            let v = (k + r) % 3;
+            progress(&format!("limits: cost, variant {v}, run {}/{}", r + 1, c.o.runs));
+            let d = chime_drain_jobs(
+                &env,
+                &c.o.queue_type,
+                Some(&client),
+                n,
+                1,
+                false,
+                &variants[v],
+                &crate::consume::bench_worker_section(),
+                true,
+                &bin_path("chime-worker"),
+            )
+            .await;
+            rates[v].push(d.rate);
+        }
+    }
+    progress("");
+    let ratio = |v: usize| median(rates[v].iter().zip(&rates[0]).map(|(a, b)| a / b).collect());
+    println!(
+        "limits   drain, 1 worker: plain {:.0} jobs/s; with a limit and a circuit on another job {:.0} ({:.3}x); every job through a closed circuit {:.0} ({:.3}x)",
+        median(rates[0].clone()),
+        median(rates[1].clone()),
+        ratio(1),
+        median(rates[2].clone()),
+        ratio(2)
+    );
+    let each = |v: usize| rates[v].iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(" ");
+    println!(
+        "limits   drain per round (jobs/s): plain {}; limit elsewhere {}; circuit {}",
+        each(0),
+        each(1),
+        each(2)
+    );
+}
+
+/// An `http` job at 50/s whose downstream fails every request for 3 × `--seconds` (30 s by
+/// default), then answers: the requests that reached it, how many while its circuit (10
+/// failures in 10 s, open 5 s, 1 probe) was open, and whether every job was then done, once.
+async fn circuit(c: &Ctx) {
+    use axum::Router;
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    let failing = Arc::new(AtomicBool::new(true));
+    let (hits_failing, hits) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let times: Arc<Mutex<Vec<DateTime<Utc>>>> = Arc::default();
+    let (f, hf, h, t) = (failing.clone(), hits_failing.clone(), hits.clone(), times.clone());
+    let app = Router::new().route(
+        "/call",
+        post(move || {
+            let (f, hf, h, t) = (f.clone(), hf.clone(), h.clone(), t.clone());
+            async move {
+                h.fetch_add(1, Ordering::SeqCst);
+                if f.load(Ordering::SeqCst) {
+                    hf.fetch_add(1, Ordering::SeqCst);
+                    t.lock().unwrap().push(Utc::now());
+                    StatusCode::INTERNAL_SERVER_ERROR
+                } else {
+                    StatusCode::OK
+                }
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let env = TestEnv::new("bench-circuit");
+    let jobs = format!(
+        "[[jobs]]\nname = \"call\"\nhandler = \"http\"\nurl = \"http://{addr}/call\"\ncircuit = \"dep\"\nmax_attempts = 5\n\
+         backoff = {{ initial = \"1s\", factor = 2.0, max = \"4s\" }}\n\
+         [[circuits]]\nname = \"dep\"\nfailures = 10\nwindow = \"10s\"\nopen_for = \"5s\"\nprobes = 1\n"
+    );
+    let text = env.config_text(&c.o.queue_type, "", "", &jobs);
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
+    let (procs, ports) = workers(&path, 2).await;
+    let secs = 3 * c.o.seconds;
+    progress(&format!("limits: circuit, downstream failing for {secs} s"));
+    let started = Instant::now();
+    let sent = offer(&client, 50, secs, |i| EnqueueRequest::new("call").key(format!("c{i}"))).await;
+    failing.store(false, Ordering::SeqCst);
+    let failing_for = started.elapsed();
+    wait_succeeded(&ports, sent.len(), Duration::from_secs(600), "limits: circuit recovering").await;
+    drop(procs);
+    let all = runs(&env).await;
+    let dead = all.iter().filter(|r| r.outcome == Outcome::DeadLettered).count();
+    let parked = all.iter().filter(|r| r.outcome == Outcome::Parked).count();
+    let succeeded = all.iter().filter(|r| r.outcome == Outcome::Succeeded).count();
+    let max_attempt =
+        all.iter().filter(|r| r.outcome == Outcome::Succeeded).map(|r| r.attempt).max().unwrap_or(0);
+    // The circuit first opened before the first park; requests after it that failed were
+    // probes, or runs admitted just before it tripped.
+    let times = times.lock().unwrap().clone();
+    let first_park = all.iter().filter(|r| r.outcome == Outcome::Parked).map(|r| r.finished_at).min();
+    let after = first_park.map_or(0, |p| times.iter().filter(|t| **t > p).count());
+    let open_s = first_park
+        .map_or(0.0, |p| (times.last().copied().unwrap_or(p) - p).num_milliseconds() as f64 / 1000.0);
+    println!(
+        "limits   circuit: {} jobs at 50/s, downstream failing {:.0} s: {} failed requests, {} of them after the first park ({open_s:.0} s: probes, at most one per 5 s opening, and runs admitted as it tripped); {parked} parks; then {succeeded} succeeded (highest attempt {max_attempt} of 5), {dead} dead-lettered; {} requests in all",
+        sent.len(),
+        failing_for.as_secs_f64(),
+        hits_failing.load(Ordering::SeqCst),
+        after,
+        hits.load(Ordering::SeqCst)
+    );
+}
