@@ -154,7 +154,8 @@ return 1"
 });
 
 /// Settles `key`, which never runs, as `done` with `run` in its record (history on) unless it
-/// already has a record: `Ok(false)` then, and nothing is written (see [`SETTLE_UNRUN`]).
+/// already has a record: `Ok(false)` then, and nothing is written (a second decision for a
+/// slot, or a key already published and claimed).
 pub async fn settle_unrun(
     conn: &mut RedisConn,
     names: &Names,
