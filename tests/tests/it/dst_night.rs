@@ -113,8 +113,33 @@ async fn fanned_out_and_overlap_jobs_keep_the_schedule_on_a_dst_night_across_a_f
     .await;
     wait_until("slots under the new leader", Duration::from_secs(60), ran_at_least("2026-10-25T01:00:30Z"))
         .await;
+    // The leader decides the overlap job's slot in the same batch, and records a skip after the
+    // batch's confirms: the tickers stop only once it has (else nobody would).
+    let last = "2026-10-25T01:00:30Z";
+    wait_until("the overlap job's last slot decided", Duration::from_secs(30), || async {
+        rows(&single).iter().any(|l| l[0] == "S" && l[1] == last)
+            || skipped_keys(&env).contains(&single_key(last))
+    })
+    .await;
     drop(tickers);
     finish(&env, &config, &split, &every, &single).await;
+}
+
+/// The keys of the overlap job's slots the ticker recorded as skipped.
+fn skipped_keys(env: &TestEnv) -> Vec<String> {
+    let (code, out, err) = chime(
+        &env.dir.join("chime.toml"),
+        &["history", "--job", "single", "--outcome", "skipped", "--json", "--limit", "1000"],
+        None,
+    );
+    assert_eq!(code, 0, "{err}");
+    let found: serde_json::Value = serde_json::from_str(&out).unwrap();
+    found["runs"].as_array().unwrap().iter().map(|e| e["key"].as_str().unwrap().to_string()).collect()
+}
+
+/// The key of the overlap job's slot `s` (as `utc` writes it).
+fn single_key(s: &str) -> String {
+    scheduled_key("single", s.parse().unwrap()).to_string()
 }
 
 /// Lets the runs under way end, and checks every job's slots.
@@ -141,23 +166,7 @@ async fn finish(
             && slots.contains(&"2026-10-25T01:00:00Z".to_string())
     );
     let in_range = |s: &str| slots.iter().any(|x| x == s);
-    // The keys of the overlap job's slots the ticker recorded as skipped.
-    let skipped = || {
-        let (code, out, err) = chime(
-            &env.dir.join("chime.toml"),
-            &["history", "--job", "single", "--outcome", "skipped", "--json", "--limit", "1000"],
-            None,
-        );
-        assert_eq!(code, 0, "{err}");
-        let found: serde_json::Value = serde_json::from_str(&out).unwrap();
-        found["runs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|e| e["key"].as_str().unwrap().to_string())
-            .collect::<Vec<_>>()
-    };
-    let single_key = |s: &str| scheduled_key("single", s.parse().unwrap()).to_string();
+    let skipped = || skipped_keys(env);
     // Every run of the window has ended, and each of the overlap job's slots started or was
     // skipped (its last slot's run may start after the sharded job's).
     // (On a timeout the checks below say what is missing.)

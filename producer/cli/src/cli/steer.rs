@@ -452,6 +452,17 @@ async fn move_waiting(
             for tag in taken {
                 ch.basic_nack(tag, BasicNackOptions { multiple: false, requeue: true }).await?;
             }
+            // A quorum queue takes returns back asynchronously: wait (2 s at most) until the level
+            // holds them again, so that a worker starting now takes them ahead of the runs
+            // behind them (a consumer elsewhere may take some meanwhile: then the wait runs out).
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+            let expected = depth.saturating_sub(u32::from(found.is_some()));
+            while std::time::Instant::now() < deadline {
+                match chime_shared::topology::depth(&conn, &name).await {
+                    Ok((ready, _)) if ready >= expected => break,
+                    _ => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+                }
+            }
             if found.is_some() {
                 break 'queues;
             }
