@@ -4,6 +4,7 @@
 //! message is an error, never a silent drop. Validation (unknown job, bad queue, oversized
 //! envelope) happens before anything is published, so a bad batch publishes nothing.
 
+use crate::spool::SpoolError;
 use chime_shared::amqp::{self, AmqpError};
 use chime_shared::config::{Config, Priority, ValidConfig, valid_name};
 use chime_shared::delay;
@@ -167,6 +168,21 @@ pub struct Enqueued {
     /// The members' keys, for a sharded or broadcast job (empty otherwise).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub members: Vec<Uuid>,
+    /// Whether the broker confirmed it, or the local spool holds it.
+    pub delivery: Delivery,
+}
+
+/// How an enqueued job was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Delivery {
+    /// The broker confirmed it.
+    Confirmed,
+    /// The broker did not confirm it within `amqp.publish_timeout` (or earlier jobs of this
+    /// producer are still spooled, and it keeps their order): it is written to the local spool
+    /// (`[producer] spool_dir`, with `fsync`), and a flush publishes it later under the same
+    /// key, id and `enqueued_at`.
+    Spooled,
 }
 
 /// Result of a batch: how many were confirmed, and the first failure if any.
@@ -176,6 +192,8 @@ pub struct BatchReport {
     pub total: usize,
     /// Jobs the broker confirmed.
     pub confirmed: usize,
+    /// Jobs written to the local spool instead (messages, for sharded or broadcast jobs).
+    pub spooled: usize,
     /// The first failure (publishing stops there).
     pub error: Option<EnqueueError>,
 }
@@ -232,6 +250,15 @@ pub enum EnqueueError {
     /// Publishing failed or was not confirmed.
     #[error(transparent)]
     Amqp(#[from] Box<AmqpError>),
+    /// The broker did not take the job and the local spool could not either (full, or its
+    /// directory unwritable): nothing was kept.
+    #[error("{context}, and the spool could not take it: {source}")]
+    Spool {
+        /// Why it went to the spool.
+        context: String,
+        /// What the spool said.
+        source: SpoolError,
+    },
 }
 
 impl From<AmqpError> for EnqueueError {
@@ -247,6 +274,17 @@ impl From<TopologyError> for EnqueueError {
 }
 
 impl EnqueueError {
+    /// The broker could not be reached, did not confirm, or refused a declaration: what the
+    /// spool is for (a message it returned as unroutable is not: publishing it later would
+    /// not route it either).
+    pub fn is_broker(&self) -> bool {
+        match self {
+            Self::Amqp(e) => e.is_transient(),
+            Self::Topology(e) => !matches!(**e, TopologyError::Inequivalent { .. }),
+            _ => false,
+        }
+    }
+
     /// Errors in what the caller asked for (exit code 2), as opposed to run-time failures.
     pub fn is_usage(&self) -> bool {
         matches!(
@@ -262,7 +300,11 @@ impl EnqueueError {
 /// new one (across `amqp.url`), with the same envelope and key, so a copy the broker did
 /// receive is absorbed as a duplicate by the workers, never run as a second job.
 pub struct EnqueueClient {
-    session: tokio::sync::RwLock<Arc<Session>>,
+    /// The connection, made at the first publish when the broker could not be reached at
+    /// `connect` (a client with a spool starts anyway).
+    session: tokio::sync::RwLock<Option<Arc<Session>>>,
+    /// The local spool (`[producer] spool_dir`).
+    spooler: Option<Arc<crate::flush::Spooler>>,
     pub(crate) config: ValidConfig,
     pub(crate) names: Names,
     /// Queues of typed jobs already declared by this client.
@@ -306,16 +348,63 @@ fn reconnect_delay(n: u32) -> Duration {
 
 impl EnqueueClient {
     /// Connects, declares the topology of every configured queue, and enables confirms.
+    ///
+    /// With a spool (`[producer] spool_dir`), a broker that cannot be reached is not an error:
+    /// jobs go to the spool until it answers, and a flusher in the background publishes them
+    /// (and what producers that have died left in the directory).
     pub async fn connect(config: ValidConfig) -> Result<Self, EnqueueError> {
-        let session = Self::open(&config, &[]).await?;
+        let spooler = match &config.producer.spool_dir {
+            Some(dir) => Some(Arc::new(
+                crate::flush::Spooler::open(&config, dir)
+                    .map_err(|source| EnqueueError::Spool { context: "opening the spool".into(), source })?,
+            )),
+            None => None,
+        };
+        let session = match Self::open(&config, &[]).await {
+            Ok(s) => Some(Arc::new(s)),
+            Err(e) if spooler.is_some() && e.is_broker() => {
+                tracing::warn!(error = %e, "broker unreachable; jobs go to the spool until it answers");
+                None
+            }
+            Err(e) => return Err(e),
+        };
+        let client = Self::with_session(config, session, spooler);
+        if let Some(s) = &client.spooler {
+            s.start_flusher();
+        }
+        Ok(client)
+    }
+
+    /// A client without a spool that connects at its first publish (the flusher's).
+    pub(crate) fn lazy(config: ValidConfig) -> Self {
+        Self::with_session(config, None, None)
+    }
+
+    fn with_session(
+        config: ValidConfig,
+        session: Option<Arc<Session>>,
+        spooler: Option<Arc<crate::flush::Spooler>>,
+    ) -> Self {
         let names = Names::new(&config.prefix);
-        Ok(Self {
-            session: tokio::sync::RwLock::new(Arc::new(session)),
+        Self {
+            session: tokio::sync::RwLock::new(session),
+            spooler,
             config,
             names,
             declared: Mutex::new(HashSet::new()),
             redis: tokio::sync::OnceCell::new(),
-        })
+        }
+    }
+
+    /// The local spool, when `[producer] spool_dir` is set.
+    pub fn spool(&self) -> Option<&crate::spool::Spool> {
+        self.spooler.as_deref().map(|s| s.spool())
+    }
+
+    /// Whether jobs of this client wait in the spool: until its flusher has published them,
+    /// new jobs are spooled behind them.
+    pub fn spool_backlog(&self) -> bool {
+        self.spooler.as_ref().is_some_and(|s| s.backlog())
     }
 
     /// A new connection with the topology declared (configured queues and `extra`) and a
@@ -332,23 +421,38 @@ impl EnqueueClient {
         Ok(Session { conn, channels })
     }
 
-    async fn session(&self) -> Arc<Session> {
-        self.session.read().await.clone()
+    /// The session, connecting first if there is none yet.
+    async fn session(&self) -> Result<Arc<Session>, EnqueueError> {
+        if let Some(s) = self.session.read().await.as_ref() {
+            return Ok(s.clone());
+        }
+        let mut current = self.session.write().await;
+        if let Some(s) = current.as_ref() {
+            return Ok(s.clone());
+        }
+        let fresh = Arc::new(Self::open(&self.config, &self.declared_queues()).await?);
+        tracing::info!("enqueue client connected");
+        *current = Some(fresh.clone());
+        Ok(fresh)
+    }
+
+    fn declared_queues(&self) -> Vec<String> {
+        self.declared.lock().map(|d| d.iter().cloned().collect()).unwrap_or_default()
     }
 
     /// Replaces `broken` with a new session, unless another call already did (then that one
     /// is used).
     async fn reconnect(&self, broken: &Arc<Session>, attempt: u32) -> Result<Arc<Session>, EnqueueError> {
         let mut current = self.session.write().await;
-        if !Arc::ptr_eq(&current, broken) {
-            return Ok(current.clone());
+        if let Some(c) = current.as_ref()
+            && !Arc::ptr_eq(c, broken)
+        {
+            return Ok(c.clone());
         }
         tokio::time::sleep(reconnect_delay(attempt)).await;
-        let extra: Vec<String> =
-            self.declared.lock().map(|d| d.iter().cloned().collect()).unwrap_or_default();
-        let fresh = Arc::new(Self::open(&self.config, &extra).await?);
+        let fresh = Arc::new(Self::open(&self.config, &self.declared_queues()).await?);
         tracing::info!(attempt, "enqueue client reconnected");
-        *current = fresh.clone();
+        *current = Some(fresh.clone());
         Ok(fresh)
     }
 
@@ -359,17 +463,74 @@ impl EnqueueClient {
 
     /// Publishes one job — an [`EnqueueRequest`] or a typed [`Job`] — and waits for its
     /// confirm.
+    ///
+    /// With a spool, a job the broker does not confirm within `amqp.publish_timeout` is
+    /// spooled instead ([`Delivery::Spooled`]); so is every job while earlier ones of this
+    /// client are still spooled (they keep their order).
     pub async fn enqueue(&self, req: impl IntoRequest) -> Result<Enqueued, EnqueueError> {
         let p = self.prepare(&req.into_request())?;
-        self.check_queue(&p).await?;
+        // With a spool, a typed job's own queue is declared on the way to the broker; a queue
+        // only the broker knows must be there now, or a spooled job could never be delivered.
+        if self.spooler.is_none() || p.unverified_queue.is_some() {
+            self.check_queue(&p).await?;
+        }
         self.enqueue_prepared(&p).await
     }
 
     /// Publishes one prepared job — as itself, or fanned out to its shards or live workers —
     /// and waits for every confirm. A broadcast copy whose worker is gone is dropped; no live
-    /// worker at all is [`EnqueueError::NoWorkers`].
+    /// worker at all is [`EnqueueError::NoWorkers`]. With a spool, as [`Self::enqueue`].
     pub async fn enqueue_prepared(&self, p: &Prepared) -> Result<Enqueued, EnqueueError> {
         let members = self.fan_out(std::slice::from_ref(p)).await?;
+        let Some(spooler) = &self.spooler else { return self.publish_members(p, &members).await };
+        if members.is_empty() {
+            return Err(EnqueueError::NoWorkers { queue: p.envelope.queue.clone() });
+        }
+        if spooler.backlog() {
+            let why = "earlier jobs of this producer are still in the spool".to_string();
+            return self.spool_members(spooler, p, &members, why).await;
+        }
+        let timeout = self.config.amqp.publish_timeout;
+        let direct = async {
+            if p.declare_queue.is_some() {
+                self.check_queue(p).await?;
+            }
+            self.publish_members(p, &members).await
+        };
+        match tokio::time::timeout(timeout, direct).await {
+            Ok(Ok(done)) => Ok(done),
+            Ok(Err(e)) if e.is_broker() => self.spool_members(spooler, p, &members, e.to_string()).await,
+            Ok(Err(e)) => Err(e),
+            Err(_) => {
+                let why = format!("no confirm within {timeout:?} (amqp.publish_timeout)");
+                self.spool_members(spooler, p, &members, why).await
+            }
+        }
+    }
+
+    /// Writes a job's messages to the spool: what it answers for them.
+    async fn spool_members(
+        &self,
+        spooler: &Arc<crate::flush::Spooler>,
+        p: &Prepared,
+        members: &[Prepared],
+        why: String,
+    ) -> Result<Enqueued, EnqueueError> {
+        spooler.append(members, &why).await.map_err(|source| EnqueueError::Spool {
+            context: format!("the broker did not take job {} ({why})", p.envelope.job),
+            source,
+        })?;
+        let mut done = enqueued(&p.envelope);
+        done.delivery = Delivery::Spooled;
+        if !(members.len() == 1 && members[0].envelope.key == p.envelope.key) {
+            done.members = members.iter().map(|m| m.envelope.key).collect();
+            done.id = members.first().map_or(done.id, |m| m.envelope.id);
+        }
+        Ok(done)
+    }
+
+    /// Publishes a job's messages (see [`Self::enqueue_prepared`]).
+    async fn publish_members(&self, p: &Prepared, members: &[Prepared]) -> Result<Enqueued, EnqueueError> {
         if members.len() == 1 && members[0].envelope.key == p.envelope.key {
             self.publish(&p.envelope, p.delay).await?;
             return Ok(enqueued(&p.envelope));
@@ -380,7 +541,7 @@ impl EnqueueClient {
         let mut done = enqueued(&p.envelope);
         if members.iter().any(|m| m.envelope.target.is_some()) {
             // Broadcast: a copy for a worker whose queue is gone (the worker with it) is dropped.
-            for m in &members {
+            for m in members {
                 match self.publish(&m.envelope, m.delay).await {
                     Ok(()) => done.members.push(m.envelope.key),
                     Err(EnqueueError::Amqp(e)) if matches!(*e, AmqpError::Returned { .. }) => {
@@ -393,7 +554,7 @@ impl EnqueueClient {
                 return Err(EnqueueError::NoWorkers { queue: p.envelope.queue.clone() });
             }
         } else {
-            let report = self.publish_batch(&members).await;
+            let report = self.publish_batch(members).await;
             if let Some(e) = report.error {
                 return Err(e);
             }
@@ -452,13 +613,19 @@ impl EnqueueClient {
             self.verify_queue(q).await?;
         }
         if let Some(q) = &p.declare_queue {
-            let known = self.declared.lock().map(|d| d.contains(q)).unwrap_or(false);
-            if !known {
-                let session = self.session().await;
-                topology::declare(&session.conn, &self.config, std::slice::from_ref(q)).await?;
-                if let Ok(mut d) = self.declared.lock() {
-                    d.insert(q.clone());
-                }
+            self.declare_queue(q).await?;
+        }
+        Ok(())
+    }
+
+    /// Declares a typed job's own queue (once per client).
+    pub(crate) async fn declare_queue(&self, q: &str) -> Result<(), EnqueueError> {
+        let known = self.declared.lock().map(|d| d.contains(q)).unwrap_or(false);
+        if !known {
+            let session = self.session().await?;
+            topology::declare(&session.conn, &self.config, &[q.to_string()]).await?;
+            if let Ok(mut d) = self.declared.lock() {
+                d.insert(q.to_string());
             }
         }
         Ok(())
@@ -467,7 +634,7 @@ impl EnqueueClient {
     /// A queue the config does not declare must exist as a chime work queue on the broker
     /// (declared by another config's workers); otherwise nothing could ever deliver to it.
     pub async fn verify_queue(&self, queue: &str) -> Result<(), EnqueueError> {
-        topology::depth(&self.session().await.conn, &self.names.work_queue(queue))
+        topology::depth(&self.session().await?.conn, &self.names.work_queue(queue))
             .await
             .map(drop)
             .map_err(|e| EnqueueError::NoSuchQueue { queue: queue.to_string(), detail: e.to_string() })
@@ -479,7 +646,7 @@ impl EnqueueClient {
         let (exchange, routing_key) =
             delay::target(&self.names, self.config.amqp.queue_type, &env.route(), delay);
         let body = env.encode();
-        let mut session = self.session().await;
+        let mut session = self.session().await?;
         let mut reconnects = 0;
         loop {
             let sent = session
@@ -526,26 +693,73 @@ impl EnqueueClient {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        // Queues no line's config declares are checked once each, before anything is sent.
+        // Queues no line's config declares are checked once each, before anything is sent
+        // (with a spool, a typed job's own queue the broker cannot declare now is declared by
+        // the flush).
         let mut checked = HashSet::new();
         for (i, p) in envs.iter().enumerate() {
             let queue = p.unverified_queue.as_ref().or(p.declare_queue.as_ref());
             if queue.is_some_and(|q| checked.insert(q.clone())) {
-                self.check_queue(p).await.map_err(|e| EnqueueError::Invalid {
-                    field: format!("line {}: queue", i + 1),
-                    message: e.to_string(),
-                })?;
+                match self.check_queue(p).await {
+                    Ok(()) => {}
+                    Err(e) if self.spooler.is_some() && p.unverified_queue.is_none() && e.is_broker() => {}
+                    Err(e) => {
+                        return Err(EnqueueError::Invalid {
+                            field: format!("line {}: queue", i + 1),
+                            message: e.to_string(),
+                        });
+                    }
+                }
             }
         }
         let envs = self.fan_out(&envs).await?;
-        Ok(self.publish_batch(&envs).await)
+        Ok(self.send_batch(&envs).await)
+    }
+
+    /// [`Self::publish_batch`], and with a spool, what the broker did not confirm goes to the
+    /// spool (all of it while earlier jobs of this client are still spooled).
+    pub async fn send_batch(&self, envs: &[Prepared]) -> BatchReport {
+        let Some(spooler) = &self.spooler else { return self.publish_batch(envs).await };
+        if spooler.backlog() {
+            let why = "earlier jobs of this producer are still in the spool".to_string();
+            return self.spool_rest(spooler, envs, 0, why).await;
+        }
+        let report = self.publish_batch(envs).await;
+        match report.error {
+            Some(e) if e.is_broker() => self.spool_rest(spooler, envs, report.confirmed, e.to_string()).await,
+            _ => report,
+        }
+    }
+
+    /// Spools `envs[confirmed..]`: the report of a batch the broker took up to `confirmed`.
+    async fn spool_rest(
+        &self,
+        spooler: &Arc<crate::flush::Spooler>,
+        envs: &[Prepared],
+        confirmed: usize,
+        why: String,
+    ) -> BatchReport {
+        let rest = &envs[confirmed..];
+        let mut report = BatchReport { total: envs.len(), confirmed, spooled: 0, error: None };
+        match spooler.append(rest, &why).await {
+            Ok(()) => report.spooled = rest.len(),
+            Err(source) => {
+                let context =
+                    format!("the broker did not take the batch from message {} on ({why})", confirmed + 1);
+                report.error = Some(EnqueueError::Spool { context, source });
+            }
+        }
+        report
     }
 
     /// Pipelined publish of prepared envelopes, with up to 4096 confirms outstanding. When the
     /// connection breaks, a new one is made and publishing resumes from the first envelope not
     /// yet confirmed (copies the broker did receive are absorbed by their keys).
     pub async fn publish_batch(&self, envs: &[Prepared]) -> BatchReport {
-        let mut session = self.session().await;
+        let mut session = match self.session().await {
+            Ok(s) => s,
+            Err(e) => return BatchReport { total: envs.len(), confirmed: 0, spooled: 0, error: Some(e) },
+        };
         let mut confirmed = 0usize;
         let mut reconnects = 0;
         let error = loop {
@@ -566,7 +780,7 @@ impl EnqueueClient {
             metrics::counter!(telemetry::JOBS_PUBLISHED, "job" => first.envelope.job.clone(), "source" => "adhoc")
                 .increment(confirmed as u64);
         }
-        BatchReport { total: envs.len(), confirmed, error }
+        BatchReport { total: envs.len(), confirmed, spooled: 0, error }
     }
 
     /// Publishes `envs[start..]` on a channel of the session lent to this batch,
@@ -754,7 +968,14 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
 }
 
 fn enqueued(env: &Envelope) -> Enqueued {
-    Enqueued { id: env.id, key: env.key, job: env.job.clone(), queue: env.queue.clone(), members: Vec::new() }
+    Enqueued {
+        id: env.id,
+        key: env.key,
+        job: env.job.clone(),
+        queue: env.queue.clone(),
+        members: Vec::new(),
+        delivery: Delivery::Confirmed,
+    }
 }
 
 /// Parses one line of `--batch` input: `{"payload": …, "key": …, "queue": …,

@@ -164,13 +164,23 @@ impl Spool {
         &self.dir
     }
 
+    /// Whether this process has a file of records no flush has taken yet.
+    pub fn holds_own(&self) -> bool {
+        self.own.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_some()
+    }
+
     /// Bytes every file of the directory holds.
     fn used(&self) -> Result<u64, SpoolError> {
         let mut used = 0;
         for entry in fs::read_dir(&self.dir).map_err(io_err(&self.dir))? {
             let entry = entry.map_err(io_err(&self.dir))?;
             if entry.file_name().to_string_lossy().starts_with(PREFIX) {
-                used += entry.metadata().map_err(io_err(&entry.path()))?.len();
+                match entry.metadata() {
+                    Ok(meta) => used += meta.len(),
+                    // Gone meanwhile: a flusher finished a file, or renamed its sidecar.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(SpoolError::Io { path: entry.path(), source: e }),
+                }
             }
         }
         Ok(used)

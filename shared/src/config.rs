@@ -32,6 +32,7 @@ mod circuits;
 mod jobs;
 mod limits;
 mod ops;
+mod producer;
 mod store;
 mod workers;
 
@@ -40,6 +41,7 @@ pub use circuits::{Circuit, CircuitRef, NamedCircuit, OnOpen, ResolvedCircuit, T
 pub use jobs::{CatchUp, ExecConfig, HandlerConfig, JobConfig, Overlap, Shards};
 pub use limits::{LimitKey, NO_TENANT, NamedLimit, Rate, RateLimit, RateLimitRef, ResolvedLimit};
 pub use ops::{AlertsConfig, CheckpointsConfig, HistoryConfig, LogConfig, ResultsConfig};
+pub use producer::ProducerConfig;
 pub use store::RedisConfig;
 pub use workers::{Criticality, ShedConfig, TickerConfig, WorkerConfig};
 
@@ -114,6 +116,8 @@ pub struct Config {
     pub checkpoints: CheckpointsConfig,
     /// What workers log.
     pub log: LogConfig,
+    /// What producers do when the broker cannot confirm a job (the local spool).
+    pub producer: ProducerConfig,
     /// The jobs.
     #[serde(deserialize_with = "jobs::de_jobs")]
     pub jobs: Vec<JobConfig>,
@@ -142,6 +146,7 @@ impl Default for Config {
             results: ResultsConfig::default(),
             checkpoints: CheckpointsConfig::default(),
             log: LogConfig::default(),
+            producer: ProducerConfig::default(),
             jobs: Vec::new(),
             limits: Vec::new(),
             circuits: Vec::new(),
@@ -369,6 +374,7 @@ impl Config {
         self.results.validate()?;
         self.checkpoints.validate()?;
         self.log.validate()?;
+        self.producer.validate()?;
         self.amqp.validate()?;
         self.redis.validate()?;
         self.alerts.validate()?;

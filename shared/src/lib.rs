@@ -46,6 +46,7 @@ pub mod redact;
 pub mod redis_conn;
 pub mod schedule;
 pub mod shed;
+pub mod spools;
 pub mod telemetry;
 pub mod tls;
 pub mod topology;

@@ -49,6 +49,13 @@ pub const QUEUE_SHEDDING: &str = "chime_queue_shedding";
 pub const CIRCUIT_STATE: &str = "chime_circuit_state";
 /// Counter: circuit breaker state changes a worker made (`circuit`, `to`: `open` or `closed`).
 pub const CIRCUIT_TRANSITIONS: &str = "chime_circuit_transitions_total";
+/// Counter: jobs a producer wrote to its local spool because the broker did not confirm them
+/// (`job`).
+pub const JOBS_SPOOLED: &str = "chime_jobs_spooled_total";
+/// Counter: spooled jobs published and confirmed by a flush (`job`).
+pub const SPOOL_FLUSHED: &str = "chime_spool_flushed_total";
+/// Gauge: bytes in the spool directory, as this process last read it.
+pub const SPOOL_BYTES: &str = "chime_spool_bytes";
 
 /// Every metric name above (tests check dashboards and alert rules against it).
 pub const ALL: &[&str] = &[
@@ -73,6 +80,9 @@ pub const ALL: &[&str] = &[
     CIRCUIT_TRANSITIONS,
     SLOTS_SHED,
     QUEUE_SHEDDING,
+    JOBS_SPOOLED,
+    SPOOL_FLUSHED,
+    SPOOL_BYTES,
 ];
 
 /// Values of the `outcome` label of [`JOBS_COMPLETED`].
@@ -121,4 +131,10 @@ pub fn describe() {
     describe_counter!(CIRCUIT_TRANSITIONS, "Circuit breaker state changes, by circuit and new state.");
     describe_counter!(SLOTS_SHED, "Scheduled slots not published because their queue was shedding.");
     describe_gauge!(QUEUE_SHEDDING, "1 while this worker sheds the sheddable runs of the queue.");
+    describe_counter!(
+        JOBS_SPOOLED,
+        "Jobs written to the local spool because the broker did not confirm them."
+    );
+    describe_counter!(SPOOL_FLUSHED, "Spooled jobs published and confirmed by a flush.");
+    describe_gauge!(SPOOL_BYTES, "Bytes in the spool directory, as this process last read it.");
 }

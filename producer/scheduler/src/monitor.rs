@@ -69,6 +69,9 @@ pub enum About {
     Circuit(String),
     /// A queue shedding its sheddable runs (the threshold crossed).
     Shedding(String),
+    /// A producer's local spool holding jobs longer than `producer.spool_alert_after`
+    /// (`queue` is `<host>:<dir>`; what it holds in words).
+    Spool(String),
 }
 
 impl Notification {
@@ -77,6 +80,7 @@ impl Notification {
         match &self.about {
             Some(About::Circuit(_)) => format!("circuit:{}", self.queue),
             Some(About::Shedding(_)) => format!("shed:{}", self.queue),
+            Some(About::Spool(_)) => format!("spool:{}", self.queue),
             None => self.queue.clone(),
         }
     }
@@ -164,6 +168,27 @@ impl Alerts {
             About::Shedding(reason.unwrap_or_else(|| "below its threshold".into())),
             wall,
         )
+    }
+
+    /// Records whether spool `name` (`<host>:<dir>`) has held a job too long (`detail` says
+    /// what it holds); a notification when that changes.
+    pub fn observe_spool(
+        &mut self,
+        name: &str,
+        on: bool,
+        detail: String,
+        wall: DateTime<Utc>,
+    ) -> Option<Notification> {
+        self.observe_state(name, on, About::Spool(detail), wall)
+    }
+
+    /// The spools whose alert is firing (`<host>:<dir>`).
+    pub fn firing_spools(&self) -> Vec<String> {
+        self.state
+            .iter()
+            .filter(|(k, s)| k.starts_with("spool:") && s.firing.is_some())
+            .map(|(k, _)| k["spool:".len()..].to_string())
+            .collect()
     }
 
     /// A state that fires at once while `on` and resolves when it goes off.
@@ -256,6 +281,20 @@ pub fn webhook_body(n: &Notification, names: &Names, threshold: u64) -> serde_js
             json!({"alertname": "ChimeShedding", "queue": n.queue}),
             format!("{{alertname=\"ChimeShedding\",queue=\"{}\"}}", n.queue),
         ),
+        Some(About::Spool(detail)) => (
+            json!({
+                "alertname": "ChimeSpoolNotEmpty",
+                "severity": "warning",
+                "prefix": names.prefix(),
+                "spool": n.queue,
+            }),
+            json!({
+                "summary": format!("jobs wait in the local spool {}", n.queue),
+                "description": format!("{detail}; the broker did not confirm them; they are published when it does (`chime spool status`, `chime spool flush` on that host)"),
+            }),
+            json!({"alertname": "ChimeSpoolNotEmpty", "spool": n.queue}),
+            format!("{{alertname=\"ChimeSpoolNotEmpty\",spool=\"{}\"}}", n.queue),
+        ),
         Some(About::Circuit(detail)) => (
             json!({
                 "alertname": "ChimeCircuitOpen",
@@ -332,6 +371,8 @@ impl Dispatch {
                         (Some(About::Circuit(_)), false) => info!(circuit = %n.queue, "circuit alert resolved: closed"),
                         (Some(About::Shedding(d)), true) => warn!(queue = %n.queue, reason = %d, "shedding alert firing"),
                         (Some(About::Shedding(_)), false) => info!(queue = %n.queue, "shedding alert resolved"),
+                        (Some(About::Spool(d)), true) => warn!(spool = %n.queue, holds = %d, "spool alert firing"),
+                        (Some(About::Spool(_)), false) => info!(spool = %n.queue, "spool alert resolved: flushed"),
                     }
                     if let Some(w) = &webhook {
                         let result = w.send(&n, &webhook_body(&n, &names, threshold)).await;
@@ -583,6 +624,33 @@ pub async fn run(config: ValidConfig, health: Health, token: CancellationToken) 
                     }
                     Ok(Err(e)) => warn!(error = %e, "cannot read the circuit breakers from redis"),
                     Err(_) => warn!("reading the circuit breakers from redis timed out"),
+                }
+                // Producers' spools: firing while one has held a job longer than
+                // producer.spool_alert_after; resolved when it reports empty (its field goes).
+                let read = chime_shared::spools::read(&mut redis, &names);
+                if let Ok(Ok(reports)) = tokio::time::timeout(Duration::from_secs(5), read).await {
+                    let now = Utc::now();
+                    let mut seen = std::collections::BTreeSet::new();
+                    for r in &reports {
+                        let waited = r.oldest.and_then(|o| (now - o).to_std().ok()).unwrap_or_default();
+                        let on = r.records > 0 && waited >= config.producer.spool_alert_after;
+                        let detail = format!(
+                            "{} job(s), {} bytes, the oldest spooled {}s ago (reported {})",
+                            r.records,
+                            r.bytes,
+                            waited.as_secs(),
+                            rfc3339(r.at)
+                        );
+                        seen.insert(r.field());
+                        if let Some(n) = alerts.observe_spool(&r.field(), on, detail, now) {
+                            dispatch.send(n);
+                        }
+                    }
+                    for gone in alerts.firing_spools().into_iter().filter(|s| !seen.contains(s)) {
+                        if let Some(n) = alerts.observe_spool(&gone, false, "empty".into(), now) {
+                            dispatch.send(n);
+                        }
+                    }
                 }
                 let shed_queues: Vec<String> = config.worker.shed.keys().cloned().collect();
                 let read = chime_shared::shed::read(&mut redis, &names, &shed_queues);

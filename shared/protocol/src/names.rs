@@ -149,6 +149,12 @@ impl Names {
     pub fn shed(&self, queue: &str) -> String {
         format!("{}:shed:{queue}", self.prefix)
     }
+    /// Redis hash of the producers' local spools that hold jobs (`[producer] spool_dir`): field
+    /// `<host>:<dir>`, value the spool's status as JSON, written at each flush (the DLQ monitor
+    /// alerts on it).
+    pub fn spools(&self) -> String {
+        format!("{}:spools", self.prefix)
+    }
     /// Redis hash of a circuit breaker (`jobs[].circuit`, `[[circuits]]`): its state and
     /// rolling window.
     pub fn circuit(&self, name: &str) -> String {

@@ -237,19 +237,9 @@ async fn a_circuit_that_is_not_closed_fires_an_alert_then_resolves_it() {
     ));
     let mut conn = connect_redis(&env.redis_url).await;
     chime_shared::circuit::force(&mut conn, &env.names(), "ops", true).await.unwrap();
-    let got = bodies.clone();
-    wait_until("firing", Duration::from_secs(20), || {
-        let got = got.clone();
-        async move { !got.lock().unwrap().is_empty() }
-    })
-    .await;
+    crate::dlq_ops::wait_notifications(&bodies, 1, "firing").await;
     chime_shared::circuit::force(&mut conn, &env.names(), "ops", false).await.unwrap();
-    let got = bodies.clone();
-    wait_until("resolved", Duration::from_secs(20), || {
-        let got = got.clone();
-        async move { got.lock().unwrap().len() >= 2 }
-    })
-    .await;
+    crate::dlq_ops::wait_notifications(&bodies, 2, "resolved").await;
     token.cancel();
     monitor.await.unwrap();
     let all = bodies.lock().unwrap().clone();

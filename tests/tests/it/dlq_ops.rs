@@ -195,6 +195,15 @@ pub(crate) async fn webhook() -> (std::net::SocketAddr, Bodies) {
     (addr, bodies)
 }
 
+/// Waits (20 s at most) until the receiver holds `n` notifications.
+pub(crate) async fn wait_notifications(bodies: &Bodies, n: usize, what: &str) {
+    wait_until(what, Duration::from_secs(20), || {
+        let got = bodies.clone();
+        async move { got.lock().unwrap().len() >= n }
+    })
+    .await;
+}
+
 /// A config whose DLQ alerts (checked every 100 ms) go to a fresh webhook receiver.
 async fn alerting(env: &TestEnv, hold: Duration, threshold: u64) -> (chime_shared::ValidConfig, Bodies) {
     let (addr, bodies) = webhook().await;
@@ -347,12 +356,7 @@ async fn monitor_follows_leadership() {
         tokio::sync::watch::channel(leader_config.validated().unwrap());
     let reference =
         tokio::spawn(chime_scheduler::monitor::run_while(leader_rx, leader_config_rx, token.clone()));
-    let got = leader_bodies.clone();
-    wait_until("firing notification from the reference leader", Duration::from_secs(20), || {
-        let got = got.clone();
-        async move { !got.lock().unwrap().is_empty() }
-    })
-    .await;
+    wait_notifications(&leader_bodies, 1, "firing notification from the reference leader").await;
     assert!(bodies.lock().unwrap().is_empty(), "a standby sent an alert");
     leader_tx.send_replace(false);
     lead_tx.send_replace(true);

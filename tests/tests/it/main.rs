@@ -32,6 +32,7 @@ mod results;
 mod retries;
 mod runtime;
 mod security;
+mod spool;
 mod steer;
 mod ticker;
 mod tls;

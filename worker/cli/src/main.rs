@@ -53,6 +53,7 @@ async fn run(args: Args, config: ValidConfig) -> i32 {
     let listen = args.listen.clone().or_else(|| config.worker.listen.clone());
     let path = args.config.clone();
     let health = Health::default();
+    let spool_config = config.clone();
     let mut builder = Worker::builder(config).registry(Registry::new()).health(health.clone());
     if let Some(q) = args.queues {
         builder = builder.queues(q);
@@ -87,6 +88,8 @@ async fn run(args: Args, config: ValidConfig) -> i32 {
         tokio::spawn(chime_daemon::server::serve(listener, health, recorder, token.clone()));
     }
     tokio::spawn(signals(token.clone(), worker.reloader(), path));
+    // Jobs producers on this machine spooled while the broker was away (`[producer] spool_dir`).
+    tokio::spawn(chime_producer::flush_at_start(spool_config));
     match worker.run(token).await {
         Ok(()) => 0,
         Err(e) => {

@@ -1,7 +1,9 @@
 //! `chime enqueue`: one job, or a batch of JSON lines, each confirmed by the broker.
 
 use anyhow::Context as _;
-use chime_producer::{EnqueueClient, EnqueueError, EnqueueRequest, Prepared, parse_batch_line, prepare};
+use chime_producer::{
+    Delivery, EnqueueClient, EnqueueError, EnqueueRequest, Prepared, parse_batch_line, prepare,
+};
 use chime_shared::config::{Config, ValidConfig};
 use chime_shared::history::HistoryReader;
 use clap::Args;
@@ -52,6 +54,10 @@ pub struct EnqueueArgs {
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
+    /// With a spool (`[producer] spool_dir`): exit 0 when the broker did not confirm a job and
+    /// it went to the spool (default: exit 1, the job kept in the spool all the same)
+    #[arg(long)]
+    pub allow_spool: bool,
 }
 
 /// Reads a payload from a file or `-` (stdin), at most `limit` bytes: a larger one is
@@ -169,21 +175,24 @@ pub async fn run(config: ValidConfig, args: EnqueueArgs) -> Result<(), Failure> 
     };
     let client = EnqueueClient::connect(config.clone()).await.map_err(from_enqueue)?;
     let done = client.enqueue(req).await.map_err(from_enqueue)?;
+    let spooled = done.delivery == Delivery::Spooled;
+    let how = if spooled { "spooled" } else { "confirmed" };
     let Some(wait_for) = wait_for else {
         if args.json {
-            let mut out = serde_json::json!({"confirmed": true, "id": done.id, "key": done.key, "job": done.job, "queue": done.queue});
+            let mut out = serde_json::json!({"confirmed": !spooled, "spooled": spooled, "id": done.id,
+                "key": done.key, "job": done.job, "queue": done.queue});
             if !done.members.is_empty() {
                 out["members"] = serde_json::json!(done.members);
             }
             println!("{out}");
         } else if done.members.is_empty() {
             println!(
-                "enqueued {} on queue {} (key {}, id {}), confirmed",
+                "enqueued {} on queue {} (key {}, id {}), {how}",
                 done.job, done.queue, done.key, done.id
             );
         } else {
             println!(
-                "enqueued {} on queue {} as {} messages (key {}; chime inspect {} shows each), confirmed",
+                "enqueued {} on queue {} as {} messages (key {}; chime inspect {} shows each), {how}",
                 done.job,
                 done.queue,
                 done.members.len(),
@@ -192,13 +201,31 @@ pub async fn run(config: ValidConfig, args: EnqueueArgs) -> Result<(), Failure> 
             );
         }
         warn_settled(settled.first(), settled.len());
-        return Ok(());
+        return spool_verdict(&config, args.allow_spool, spooled.then_some(1));
     };
     if !args.json {
-        eprintln!("enqueued {} (key {}), confirmed; waiting up to {}", done.job, done.key, args.wait_timeout);
+        eprintln!("enqueued {} (key {}), {how}; waiting up to {}", done.job, done.key, args.wait_timeout);
     }
     warn_settled(settled.first(), settled.len());
+    // A spooled job is published by this process's flusher while it waits.
     print_finished(client.wait(done.key, wait_for).await, args.json)
+}
+
+/// Exit status after `spooled` jobs went to the spool: 1 unless `--allow-spool`, with what
+/// happened to them.
+fn spool_verdict(config: &ValidConfig, allow: bool, spooled: Option<usize>) -> Result<(), Failure> {
+    let Some(n) = spooled.filter(|n| *n > 0) else { return Ok(()) };
+    let dir = config.producer.spool_dir.as_deref().map(|d| d.display().to_string()).unwrap_or_default();
+    let what = format!(
+        "the broker did not confirm {n} job(s): they are kept in the spool ({dir}) and published under \
+         their keys by the next flush (chime spool status, chime spool flush)"
+    );
+    if allow {
+        eprintln!("{what}");
+        Ok(())
+    } else {
+        Err(runtime(anyhow::anyhow!("{what}; --allow-spool makes this exit 0")))
+    }
 }
 
 /// Prints how a waited-for job ended: its result (standard output), or why it did not end
@@ -538,7 +565,7 @@ async fn enqueue_batch(
             }
         }
     });
-    let (mut confirmed, mut error) = (0usize, None);
+    let (mut confirmed, mut spooled, mut error) = (0usize, 0usize, None);
     while let Some(chunk) = rx.recv().await {
         let chunk = chunk?;
         // A sharded or broadcast job's line is several messages: counted as such.
@@ -549,8 +576,9 @@ async fn enqueue_batch(
         } else {
             std::borrow::Cow::Borrowed(&chunk)
         };
-        let report = client.publish_batch(&messages).await;
+        let report = client.send_batch(&messages).await;
         confirmed += report.confirmed;
+        spooled += report.spooled;
         if report.error.is_some() {
             error = report.error;
             break;
@@ -563,15 +591,19 @@ async fn enqueue_batch(
     if args.json {
         println!(
             "{}",
-            serde_json::json!({"confirmed": confirmed, "total": total, "seconds": secs,
+            serde_json::json!({"confirmed": confirmed, "spooled": spooled, "total": total, "seconds": secs,
                 "error": error.as_ref().map(|e| e.to_string())})
         );
     } else {
         let rate = if secs > 0.0 { confirmed as f64 / secs } else { 0.0 };
-        println!("confirmed {confirmed} of {total} jobs in {secs:.2}s ({rate:.0}/s)");
+        let and_spooled = if spooled > 0 { format!(", {spooled} spooled") } else { String::new() };
+        println!("confirmed {confirmed} of {total} jobs in {secs:.2}s ({rate:.0}/s){and_spooled}");
     }
     match error {
-        None => Ok(()),
-        Some(e) => Err(runtime(anyhow::anyhow!("{} of {total} not confirmed: {e}", total - confirmed))),
+        None => spool_verdict(&config, args.allow_spool, Some(spooled)),
+        Some(e) => Err(runtime(anyhow::anyhow!(
+            "{} of {total} neither confirmed nor spooled: {e}",
+            total - confirmed - spooled
+        ))),
     }
 }

@@ -7,6 +7,7 @@ mod enqueue;
 mod failure;
 pub(crate) mod history;
 mod ops;
+mod spool;
 mod steer;
 mod table;
 mod watch;
@@ -117,6 +118,10 @@ pub enum Command {
         #[arg(long, default_value = "/")]
         vhost: String,
     },
+    /// The local spool of jobs the broker did not confirm (`[producer] spool_dir`): status,
+    /// list, flush
+    #[command(subcommand)]
+    Spool(spool::SpoolCommand),
     /// Watch DLQ depths and raise alerts (log and webhook); until SIGTERM/SIGINT
     Watch {
         /// Serve /metrics, /livez and /readyz here
@@ -218,6 +223,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
         Command::Enqueue(args) => enqueue::run(config, args).await,
+        Command::Spool(cmd) => spool::run(config, cmd).await,
         Command::Dlq(cmd) => dlq::run(config, cmd).await,
         Command::Watch { listen } => watch::run(config, listen).await,
         Command::Tick { listen } => ops::tick(config, path, listen).await,

@@ -123,6 +123,8 @@ pub async fn tick(config: ValidConfig, path: PathBuf, listen: Option<String>) ->
         info!(%addr, "serving /metrics, /livez, /readyz");
         tokio::spawn(chime_daemon::server::serve(listener, health.clone(), recorder, token.clone()));
     }
+    // Jobs producers on this machine spooled while the broker was away (`[producer] spool_dir`).
+    tokio::spawn(chime_producer::flush_at_start(config.clone()));
     let (tx, rx) = watch::channel(config);
     let id = format!(
         "{}:{}",
