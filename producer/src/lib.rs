@@ -24,14 +24,13 @@
 #![warn(missing_docs)]
 
 mod enqueue;
-pub mod flush;
 pub mod spool;
 mod wait;
 
 pub use chime_shared::job::{Job, JobOptions};
+pub use enqueue::flush::{FlushReport, flush_at_start, flush_spool};
 pub use enqueue::{
     BatchReport, Delivery, EnqueueClient, EnqueueError, EnqueueRequest, Enqueued, IntoRequest, Prepared,
     parse_batch_line, prepare,
 };
-pub use flush::{FlushReport, flush_at_start, flush_spool};
 pub use wait::{Finished, MemberFinished, WaitError};

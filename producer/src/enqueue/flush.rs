@@ -6,7 +6,7 @@
 //! this process's files does it publish directly again. Appends and that last check hold one
 //! lock, so no job slips between the flush's end and the switch.
 
-use crate::enqueue::{EnqueueClient, EnqueueError, Prepared};
+use super::{EnqueueClient, EnqueueError, Prepared};
 use crate::spool::{Claimed, Spool, SpoolError, Spooled};
 use chime_shared::config::ValidConfig;
 use chime_shared::spools::{self, SpoolReport};

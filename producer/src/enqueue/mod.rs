@@ -4,6 +4,8 @@
 //! message is an error, never a silent drop. Validation (unknown job, bad queue, oversized
 //! envelope) happens before anything is published, so a bad batch publishes nothing.
 
+pub(crate) mod flush;
+
 use crate::spool::SpoolError;
 use chime_shared::amqp::{self, AmqpError};
 use chime_shared::config::{Config, Priority, ValidConfig, valid_name};
@@ -304,7 +306,7 @@ pub struct EnqueueClient {
     /// `connect` (a client with a spool starts anyway).
     session: tokio::sync::RwLock<Option<Arc<Session>>>,
     /// The local spool (`[producer] spool_dir`).
-    spooler: Option<Arc<crate::flush::Spooler>>,
+    spooler: Option<Arc<flush::Spooler>>,
     pub(crate) config: ValidConfig,
     pub(crate) names: Names,
     /// Queues of typed jobs already declared by this client.
@@ -355,7 +357,7 @@ impl EnqueueClient {
     pub async fn connect(config: ValidConfig) -> Result<Self, EnqueueError> {
         let spooler = match &config.producer.spool_dir {
             Some(dir) => Some(Arc::new(
-                crate::flush::Spooler::open(&config, dir)
+                flush::Spooler::open(&config, dir)
                     .map_err(|source| EnqueueError::Spool { context: "opening the spool".into(), source })?,
             )),
             None => None,
@@ -383,7 +385,7 @@ impl EnqueueClient {
     fn with_session(
         config: ValidConfig,
         session: Option<Arc<Session>>,
-        spooler: Option<Arc<crate::flush::Spooler>>,
+        spooler: Option<Arc<flush::Spooler>>,
     ) -> Self {
         let names = Names::new(&config.prefix);
         Self {
@@ -511,7 +513,7 @@ impl EnqueueClient {
     /// Writes a job's messages to the spool: what it answers for them.
     async fn spool_members(
         &self,
-        spooler: &Arc<crate::flush::Spooler>,
+        spooler: &Arc<flush::Spooler>,
         p: &Prepared,
         members: &[Prepared],
         why: String,
@@ -734,7 +736,7 @@ impl EnqueueClient {
     /// Spools `envs[confirmed..]`: the report of a batch the broker took up to `confirmed`.
     async fn spool_rest(
         &self,
-        spooler: &Arc<crate::flush::Spooler>,
+        spooler: &Arc<flush::Spooler>,
         envs: &[Prepared],
         confirmed: usize,
         why: String,
