@@ -18,6 +18,11 @@
 //! number, never replayed), and every whole record before it is flushed. A damaged line
 //! elsewhere is set aside the same way. The file itself is never rewritten: its lock stays
 //! on the one inode.
+//!
+//! A spool belongs to one prefix: the records do not name theirs, so a directory shared by
+//! two prefixes would publish one's jobs into the other's queues. The directory and its
+//! `.prefix` file (the owner's prefix) are made at the first append; opening a directory whose
+//! `.prefix` names another prefix is refused.
 
 use chime_shared::envelope::Envelope;
 use chrono::{DateTime, Utc};
@@ -69,6 +74,18 @@ pub enum SpoolError {
         /// The bound.
         max: u64,
     },
+    /// The directory holds the spool of another prefix (its `.prefix` file says which).
+    #[error(
+        "spool {dir} holds the jobs of prefix {theirs:?}, not {ours:?}: give each prefix a spool_dir of its own"
+    )]
+    OtherPrefix {
+        /// The spool directory.
+        dir: PathBuf,
+        /// The prefix its `.prefix` names.
+        theirs: String,
+        /// The prefix of this config.
+        ours: String,
+    },
     /// A record could not be written as JSON (it cannot happen for a valid envelope).
     #[error("spool record: {0}")]
     Encode(String),
@@ -96,6 +113,8 @@ pub struct SpoolStatus {
 /// A spool directory, as one process sees it.
 pub struct Spool {
     dir: PathBuf,
+    /// The prefix whose jobs it holds.
+    prefix: String,
     max_bytes: u64,
     /// Size at which this process starts its next file (`FILE_BYTES`).
     file_bytes: u64,
@@ -120,6 +139,8 @@ pub struct Claimed {
 const FILE_BYTES: u64 = 8 << 20;
 
 const PREFIX: &str = "spool-";
+/// The file naming the prefix whose spool a directory is.
+const PREFIX_FILE: &str = ".prefix";
 const LOG: &str = ".log";
 
 /// FNV-1a, 64 bits: enough to tell a torn or damaged line from a whole one.
@@ -152,11 +173,59 @@ fn parse(line: &[u8]) -> Result<Spooled, String> {
 }
 
 impl Spool {
-    /// The spool in `dir` (created if missing), bounded by `max_bytes` in all.
-    pub fn open(dir: impl Into<PathBuf>, max_bytes: u64) -> Result<Self, SpoolError> {
-        let dir = dir.into();
-        fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-        Ok(Self { dir, max_bytes, file_bytes: FILE_BYTES, own: Mutex::new(None) })
+    /// The spool of `prefix` in `dir`, bounded by `max_bytes` in all. The directory is made at
+    /// the first append (a missing one holds nothing); one that holds another prefix's spool
+    /// is refused.
+    pub fn open(dir: impl Into<PathBuf>, max_bytes: u64, prefix: &str) -> Result<Self, SpoolError> {
+        let spool = Self {
+            dir: dir.into(),
+            prefix: prefix.to_string(),
+            max_bytes,
+            file_bytes: FILE_BYTES,
+            own: Mutex::new(None),
+        };
+        spool.check_prefix()?;
+        Ok(spool)
+    }
+
+    /// `Err` when the directory's `.prefix` names another prefix.
+    fn check_prefix(&self) -> Result<(), SpoolError> {
+        let path = self.dir.join(PREFIX_FILE);
+        match fs::read_to_string(&path) {
+            Ok(theirs) if theirs.trim_end() != self.prefix => Err(SpoolError::OtherPrefix {
+                dir: self.dir.clone(),
+                theirs: theirs.trim_end().to_string(),
+                ours: self.prefix.clone(),
+            }),
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(SpoolError::Io { path, source: e }),
+        }
+    }
+
+    /// Makes the directory and its `.prefix` (durably) unless they are there.
+    fn make_dir(&self) -> Result<(), SpoolError> {
+        fs::create_dir_all(&self.dir).map_err(io_err(&self.dir))?;
+        let path = self.dir.join(PREFIX_FILE);
+        match OpenOptions::new().write(true).create_new(true).open(&path) {
+            Ok(mut f) => {
+                f.write_all(format!("{}\n", self.prefix).as_bytes())
+                    .and_then(|()| f.sync_all())
+                    .map_err(io_err(&path))?;
+                File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io_err(&self.dir))
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => self.check_prefix(),
+            Err(e) => Err(SpoolError::Io { path, source: e }),
+        }
+    }
+
+    /// The directory's entries; none when it does not exist yet.
+    fn entries(&self) -> Result<Vec<fs::DirEntry>, SpoolError> {
+        match fs::read_dir(&self.dir) {
+            Ok(rd) => rd.collect::<Result<Vec<_>, _>>().map_err(io_err(&self.dir)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(SpoolError::Io { path: self.dir.clone(), source: e }),
+        }
     }
 
     /// The directory.
@@ -172,8 +241,7 @@ impl Spool {
     /// Bytes every file of the directory holds.
     fn used(&self) -> Result<u64, SpoolError> {
         let mut used = 0;
-        for entry in fs::read_dir(&self.dir).map_err(io_err(&self.dir))? {
-            let entry = entry.map_err(io_err(&self.dir))?;
+        for entry in self.entries()? {
             if entry.file_name().to_string_lossy().starts_with(PREFIX) {
                 match entry.metadata() {
                     Ok(meta) => used += meta.len(),
@@ -223,6 +291,7 @@ impl Spool {
 
     /// A new file of this process's, locked.
     fn create(&self) -> Result<(File, PathBuf), SpoolError> {
+        self.make_dir()?;
         // Named by creation time first, so that names sort in the order jobs were spooled.
         let nanos = Utc::now().timestamp_nanos_opt().unwrap_or(0);
         let name =
@@ -239,8 +308,7 @@ impl Spool {
     /// Spool files in the order they were created (their names begin with the time).
     fn files(&self) -> Result<Vec<PathBuf>, SpoolError> {
         let mut files = Vec::new();
-        for entry in fs::read_dir(&self.dir).map_err(io_err(&self.dir))? {
-            let entry = entry.map_err(io_err(&self.dir))?;
+        for entry in self.entries()? {
             let name = entry.file_name().to_string_lossy().into_owned();
             if name.starts_with(PREFIX) && name.ends_with(LOG) {
                 files.push(entry.path());
@@ -291,8 +359,8 @@ impl Spool {
     /// processes hold included; a torn tail there is not counted as a record).
     pub fn status(&self) -> Result<SpoolStatus, SpoolError> {
         let mut status = SpoolStatus { bytes: self.used()?, ..Default::default() };
-        for entry in fs::read_dir(&self.dir).map_err(io_err(&self.dir))? {
-            let path = entry.map_err(io_err(&self.dir))?.path();
+        for entry in self.entries()? {
+            let path = entry.path();
             if path.to_string_lossy().ends_with(TORN) {
                 status.torn.push(path);
             }

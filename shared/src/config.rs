@@ -41,7 +41,7 @@ pub use circuits::{Circuit, CircuitRef, NamedCircuit, OnOpen, ResolvedCircuit, T
 pub use jobs::{CatchUp, ExecConfig, HandlerConfig, JobConfig, Overlap, Shards};
 pub use limits::{LimitKey, NO_TENANT, NamedLimit, Rate, RateLimit, RateLimitRef, ResolvedLimit};
 pub use ops::{AlertsConfig, CheckpointsConfig, HistoryConfig, LogConfig, ResultsConfig};
-pub use producer::ProducerConfig;
+pub use producer::{ApiConfig, ApiToken, ProducerConfig};
 pub use store::RedisConfig;
 pub use workers::{Criticality, ShedConfig, TickerConfig, WorkerConfig};
 
@@ -118,6 +118,8 @@ pub struct Config {
     pub log: LogConfig,
     /// What producers do when the broker cannot confirm a job (the local spool).
     pub producer: ProducerConfig,
+    /// The HTTP enqueue API (`chime api`).
+    pub api: ApiConfig,
     /// The jobs.
     #[serde(deserialize_with = "jobs::de_jobs")]
     pub jobs: Vec<JobConfig>,
@@ -147,6 +149,7 @@ impl Default for Config {
             checkpoints: CheckpointsConfig::default(),
             log: LogConfig::default(),
             producer: ProducerConfig::default(),
+            api: ApiConfig::default(),
             jobs: Vec::new(),
             limits: Vec::new(),
             circuits: Vec::new(),
@@ -375,6 +378,7 @@ impl Config {
         self.checkpoints.validate()?;
         self.log.validate()?;
         self.producer.validate()?;
+        self.api.validate()?;
         self.amqp.validate()?;
         self.redis.validate()?;
         self.alerts.validate()?;

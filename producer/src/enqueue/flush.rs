@@ -48,7 +48,7 @@ pub(crate) struct Spooler {
 impl Spooler {
     pub(crate) fn open(config: &ValidConfig, dir: &Path) -> Result<Self, SpoolError> {
         Ok(Self {
-            spool: Arc::new(Spool::open(dir, config.producer.spool_max_bytes)?),
+            spool: Arc::new(Spool::open(dir, config.producer.spool_max_bytes, &config.prefix)?),
             config: config.clone(),
             gate: std::sync::Mutex::new(()),
             backlog: AtomicBool::new(false),
@@ -169,7 +169,7 @@ async fn flush_loop(spooler: Arc<Spooler>) {
 /// `Ok(None)` when no spool is configured.
 pub async fn flush_spool(config: &ValidConfig) -> Result<Option<FlushReport>, EnqueueError> {
     let Some(dir) = &config.producer.spool_dir else { return Ok(None) };
-    let spool = Spool::open(dir, config.producer.spool_max_bytes)
+    let spool = Spool::open(dir, config.producer.spool_max_bytes, &config.prefix)
         .map_err(|source| EnqueueError::Spool { context: "opening the spool".into(), source })?;
     let flushed = flush(&EnqueueClient::lazy(config.clone()), &spool).await;
     report(config, &spool).await;
@@ -192,6 +192,11 @@ pub async fn flush_at_start(config: ValidConfig) {
                 return;
             }
             Ok(None) => return,
+            Err(e @ EnqueueError::Spool { source: SpoolError::OtherPrefix { .. }, .. }) => {
+                // Trying again cannot help: the directory is another prefix's.
+                tracing::error!(error = %e, "spool not flushed at start");
+                return;
+            }
             Err(e) => {
                 tracing::warn!(error = %e, retry_in = ?wait, "spool flush at start failed; trying again");
                 tokio::time::sleep(wait).await;

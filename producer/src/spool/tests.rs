@@ -39,7 +39,7 @@ fn only_file(d: &Path) -> PathBuf {
 #[test]
 fn records_come_back_in_order_and_go_once_published() {
     let d = dir("order");
-    let spool = Spool::open(&d, 1 << 20).unwrap();
+    let spool = Spool::open(&d, 1 << 20, "t").unwrap();
     let jobs: Vec<Spooled> = (0..5).map(job).collect();
     spool.append(&jobs[..2]).unwrap();
     spool.append(&jobs[2..]).unwrap();
@@ -64,14 +64,15 @@ fn records_come_back_in_order_and_go_once_published() {
         c.finish().unwrap();
     }
     assert_eq!(spool.status().unwrap(), SpoolStatus::default());
-    assert_eq!(fs::read_dir(&d).unwrap().count(), 0, "nothing left behind");
+    let left: Vec<_> = fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left, [".prefix"], "nothing left behind but the owner's name");
     fs::remove_dir_all(&d).unwrap();
 }
 
 #[test]
 fn a_file_another_producer_holds_is_left_to_it() {
     let d = dir("shared");
-    let (a, b) = (Spool::open(&d, 1 << 20).unwrap(), Spool::open(&d, 1 << 20).unwrap());
+    let (a, b) = (Spool::open(&d, 1 << 20, "t").unwrap(), Spool::open(&d, 1 << 20, "t").unwrap());
     a.append(&[job(1)]).unwrap();
     b.append(&[job(2)]).unwrap();
     // Each takes its own file only: the other's is locked by its owner.
@@ -92,7 +93,7 @@ fn a_file_another_producer_holds_is_left_to_it() {
 #[test]
 fn a_torn_tail_is_set_aside_and_the_whole_records_before_it_flush() {
     let d = dir("torn");
-    let spool = Spool::open(&d, 1 << 20).unwrap();
+    let spool = Spool::open(&d, 1 << 20, "t").unwrap();
     spool.append(&[job(1), job(2)]).unwrap();
     let path = only_file(&d);
     drop(spool); // the producer dies...
@@ -102,7 +103,7 @@ fn a_torn_tail_is_set_aside_and_the_whole_records_before_it_flush() {
     f.write_all(&third[..third.len() / 2]).unwrap();
     drop(f);
 
-    let next = Spool::open(&d, 1 << 20).unwrap();
+    let next = Spool::open(&d, 1 << 20, "t").unwrap();
     assert_eq!(next.list().unwrap().len(), 2, "the torn line is not a record");
     let claimed = next.claim().unwrap();
     assert_eq!(claimed.len(), 1);
@@ -126,7 +127,7 @@ fn a_torn_tail_is_set_aside_and_the_whole_records_before_it_flush() {
 #[test]
 fn a_damaged_line_is_skipped_by_its_number_and_the_rest_flush() {
     let d = dir("damaged");
-    let spool = Spool::open(&d, 1 << 20).unwrap();
+    let spool = Spool::open(&d, 1 << 20, "t").unwrap();
     spool.append(&[job(1), job(2), job(3)]).unwrap();
     let path = only_file(&d);
     drop(spool);
@@ -135,7 +136,7 @@ fn a_damaged_line_is_skipped_by_its_number_and_the_rest_flush() {
     let second = bytes.iter().position(|b| *b == b'\n').unwrap() + 30;
     bytes[second] ^= 0x20;
     fs::write(&path, &bytes).unwrap();
-    let claimed = Spool::open(&d, 1 << 20).unwrap().claim().unwrap();
+    let claimed = Spool::open(&d, 1 << 20, "t").unwrap().claim().unwrap();
     let keys: Vec<_> = claimed[0].records.iter().map(|r| r.envelope.key).collect();
     assert_eq!(keys, vec![job(1).envelope.key, job(3).envelope.key]);
     let why = &claimed[0].torn.as_ref().unwrap().1;
@@ -146,7 +147,7 @@ fn a_damaged_line_is_skipped_by_its_number_and_the_rest_flush() {
 #[test]
 fn a_producer_starts_a_new_file_past_its_size_and_flushes_file_by_file() {
     let d = dir("rotate");
-    let mut spool = Spool::open(&d, 1 << 20).unwrap();
+    let mut spool = Spool::open(&d, 1 << 20, "t").unwrap();
     let one = line(&job(0)).unwrap().len() as u64;
     spool.file_bytes = one * 3 + 1; // three records a file
     let jobs: Vec<Spooled> = (0..8).map(job).collect();
@@ -170,7 +171,7 @@ fn a_producer_starts_a_new_file_past_its_size_and_flushes_file_by_file() {
 fn a_full_spool_refuses_the_whole_batch_by_name() {
     let d = dir("full");
     let one = line(&job(1)).unwrap().len() as u64;
-    let spool = Spool::open(&d, one * 2 + 10).unwrap();
+    let spool = Spool::open(&d, one * 2 + 10, "t").unwrap();
     spool.append(&[job(1)]).unwrap();
     let err = spool.append(&[job(2), job(3)]).unwrap_err();
     assert!(matches!(err, SpoolError::Full { .. }), "{err:?}");
@@ -216,7 +217,7 @@ proptest::proptest! {
                 whole += 1;
             }
         }
-        let claimed = Spool::open(&d, u64::MAX).unwrap().claim().unwrap();
+        let claimed = Spool::open(&d, u64::MAX, "t").unwrap().claim().unwrap();
         let got: Vec<_> = claimed.iter().flat_map(|c| c.records.iter().map(|r| r.envelope.key)).collect();
         let want: Vec<_> = jobs[..whole].iter().map(|j| j.envelope.key).collect();
         proptest::prop_assert_eq!(got, want);
@@ -224,4 +225,24 @@ proptest::proptest! {
         drop(claimed);
         fs::remove_dir_all(&d).unwrap();
     }
+}
+
+#[test]
+fn a_directory_is_made_at_the_first_append_and_belongs_to_one_prefix() {
+    let d = dir("prefix").join("spool");
+    let spool = Spool::open(&d, 1 << 20, "app-a").unwrap();
+    // Opening, reading and claiming an empty spool leave no directory behind.
+    assert_eq!(spool.status().unwrap().records, 0);
+    assert!(spool.claim().unwrap().is_empty());
+    assert!(!d.exists(), "the directory is made at the first append only");
+    spool.append(&[job(0)]).unwrap();
+    assert_eq!(fs::read_to_string(d.join(".prefix")).unwrap(), "app-a\n");
+    // Another prefix's process is refused, naming both: it would publish app-a's jobs into
+    // its own queues.
+    let err = Spool::open(&d, 1 << 20, "app-b").err().expect("another prefix is refused").to_string();
+    assert!(err.contains("\"app-a\"") && err.contains("\"app-b\"") && err.contains("spool_dir"), "{err}");
+    let keys: Vec<_> =
+        Spool::open(&d, 1 << 20, "app-a").unwrap().list().unwrap().iter().map(|r| r.envelope.key).collect();
+    assert_eq!(keys, [job(0).envelope.key]);
+    fs::remove_dir_all(d.parent().unwrap()).unwrap();
 }

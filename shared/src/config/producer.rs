@@ -51,3 +51,90 @@ impl ProducerConfig {
         Ok(())
     }
 }
+
+/// `[api]`: the HTTP enqueue API (`chime api`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApiConfig {
+    /// Largest request body accepted, in bytes (default 1 MiB); a larger one is answered
+    /// `413`. The job's envelope is bounded by `amqp.max_message_bytes` as well.
+    pub max_body_bytes: usize,
+    /// Requests each token may make, per process (default `"100/s"`): a count, `/`, a period.
+    /// Up to the count may come at once after a quiet spell; beyond, `429` with `Retry-After`.
+    pub rate_limit: String,
+    /// Tokens limited to some jobs, each read from an environment variable (the config holds
+    /// no secret). `CHIME_API_TOKEN`, when set, is a token for every job.
+    pub tokens: Vec<ApiToken>,
+}
+
+/// `[[api.tokens]]`: a bearer token and the jobs it may enqueue and inspect.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiToken {
+    /// A name for logs and errors (`billing`).
+    pub name: String,
+    /// The environment variable holding the token (`CHIME_API_TOKEN_BILLING`).
+    pub env: String,
+    /// The jobs it may enqueue and whose keys it may read; `["*"]` for every job.
+    pub jobs: Vec<String>,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        Self { max_body_bytes: 1 << 20, rate_limit: "100/s".into(), tokens: Vec::new() }
+    }
+}
+
+impl ApiConfig {
+    /// The per-token request rate (validated: `rate_limit` parses).
+    pub fn rate(&self) -> super::Rate {
+        let mut rate = super::Rate::parse(&self.rate_limit).unwrap_or(super::Rate {
+            limit: 100,
+            per: Duration::from_secs(1),
+            burst: 1,
+        });
+        rate.burst = rate.limit;
+        rate
+    }
+
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if !(1024..=64 << 20).contains(&self.max_body_bytes) {
+            return Err(ConfigError::invalid(
+                "api.max_body_bytes",
+                format!("{}: must be 1024 to 67108864 (64 MiB)", self.max_body_bytes),
+            ));
+        }
+        super::Rate::parse(&self.rate_limit).map_err(|e| ConfigError::invalid("api.rate_limit", e))?;
+        let mut names = BTreeSet::new();
+        for (i, t) in self.tokens.iter().enumerate() {
+            let at = |field: &str| format!("api.tokens[{i}] ({}).{field}", t.name);
+            if !valid_name(&t.name) {
+                return Err(ConfigError::invalid(
+                    format!("api.tokens[{i}].name"),
+                    format!("{:?} must be letters, digits, '-' or '_'", t.name),
+                ));
+            }
+            if !names.insert(t.name.as_str()) {
+                return Err(ConfigError::invalid(at("name"), "duplicate token name"));
+            }
+            if t.env.is_empty()
+                || !t.env.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+            {
+                return Err(ConfigError::invalid(
+                    at("env"),
+                    format!("{:?}: the name of an environment variable (A-Z, 0-9, '_')", t.env),
+                ));
+            }
+            if t.jobs.is_empty() {
+                return Err(ConfigError::invalid(
+                    at("jobs"),
+                    "is empty: list the jobs, or [\"*\"] for every job",
+                ));
+            }
+            if let Some(j) = t.jobs.iter().find(|j| j.as_str() != "*" && !valid_name(j)) {
+                return Err(ConfigError::invalid(at("jobs"), format!("{j:?} is not a job name")));
+            }
+        }
+        Ok(())
+    }
+}

@@ -11,6 +11,11 @@ use tokio_util::sync::CancellationToken;
 
 pub use chime_tests::*;
 
+/// The repository's root (the workspace), for tests that read its files.
+pub fn root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(|p| p.to_path_buf()).unwrap_or_default()
+}
+
 /// Executions per payload `n`.
 #[derive(Clone, Default)]
 pub struct Ledger(pub Arc<Mutex<HashMap<u64, u32>>>);

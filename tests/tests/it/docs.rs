@@ -2,12 +2,9 @@
 //! included), the configuration and metrics references name exactly what the code has, and
 //! the README stays an entry page.
 
+use crate::common::root;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
 
 /// Every Markdown file of the repository (not under `target/` or hidden directories).
 fn markdown_files() -> Vec<PathBuf> {

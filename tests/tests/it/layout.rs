@@ -1,12 +1,9 @@
 //! The code's shape, checked: no import circle between the modules of any crate, and the
 //! invariants of ARCHITECTURE.md that a reading of the sources can check.
 
+use crate::common::root;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
 
 /// The `src/` directories of the workspace's crates.
 const CRATES: [&str; 9] = [

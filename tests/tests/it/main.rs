@@ -1,12 +1,14 @@
 //! chime's integration tests: one binary, real RabbitMQ and Redis, a prefix per test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod api;
 mod backfill;
 mod broker_restart;
 mod catalog;
 mod circuits;
 mod cli;
 mod common;
+mod contract;
 mod dead_letters;
 mod deployments;
 mod dlq_ops;

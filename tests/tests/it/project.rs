@@ -1,11 +1,7 @@
 //! The project's face stays true: the demo config is valid, compose is valid YAML naming
 //! the services the README promises, and the README carries both commands.
 
-use std::path::PathBuf;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
+use crate::common::root;
 
 #[test]
 fn example_config_is_valid() {

@@ -3,14 +3,9 @@
 //! command of the README's "with the demo running" block, verbatim but for where the binary
 //! was built (`target/debug` here), from the checkout's root as the README assumes.
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::common::*;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
 
 /// The lines of the README's shell block that follows `marker`.
 fn block_after(readme: &str, marker: &str) -> Vec<String> {

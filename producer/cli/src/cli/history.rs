@@ -251,45 +251,26 @@ pub async fn inspect(config: ValidConfig, args: InspectArgs) -> Result<(), Failu
         _ => return Err(usage(anyhow::anyhow!("give a KEY, or --job JOB with --key K or --slot RFC3339"))),
     };
     let reader = reader(&config).await?;
-    let record = reader.record(&key.to_string()).await.map_err(runtime)?;
-    // A fanned-out run: the key names its group; each member has a record of its own.
-    let group = chime_shared::group::read(&mut reader.connection(), &Names::new(&config.prefix), key)
-        .await
-        .map_err(runtime)?;
-    if let Some(group) = group {
-        return print_group(&reader, &group, args.json).await;
-    }
-    // The DLQs the key's runs name (every queue when none ran here).
-    let mut queues: Vec<String> = record.runs.iter().map(|r| r.queue.clone()).collect();
-    queues.sort();
-    queues.dedup();
-    if queues.is_empty() {
-        queues = config.all_queues();
-    }
-    let dlq = DlqClient::connect(config.clone()).await.map_err(runtime)?.named("chime inspect");
-    let filter = Filter { keys: vec![key], ..Filter::default() };
-    let mut dead = Vec::new();
-    for q in &queues {
-        dead.extend(dlq.list(q, &filter).await.map_err(runtime)?);
-    }
-    dlq.close().await;
+    let view = KeyView::load(&config, &reader, key, true).await.map_err(runtime)?;
     if args.json {
-        let dead: Vec<_> = dead
-            .iter()
-            .map(|d| serde_json::json!({"id": d.id, "queue": d.queue, "reason": d.reason, "error": d.error}))
-            .collect();
-        let out = serde_json::json!({"key": key, "record": record, "dead_letters": dead});
-        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&view.json(&reader).await.map_err(runtime)?).unwrap_or_default()
+        );
         return Ok(());
     }
-    print_record(&key, &record);
+    if let Some(group) = &view.group {
+        return print_group(&reader, group).await;
+    }
+    let (record, dead, queues) = (&view.record, &view.dead, &view.queues);
+    print_record(&key, record);
     if dead.is_empty() {
         println!(
             "dead letters: none in {}",
             queues.iter().map(|q| format!("{q}'s DLQ")).collect::<Vec<_>>().join(", ")
         );
     } else {
-        for d in &dead {
+        for d in dead {
             println!(
                 "dead letter: {} in {}'s DLQ ({}{}) — `chime dlq replay {}` runs it again",
                 d.id,
@@ -301,6 +282,70 @@ pub async fn inspect(config: ValidConfig, args: InspectArgs) -> Result<(), Failu
         }
     }
     Ok(())
+}
+
+/// One key as `chime inspect` and the HTTP API show it: its record, or the group it names, and
+/// its dead letters.
+pub struct KeyView {
+    pub key: Uuid,
+    pub record: KeyRecord,
+    /// A fanned-out run: the key names its group; each member has a record of its own.
+    pub group: Option<chime_shared::group::GroupRecord>,
+    /// The DLQs searched (those the key's runs name, or every queue when none ran here).
+    pub queues: Vec<String>,
+    pub dead: Vec<crate::dlq::DeadLetter>,
+}
+
+impl KeyView {
+    /// Reads `key`; its DLQs are searched when `search_dlq` is set, or else only when the
+    /// record says the key is dead (a pass over a DLQ may take seconds).
+    pub async fn load(
+        config: &ValidConfig,
+        reader: &HistoryReader,
+        key: Uuid,
+        search_dlq: bool,
+    ) -> anyhow::Result<Self> {
+        let record = reader.record(&key.to_string()).await?;
+        let group =
+            chime_shared::group::read(&mut reader.connection(), &Names::new(&config.prefix), key).await?;
+        let mut queues: Vec<String> = record.runs.iter().map(|r| r.queue.clone()).collect();
+        queues.sort();
+        queues.dedup();
+        if queues.is_empty() {
+            queues = config.all_queues();
+        }
+        let mut dead = Vec::new();
+        if group.is_none() && (search_dlq || record.state == Some(KeyState::Dead)) {
+            let dlq = DlqClient::connect(config.clone()).await?.named("chime inspect");
+            let filter = Filter { keys: vec![key], ..Filter::default() };
+            for q in &queues {
+                dead.extend(dlq.list(q, &filter).await?);
+            }
+            dlq.close().await;
+        }
+        Ok(Self { key, record, group, queues, dead })
+    }
+
+    /// What `chime inspect --json` prints.
+    pub async fn json(&self, reader: &HistoryReader) -> anyhow::Result<serde_json::Value> {
+        if let Some(group) = &self.group {
+            let view = GroupView::read(reader, group).await?;
+            let rows: Vec<serde_json::Value> = view
+                .members
+                .iter()
+                .zip(&view.records)
+                .map(|(m, r)| serde_json::json!({"member": m, "record": r}))
+                .collect();
+            return Ok(serde_json::json!({"key": group.base, "group": group, "members": rows,
+                "complete": view.done == view.members.len()}));
+        }
+        let dead: Vec<_> = self
+            .dead
+            .iter()
+            .map(|d| serde_json::json!({"id": d.id, "queue": d.queue, "reason": d.reason, "error": d.error}))
+            .collect();
+        Ok(serde_json::json!({"key": self.key, "record": self.record, "dead_letters": dead}))
+    }
 }
 
 /// A fanned-out run's members, each with its state and record, and what the run adds up to
@@ -368,21 +413,8 @@ impl GroupView {
 async fn print_group(
     reader: &HistoryReader,
     group: &chime_shared::group::GroupRecord,
-    json: bool,
 ) -> Result<(), Failure> {
     let view = GroupView::read(reader, group).await.map_err(runtime)?;
-    if json {
-        let rows: Vec<serde_json::Value> = view
-            .members
-            .iter()
-            .zip(&view.records)
-            .map(|(m, r)| serde_json::json!({"member": m, "record": r}))
-            .collect();
-        let out = serde_json::json!({"key": group.base, "group": group, "members": rows,
-            "complete": view.done == view.members.len()});
-        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
-        return Ok(());
-    }
     println!("key       {} (a fanned-out run: each member has a key of its own)", group.base);
     println!("job       {} on queue {}", group.job, group.queue);
     if let Some(slot) = group.slot {

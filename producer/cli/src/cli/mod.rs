@@ -1,11 +1,13 @@
 //! The `chime` command line, one module per command group; `main` only calls
 //! [`main_exit_code`].
 
+mod api;
 mod backfill;
 mod dlq;
 mod enqueue;
 mod failure;
 pub(crate) mod history;
+mod logins;
 mod ops;
 mod spool;
 mod steer;
@@ -33,7 +35,7 @@ pub struct Cli {
 impl Command {
     /// The daemons (`tick`, `web`, `watch`); every other command runs and exits.
     pub fn is_daemon(&self) -> bool {
-        matches!(self, Command::Tick { .. } | Command::Web(_) | Command::Watch { .. })
+        matches!(self, Command::Tick { .. } | Command::Web(_) | Command::Api(_) | Command::Watch { .. })
     }
 }
 
@@ -106,6 +108,9 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The HTTP enqueue API: POST /api/v1/jobs/{job}, GET /api/v1/keys/{key} (a bearer token on
+    /// every request)
+    Api(api::ApiArgs),
     /// The dashboard: overview, schedules, running jobs, history, keys and dead letters
     Web(web::WebArgs),
     /// RabbitMQ permissions for this prefix's user, as definitions to load with `rabbitmqctl
@@ -200,7 +205,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         | Command::Pause(_)
         | Command::Resume(_)
         | Command::Run { .. }
-        | Command::Web(_) => with_catalog(config).await,
+        | Command::Web(_)
+        | Command::Api(_) => with_catalog(config).await,
         _ => config,
     };
     let redis_url = config.redis.endpoint();
@@ -242,6 +248,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Backfill(args) => backfill::run(config, args).await,
         Command::Run { job, json } => steer::run_now(config, job, json).await,
         Command::Web(args) => web::run(config, args).await,
+        Command::Api(args) => api::run(config, args).await,
         Command::Permissions { user, vhost } => {
             println!("{}", permissions_json(&config.prefix, &user, &vhost));
             Ok(())

@@ -36,7 +36,7 @@ fn open(config: &ValidConfig) -> Result<Spool, Failure> {
         .spool_dir
         .as_ref()
         .ok_or_else(|| usage(anyhow!("no spool: [producer] spool_dir is not set in the config")))?;
-    Spool::open(dir, config.producer.spool_max_bytes).map_err(runtime)
+    Spool::open(dir, config.producer.spool_max_bytes, &config.prefix).map_err(runtime)
 }
 
 pub async fn run(config: ValidConfig, cmd: SpoolCommand) -> Result<(), Failure> {

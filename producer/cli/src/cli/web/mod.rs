@@ -14,7 +14,6 @@ mod charts;
 mod dlq_cache;
 mod hosts;
 mod html;
-mod logins;
 mod notices;
 mod pages;
 
@@ -37,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 use super::failure::{Failure, runtime, usage};
+use super::logins::{self, ct_eq};
 use chime_scheduler::lease::TickerStore;
 
 /// Where `chime web` listens unless `--listen` says otherwise.
@@ -112,15 +112,6 @@ impl Auth {
         }
         false
     }
-}
-
-/// Compares without stopping at the first difference (the time says nothing about where).
-fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = a.len() ^ b.len();
-    for (i, x) in a.iter().enumerate() {
-        diff |= usize::from(x ^ b.get(i).copied().unwrap_or(!x));
-    }
-    diff == 0
 }
 
 /// Everything the handlers share.
@@ -274,7 +265,7 @@ fn usage_text(message: String) -> Failure {
 }
 
 /// Every address `listen` resolves to, and whether all are loopback.
-async fn resolve(listen: &str) -> Result<Vec<SocketAddr>, Failure> {
+pub(super) async fn resolve(listen: &str) -> Result<Vec<SocketAddr>, Failure> {
     let addrs: Vec<SocketAddr> = tokio::net::lookup_host(listen)
         .await
         .map_err(|e| usage(anyhow::anyhow!(format!("--listen {listen:?}: {e} (expected HOST:PORT)"))))?

@@ -1,4 +1,7 @@
-//! Failed logins, counted per client address: after [`ALLOWED`] failures within [`WINDOW`],
+//! Credentials checks shared by `chime web` and `chime api`: failed logins, counted per client
+//! address, and a comparison that takes the same time wherever two secrets differ.
+//!
+//! Failed logins: after [`ALLOWED`] failures within [`WINDOW`],
 //! that address gets `429 Too Many Requests` until the window has passed, so credentials
 //! cannot be guessed at the speed of the network. Other addresses are not affected (one
 //! client cannot lock the operator out from elsewhere).
@@ -42,6 +45,15 @@ impl Logins {
         }
         entry.1 += 1;
     }
+}
+
+/// Compares without stopping at the first difference (the time says nothing about where).
+pub fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for (i, x) in a.iter().enumerate() {
+        diff |= usize::from(x ^ b.get(i).copied().unwrap_or(!x));
+    }
+    diff == 0
 }
 
 #[cfg(test)]

@@ -1,0 +1,96 @@
+//! The body of `POST /api/v1/jobs/{job}`, read into an `EnqueueRequest`; every error names
+//! its field.
+
+use chime_producer::EnqueueRequest;
+use chime_shared::config::Priority;
+
+/// The fields of the body, as the OpenAPI document lists them (checked by a unit test).
+#[cfg(test)]
+pub const FIELDS: [&str; 6] = ["payload", "key", "delay", "at", "priority", "max_attempts"];
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JobBody {
+    #[serde(default)]
+    payload: Option<serde_json::Value>,
+    #[serde(default)]
+    key: Option<String>,
+    #[serde(default)]
+    delay: Option<Delay>,
+    #[serde(default)]
+    at: Option<String>,
+    #[serde(default)]
+    priority: Option<String>,
+    #[serde(default)]
+    max_attempts: Option<u32>,
+}
+
+/// Seconds, or a duration as the config spells them (`"90s"`, `"5m"`).
+#[derive(Debug, serde::Deserialize)]
+#[serde(untagged)]
+enum Delay {
+    Seconds(u64),
+    Text(String),
+}
+
+/// A bad body: the field at fault (`None`: the body as a whole), and what is wrong.
+pub type BodyError = (Option<String>, String);
+
+/// Reads `bytes` (empty: `{}`) as the body of an enqueue of `job`.
+pub fn request(job: &str, bytes: &[u8]) -> Result<EnqueueRequest, BodyError> {
+    let text = if bytes.iter().all(u8::is_ascii_whitespace) { &b"{}"[..] } else { bytes };
+    if text.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err((None, "bad body: a JSON object is expected ({\"payload\": ..., \"key\": ...})".into()));
+    }
+    let mut de = serde_json::Deserializer::from_slice(text);
+    let body: JobBody = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let message = inner.to_string();
+        // An unknown field is reported at the level above it: take its name from the message.
+        if inner.is_syntax() || inner.is_eof() {
+            return (None, format!("the body is not valid JSON: {message}"));
+        }
+        let field = if message.starts_with("unknown field `") {
+            message.split('`').nth(1).map(str::to_string)
+        } else {
+            (path != ".").then_some(path)
+        };
+        (field, format!("bad body: {message}"))
+    })?;
+    de.end().map_err(|e| (None, format!("the body is not valid JSON: {e}")))?;
+    let mut req = EnqueueRequest::new(job);
+    if let Some(p) = body.payload {
+        req = req.payload(p);
+    }
+    if let Some(k) = body.key {
+        req = req.key(k);
+    }
+    if let Some(n) = body.max_attempts {
+        req = req.max_attempts(n);
+    }
+    if let Some(p) = body.priority {
+        let level: Priority =
+            p.parse().map_err(|e: String| (Some("priority".to_string()), format!("priority {p:?}: {e}")))?;
+        req = req.priority(level);
+    }
+    if body.delay.is_some() && body.at.is_some() {
+        return Err((Some("at".into()), "give delay or at, not both".into()));
+    }
+    match body.delay {
+        Some(Delay::Seconds(s)) => req = req.delay(std::time::Duration::from_secs(s)),
+        Some(Delay::Text(t)) => {
+            let d = chime_shared::duration::parse(&t).map_err(|e| {
+                (Some("delay".to_string()), format!("delay: {e}; or a whole number of seconds"))
+            })?;
+            req = req.delay(d);
+        }
+        None => {}
+    }
+    if let Some(at) = body.at {
+        let t = chrono::DateTime::parse_from_rfc3339(&at)
+            .map_err(|e| (Some("at".to_string()), format!("at {at:?}: not an RFC 3339 time: {e}")))?;
+        req = req.at(t.with_timezone(&chrono::Utc));
+    }
+    Ok(req)
+}

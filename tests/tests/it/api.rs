@@ -1,0 +1,167 @@
+//! `chime api`, the HTTP enqueue API, driven with `curl` as a service in another language
+//! would: jobs enqueued over HTTP run on a worker, their keys read back, every bad request
+//! answered with a JSON error naming its field.
+
+use crate::common::*;
+use chime_worker::{JobContext, Registry, raw_handler_fn};
+use std::time::Duration;
+
+const TOKEN: &str = "every-job-token-0123456789";
+const LIMITED: &str = "only-echo-token-0123456789";
+const BURST: &str = "burst-token-0123456789abcd";
+
+/// A `curl` call: (status, body as JSON (`null` if not JSON), the `Retry-After` header).
+fn curl(args: &[&str]) -> (u16, serde_json::Value, String) {
+    let out = std::process::Command::new("curl")
+        .args(["-sS", "-w", "\n%{http_code} %header{retry-after}"])
+        .args(args)
+        .output()
+        .expect("curl is needed for the HTTP API tests (scripts/services installs it)");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, tail) = text.rsplit_once('\n').unwrap_or(("", &text));
+    let (code, retry) = tail.split_once(' ').unwrap_or((tail, ""));
+    let status = code.trim().parse().unwrap_or_else(|_| panic!("curl {args:?}: {text} {:?}", out.stderr));
+    (status, serde_json::from_str(body).unwrap_or(serde_json::Value::Null), retry.trim().to_string())
+}
+
+fn post(port: u16, job: &str, token: Option<&str>, body: &str) -> (u16, serde_json::Value, String) {
+    let url = format!("http://127.0.0.1:{port}/api/v1/jobs/{job}");
+    let auth = token.map(|t| format!("Authorization: Bearer {t}"));
+    let mut args = vec!["-X", "POST", "-H", "Content-Type: application/json", "--data-binary", body];
+    if let Some(a) = &auth {
+        args.extend(["-H", a.as_str()]);
+    }
+    args.push(&url);
+    curl(&args)
+}
+
+fn get(port: u16, path: &str, token: &str) -> (u16, serde_json::Value, String) {
+    let url = format!("http://127.0.0.1:{port}{path}");
+    let auth = format!("Authorization: Bearer {token}");
+    curl(&["-H", &auth, &url])
+}
+
+fn start_api(env: &TestEnv, config: &std::path::Path, port: u16) -> Child {
+    let mut cmd = tokio::process::Command::new(bin("chime"));
+    cmd.env("CHIME_API_TOKEN", TOKEN).env("T_LIMITED", LIMITED).env("T_BURST", BURST);
+    Child::run(cmd, &env.dir, config, &["api", "--listen", &format!("127.0.0.1:{port}")], "api")
+}
+
+/// Jobs enqueued with `curl` run once on a worker and read back by key with their result;
+/// tokens limited to some jobs, bodies that are too large, not JSON, or name an unknown field,
+/// and a token over its rate are each answered with the status the OpenAPI document gives and
+/// a JSON error naming what is wrong; the document served is the one in the repository.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_enqueued_with_curl_run_and_every_bad_request_is_named() {
+    let env = TestEnv::new("api");
+    let jobs = "[api]\nmax_body_bytes = 2048\nrate_limit = \"40/m\"\n\
+                [[api.tokens]]\nname = \"limited\"\nenv = \"T_LIMITED\"\njobs = [\"echo\"]\n\
+                [[api.tokens]]\nname = \"burst\"\nenv = \"T_BURST\"\njobs = [\"*\"]\n\
+                [[jobs]]\nname = \"echo\"\nhandler = \"echo\"\n\
+                [[jobs]]\nname = \"other\"\nhandler = \"echo\"\n";
+    let text = env.config_text("quorum", "", "", jobs);
+    let path = env.write_config(&text);
+    let config = env.config("quorum", "", "", jobs);
+    let mut registry = Registry::new();
+    for name in ["echo", "other"] {
+        registry.register(
+            name,
+            raw_handler_fn(|ctx: JobContext, p: serde_json::Value| async move {
+                ctx.set_result(&p);
+                Ok(())
+            }),
+        );
+    }
+    let worker = Running::start(config.clone(), registry, 4).await;
+    let port = free_port();
+    let _api = start_api(&env, &path, port);
+    wait_until("chime api answers /livez", Duration::from_secs(30), || async move {
+        chime_tests::probes::get_once(port, "/livez").await.is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+    })
+    .await;
+
+    // Enqueued, confirmed, run, read back with its result.
+    let (status, done, _) = post(port, "echo", Some(TOKEN), r#"{"payload": {"n": 7}, "key": "order-7"}"#);
+    assert_eq!(status, 202, "{done}");
+    let key = chime_shared::envelope::adhoc_key("echo", "order-7");
+    assert_eq!(done["key"], key.to_string());
+    assert_eq!(done["delivery"], "confirmed");
+    assert_eq!(done["job"], "echo");
+    // The same key again: accepted, and absorbed by the worker (one run).
+    let (status, again, _) = post(port, "echo", Some(LIMITED), r#"{"payload": {"n": 7}, "key": "order-7"}"#);
+    assert_eq!((status, &again["key"]), (202, &done["key"]), "{again}");
+    wait_until("the job ran", Duration::from_secs(30), || async {
+        idem_state(&env, &key.to_string()).await.as_deref() == Some("done")
+    })
+    .await;
+    let (status, view, _) = get(port, &format!("/api/v1/keys/{key}"), LIMITED);
+    assert_eq!(status, 200, "{view}");
+    assert_eq!(view["record"]["state"], "done", "{view}");
+    assert_eq!(view["record"]["result"], serde_json::json!({"n": 7}), "{view}");
+    wait_until("the copy was absorbed", Duration::from_secs(30), || async { worker.duplicates() >= 1 }).await;
+    assert_eq!(worker.succeeded(), 1);
+
+    // A key nobody enqueued: no record yet (it may still be queued).
+    let unknown = uuid::Uuid::new_v4();
+    let (status, view, _) = get(port, &format!("/api/v1/keys/{unknown}"), TOKEN);
+    assert_eq!((status, &view["record"]["state"]), (200, &serde_json::Value::Null), "{view}");
+
+    // Each bad request, its status and the field it names.
+    let field = |r: &(u16, serde_json::Value, String)| (r.0, r.1["field"].as_str().unwrap_or("").to_string());
+    let named = |status: u16, f: &str| (status, f.to_string());
+    assert_eq!(post(port, "echo", None, "{}").0, 401);
+    assert_eq!(post(port, "echo", Some("wrong-token-0123456789abcdef"), "{}").0, 401);
+    assert_eq!(field(&post(port, "other", Some(LIMITED), "{}")), named(403, "job"));
+    assert_eq!(field(&post(port, "nope", Some(TOKEN), "{}")), named(404, "job"));
+    assert_eq!(field(&post(port, "echo", Some(TOKEN), r#"{"paylod": 1}"#)), named(400, "paylod"));
+    assert_eq!(field(&post(port, "echo", Some(TOKEN), r#"{"delay": "soon"}"#)), named(400, "delay"));
+    assert_eq!(field(&post(port, "echo", Some(TOKEN), r#"{"max_attempts": 0}"#)), named(400, "max_attempts"));
+    assert_eq!(field(&post(port, "echo", Some(TOKEN), r#"{"priority": "urgent"}"#)), named(400, "priority"));
+    let (status, e, _) = post(port, "echo", Some(TOKEN), r#"{"key": "#);
+    assert!(status == 400 && e["error"].as_str().unwrap().contains("not valid JSON"), "{status} {e}");
+    let big = format!(r#"{{"payload": "{}"}}"#, "x".repeat(4000));
+    let (status, e, _) = post(port, "echo", Some(TOKEN), &big);
+    assert!(status == 413 && e["error"].as_str().unwrap().contains("api.max_body_bytes"), "{status} {e}");
+    let url = format!("http://127.0.0.1:{port}/api/v1/jobs/echo");
+    let auth = format!("Authorization: Bearer {TOKEN}");
+    assert_eq!(curl(&["-H", &auth, "-H", "Content-Type: text/plain", "--data-binary", "{}", &url]).0, 415);
+    assert_eq!(field(&get(port, "/api/v1/keys/not-a-uuid", TOKEN)), named(400, "key"));
+    // A key of a job the limited token may not read is not shown to it.
+    let (status, other, _) = post(port, "other", Some(TOKEN), r#"{"key": "o-1"}"#);
+    assert_eq!(status, 202, "{other}");
+    let other_key = other["key"].as_str().unwrap().to_string();
+    wait_until("`other` ran", Duration::from_secs(30), || async {
+        idem_state(&env, &other_key).await.as_deref() == Some("done")
+    })
+    .await;
+    wait_until("`other`'s run is in the history", Duration::from_secs(30), || async {
+        history_runs(&env).await.1.iter().any(|r| r.key == other_key)
+    })
+    .await;
+    assert_eq!(field(&get(port, &format!("/api/v1/keys/{other_key}"), LIMITED)), named(404, "key"));
+
+    // The document served is the one in the repository.
+    let (status, doc, _) = get(port, "/api/v1/openapi.json", TOKEN);
+    let in_repo: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("producer/cli/src/cli/api/openapi.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!((status, &doc), (200, &in_repo));
+
+    // Over the rate: 40 a minute in a burst, then 429 with Retry-After.
+    let mut statuses = Vec::new();
+    for _ in 0..41 {
+        statuses.push(get(port, &format!("/api/v1/keys/{unknown}"), BURST));
+    }
+    assert!(
+        statuses[..40].iter().all(|s| s.0 == 200),
+        "{:?}",
+        statuses.iter().map(|s| s.0).collect::<Vec<_>>()
+    );
+    let (status, e, retry) = &statuses[40];
+    assert_eq!(*status, 429, "{e}");
+    assert!(retry.parse::<u64>().is_ok_and(|s| (1..=2).contains(&s)), "Retry-After {retry:?}");
+    // Another token is not slowed down.
+    assert_eq!(get(port, &format!("/api/v1/keys/{unknown}"), LIMITED).0, 200);
+    worker.stop().await;
+}
