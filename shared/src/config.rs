@@ -40,7 +40,7 @@ pub use amqp::{AmqpConfig, Urls};
 pub use circuits::{Circuit, CircuitRef, NamedCircuit, OnOpen, ResolvedCircuit, Trip};
 pub use jobs::{CatchUp, ExecConfig, HandlerConfig, JobConfig, Overlap, Shards};
 pub use limits::{LimitKey, NO_TENANT, NamedLimit, Rate, RateLimit, RateLimitRef, ResolvedLimit};
-pub use ops::{AlertsConfig, CheckpointsConfig, HistoryConfig, LogConfig, ResultsConfig};
+pub use ops::{AlertsConfig, CheckpointsConfig, HistoryConfig, LogConfig, ResultsConfig, TelemetryConfig};
 pub use producer::{ApiConfig, ApiToken, ProducerConfig};
 pub use store::RedisConfig;
 pub use workers::{Criticality, ShedConfig, TickerConfig, WorkerConfig};
@@ -116,6 +116,8 @@ pub struct Config {
     pub checkpoints: CheckpointsConfig,
     /// What workers log.
     pub log: LogConfig,
+    /// Traces exported over OTLP (off unless `otlp_endpoint` is set).
+    pub telemetry: TelemetryConfig,
     /// What producers do when the broker cannot confirm a job (the local spool).
     pub producer: ProducerConfig,
     /// The HTTP enqueue API (`chime api`).
@@ -148,6 +150,7 @@ impl Default for Config {
             results: ResultsConfig::default(),
             checkpoints: CheckpointsConfig::default(),
             log: LogConfig::default(),
+            telemetry: TelemetryConfig::default(),
             producer: ProducerConfig::default(),
             api: ApiConfig::default(),
             jobs: Vec::new(),
@@ -379,6 +382,7 @@ impl Config {
         self.log.validate()?;
         self.producer.validate()?;
         self.api.validate()?;
+        self.telemetry.validate()?;
         self.amqp.validate()?;
         self.redis.validate()?;
         self.alerts.validate()?;

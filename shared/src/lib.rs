@@ -50,6 +50,7 @@ pub mod spools;
 pub mod telemetry;
 pub mod tls;
 pub mod topology;
+pub mod trace;
 
 pub use config::{Config, ConfigError, ValidConfig};
 pub use envelope::{Envelope, Source};

@@ -15,6 +15,7 @@ use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, Recorded, Ren
 use chime_shared::limit::SlotTake;
 use chime_shared::record::StoredResult;
 use chime_shared::telemetry::{self, outcome};
+use chime_shared::trace::{self, TraceContext};
 use chrono::{DateTime, Utc};
 use futures_util::FutureExt;
 use lapin::BasicProperties;
@@ -41,6 +42,8 @@ pub(crate) const RATE_AT: &str = "x-chime-rate-at";
 pub(crate) const SLOT_PARKS: &str = "x-chime-slot-parks";
 /// Header counting the times a run was parked by its circuit breaker.
 pub(crate) const CIRCUIT_PARKS: &str = "x-chime-circuit-parks";
+/// Header carrying the `traceparent` of the attempt a retry follows (its span is linked).
+pub(crate) const PREVIOUS_SPAN: &str = "x-chime-previous-span";
 
 /// A delivery, as far as deciding its fate goes.
 pub(crate) struct Incoming {
@@ -502,8 +505,16 @@ pub(crate) async fn handle<S: KeyStore, O: Outbox, A: AckSink>(
                     Span::none(),
                 )
             }
-            Ok(env) => {
-                let span = info_span!("job", job = %env.job, key = %env.key, attempt = env.attempt);
+            Ok(mut env) => {
+                // With traces off, the span the logs have always had, and nothing more.
+                let span = if trace::enabled() {
+                    let span = info_span!("job", otel.kind = "consumer", job = %env.job, key = %env.key,
+                        attempt = env.attempt, outcome = tracing::field::Empty);
+                    follow(&span, &mut env, &incoming.properties);
+                    span
+                } else {
+                    info_span!("job", job = %env.job, key = %env.key, attempt = env.attempt)
+                };
                 let label = if core.knows(&env.job) { env.job.clone() } else { unknown() };
                 let verdict = judge(core, store, &incoming, env).instrument(span.clone()).await;
                 (label, verdict, span)
@@ -512,6 +523,28 @@ pub(crate) async fn handle<S: KeyStore, O: Outbox, A: AckSink>(
     };
     carry_out(core, store, outbox, &incoming, &label, verdict, ticket).instrument(span).await;
     debug!(elapsed_us = started.elapsed().as_micros() as u64, "delivery settled");
+}
+
+/// Continues the producer's trace in `span`: the envelope's `trace_id`, else the AMQP
+/// `traceparent` header of a publisher in another language (copied into the envelope, so that
+/// a retry carries it on); links the span of the attempt a retry follows.
+fn follow(span: &Span, env: &mut Envelope, props: &BasicProperties) {
+    let carried = env.trace_id.as_deref().and_then(|t| TraceContext::parse(t, env.trace_state.as_deref()));
+    let parent = carried.or_else(|| {
+        let c = TraceContext::parse(
+            &header_str(props, "traceparent")?,
+            header_str(props, "tracestate").as_deref(),
+        )?;
+        env.trace_id = Some(c.traceparent.clone());
+        env.trace_state.clone_from(&c.tracestate);
+        Some(c)
+    });
+    if let Some(p) = &parent {
+        trace::adopt(span, p);
+    }
+    if let Some(previous) = header_str(props, PREVIOUS_SPAN).and_then(|p| TraceContext::parse(&p, None)) {
+        trace::link(span, &previous);
+    }
 }
 
 /// Handler lookup, deadline, claim and run: the plan for a decoded envelope.
@@ -967,6 +1000,9 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
         }
         metrics::counter!(telemetry::RUNS_PARKED, "job" => self.label.to_string(), "reason" => park.as_str())
             .increment(1);
+        if trace::enabled() {
+            Span::current().record("outcome", "parked");
+        }
     }
 
     fn run_error(&self) -> Option<&str> {
@@ -974,6 +1010,9 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
     }
 
     fn completed(&self, o: &'static str) {
+        if trace::enabled() {
+            Span::current().record("outcome", o);
+        }
         self.core.count_minute(|c| c.outcome(o));
         match (self.interned, o) {
             (Some(m), outcome::SUCCEEDED) => m.succeeded.increment(1),
@@ -1078,7 +1117,11 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                 let mut next = env.clone();
                 next.attempt += 1;
                 next.id = Uuid::now_v7();
-                let sent = self.outbox.delayed(&next.route(), &next, delay, FieldTable::default()).await;
+                let mut headers = FieldTable::default();
+                if let Some(this) = trace::current() {
+                    put_header(&mut headers, PREVIOUS_SPAN, &this.traceparent);
+                }
+                let sent = self.outbox.delayed(&next.route(), &next, delay, headers).await;
                 let retried =
                     if sent.is_ok() { self.streamed(Outcome::Retried, None, self.run_error()) } else { None };
                 // Free the key either way: the retry (or the requeued copy) must be able to claim it.

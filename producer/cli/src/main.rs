@@ -9,6 +9,6 @@ async fn main() {
     if !cli.command.is_daemon() {
         chime_daemon::signals::default_sigpipe();
     }
-    chime_daemon::telemetry::init_tracing();
+    // Logging is set up once the config is read (it may export spans): `cli::run`.
     std::process::exit(chime_cli::cli::main_exit_code(cli).await);
 }

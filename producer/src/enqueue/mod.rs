@@ -14,6 +14,7 @@ use chime_shared::envelope::{self, Envelope, Source};
 use chime_shared::job::{Job, JobOptions};
 use chime_shared::telemetry;
 use chime_shared::topology::{self, Names, TopologyError};
+use chime_shared::trace::{self, TraceContext};
 use chrono::{DateTime, Utc};
 use lapin::{Channel, Connection};
 use std::collections::{HashSet, VecDeque};
@@ -58,6 +59,10 @@ pub struct EnqueueRequest {
     /// invalid): `(field, message)`, reported by `prepare` (so `enqueue` fails, naming it).
     #[serde(skip)]
     invalid: Option<(String, String)>,
+    /// The W3C trace context the run is to continue; `None`: the current span's, when a
+    /// tracing backend is installed (`chime_shared::trace`).
+    #[serde(skip)]
+    pub trace: Option<TraceContext>,
 }
 
 impl EnqueueRequest {
@@ -107,6 +112,12 @@ impl EnqueueRequest {
     /// Delivers at `at` (a past instant means now).
     pub fn at(mut self, at: DateTime<Utc>) -> Self {
         self.at = Some(at);
+        self
+    }
+    /// Continues the trace `trace` (say, the `traceparent` of the HTTP request that enqueues)
+    /// instead of the current span's: the worker's run span becomes its child.
+    pub fn trace(mut self, trace: TraceContext) -> Self {
+        self.trace = Some(trace);
         self
     }
     /// Overrides the job's attempts.
@@ -185,6 +196,16 @@ pub enum Delivery {
     /// (`[producer] spool_dir`, with `fsync`), and a flush publishes it later under the same
     /// key, id and `enqueued_at`.
     Spooled,
+}
+
+impl Delivery {
+    /// `confirmed` or `spooled`, as the HTTP API and `chime enqueue` spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Delivery::Confirmed => "confirmed",
+            Delivery::Spooled => "spooled",
+        }
+    }
 }
 
 /// Result of a batch: how many were confirmed, and the first failure if any.
@@ -470,7 +491,23 @@ impl EnqueueClient {
     /// spooled instead ([`Delivery::Spooled`]); so is every job while earlier ones of this
     /// client are still spooled (they keep their order).
     pub async fn enqueue(&self, req: impl IntoRequest) -> Result<Enqueued, EnqueueError> {
-        let p = self.prepare(&req.into_request())?;
+        let req = req.into_request();
+        if !trace::enabled() {
+            return self.enqueue_one(&req).await;
+        }
+        // A span of its own, which the run's span on the worker continues.
+        let span = tracing::info_span!("enqueue", otel.kind = "producer", job = %req.job,
+            key = tracing::field::Empty, delivery = tracing::field::Empty);
+        let done = tracing::Instrument::instrument(self.enqueue_one(&req), span.clone()).await;
+        if let Ok(d) = &done {
+            span.record("key", tracing::field::display(d.key));
+            span.record("delivery", d.delivery.as_str());
+        }
+        done
+    }
+
+    async fn enqueue_one(&self, req: &EnqueueRequest) -> Result<Enqueued, EnqueueError> {
+        let p = self.prepare(req)?;
         // With a spool, a typed job's own queue is declared on the way to the broker; a queue
         // only the broker knows must be there now, or a spooled job could never be delivered.
         if self.spooler.is_none() || p.unverified_queue.is_some() {
@@ -938,6 +975,10 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
         .or_else(|| entry.and_then(|j| j.payload.clone()))
         .unwrap_or(serde_json::Value::Null);
     let mut env = Envelope::new(&req.job, queue, key, payload, None, max_attempts, Source::Adhoc);
+    if let Some(t) = req.trace.clone().or_else(trace::current) {
+        env.trace_id = Some(t.traceparent);
+        env.trace_state = t.tracestate;
+    }
     let priority = req.priority.or_else(|| entry.and_then(|j| j.priority)).unwrap_or_default();
     if priority != Priority::Normal {
         let declared = config.all_queues().iter().any(|q| q == queue);

@@ -9,3 +9,4 @@ pub mod connections;
 pub mod server;
 pub mod signals;
 pub mod telemetry;
+pub mod traces;

@@ -18,16 +18,8 @@ pub fn install_recorder() -> Result<PrometheusHandle, BuildError> {
 }
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`); JSON lines when
-/// `CHIME_LOG_FORMAT=json`. Binaries call this once.
+/// `CHIME_LOG_FORMAT=json`. Binaries call this (or `traces::init`, which exports spans as
+/// well) once.
 pub fn init_tracing() {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder =
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
-    if std::env::var("CHIME_LOG_FORMAT").is_ok_and(|v| v == "json") {
-        let _ = builder.json().flatten_event(true).try_init();
-    } else {
-        let _ = builder.try_init();
-    }
+    crate::traces::subscriber(None);
 }

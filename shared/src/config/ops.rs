@@ -29,6 +29,38 @@ impl Default for AlertsConfig {
     }
 }
 
+/// `[telemetry]`: traces over OTLP.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// Where to send spans, OTLP over HTTP with JSON bodies (`http://collector:4318`; the
+    /// path `/v1/traces` is added unless the URL has a path). Unset (default): no spans are
+    /// made or sent.
+    pub otlp_endpoint: Option<String>,
+}
+
+impl TelemetryConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(url) = &self.otlp_endpoint {
+            let rest = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://"));
+            if rest.is_none_or(|r| r.is_empty() || r.starts_with('/') || r.contains(char::is_whitespace)) {
+                return Err(ConfigError::invalid(
+                    "telemetry.otlp_endpoint",
+                    format!("{url:?}: an http:// or https:// URL is expected (\"http://collector:4318\")"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The URL spans are posted to: the endpoint, with `/v1/traces` when it has no path.
+    pub fn traces_url(&self) -> Option<String> {
+        let url = self.otlp_endpoint.as_deref()?.trim_end_matches('/');
+        let after_scheme = url.split_once("://").map_or(url, |(_, r)| r);
+        Some(if after_scheme.contains('/') { url.to_string() } else { format!("{url}/v1/traces") })
+    }
+}
+
 /// `[log]`: what workers log.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]

@@ -36,6 +36,7 @@ fn the_envelope_schema_matches_the_rust_type() {
     let mut full = minimal.clone();
     full.slot = Some(slot);
     full.trace_id = Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into());
+    full.trace_state = Some("congo=t61rcWkgMzE".into());
     full.group = Some(minimal.key);
     full.shard = Some(0);
     full.shards = Some(2);

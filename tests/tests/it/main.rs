@@ -39,4 +39,5 @@ mod steer;
 mod ticker;
 mod tls;
 mod topology;
+mod traces;
 mod web;

@@ -26,7 +26,6 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
-    chime_daemon::telemetry::init_tracing();
     let config = match Config::load(args.config.as_deref()) {
         Ok(c) => c,
         Err(e) => {
@@ -50,6 +49,14 @@ fn main() {
 }
 
 async fn run(args: Args, config: ValidConfig) -> i32 {
+    // Logs, and spans over OTLP when `[telemetry] otlp_endpoint` is set (sent on the way out).
+    let _otlp = match chime_daemon::traces::init(&config.telemetry, "chime-worker") {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("chime-worker: error: {e}");
+            return 2;
+        }
+    };
     let listen = args.listen.clone().or_else(|| config.worker.listen.clone());
     let path = args.config.clone();
     let health = Health::default();

@@ -194,6 +194,19 @@ pub async fn with_catalog(config: ValidConfig) -> ValidConfig {
 async fn run(cli: Cli) -> Result<(), Failure> {
     let path = Config::resolve_path(cli.config.as_deref());
     let config = Config::load(Some(&path)).map_err(usage)?;
+    // Logs, and spans over OTLP (`[telemetry] otlp_endpoint`) from the commands that publish;
+    // spans are sent when the command ends.
+    let exports = matches!(
+        cli.command,
+        Command::Enqueue(_)
+            | Command::Tick { .. }
+            | Command::Api(_)
+            | Command::Run { .. }
+            | Command::Backfill(_)
+            | Command::Spool(_)
+    );
+    let telemetry = if exports { config.telemetry.clone() } else { Default::default() };
+    let _otlp = chime_daemon::traces::init(&telemetry, "chime").map_err(|e| usage(anyhow::anyhow!(e)))?;
     // The operator tools see what the workers can run, beyond the file.
     let config = match &cli.command {
         Command::Enqueue(_)

@@ -9,6 +9,7 @@ use chime_shared::history::{self, Outcome, RunEvent};
 use chime_shared::idempotency;
 use chime_shared::telemetry;
 use chime_shared::topology::Names;
+use chime_shared::trace;
 use chrono::{DateTime, Utc};
 use lapin::Channel;
 use std::cmp::Reverse;
@@ -236,6 +237,15 @@ impl Ticker {
                 Source::Schedule,
             );
             env.priority = job.priority;
+            if trace::enabled() {
+                // A span for the slot, which the run's span on the worker continues.
+                let span = tracing::info_span!("slot", otel.kind = "producer", job = %job.name,
+                    slot = %run.slot, key = %run.key);
+                if let Some(t) = span.in_scope(trace::current) {
+                    env.trace_id = Some(t.traceparent);
+                    env.trace_state = t.tracestate;
+                }
+            }
             if job.fans_out() {
                 let fan = match group::propose_for(
                     &mut conn,

@@ -69,9 +69,14 @@ pub struct Envelope {
     pub max_attempts: u32,
     /// Who published the message.
     pub source: Source,
-    /// W3C trace id propagated to the handler, if the producer set one.
+    /// The producer's W3C trace context: a `traceparent` value
+    /// (`00-<trace id>-<parent span id>-<flags>`), which the worker's run span continues; a
+    /// value that is not one is ignored.
     #[serde(deserialize_with = "required_nullable")]
     pub trace_id: Option<String>,
+    /// The W3C `tracestate` that goes with `trace_id`, passed along unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_state: Option<String>,
     /// A fanned-out run (sharded or broadcast): the key of the whole run, which names its
     /// group record; each copy has a key of its own derived from it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -257,6 +262,7 @@ impl Envelope {
             max_attempts,
             source,
             trace_id: None,
+            trace_state: None,
             group: None,
             shard: None,
             shards: None,

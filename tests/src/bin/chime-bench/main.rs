@@ -14,7 +14,8 @@
 //! rate, and its memory per event), web (the dashboard's page times over 1,000,000 history
 //! events and 10,000 dead letters), probes (`/livez` idle and under a connection flood),
 //! limits (a rate limit's accuracy across 4 workers, tenant isolation, the cost of limits and
-//! circuits, a circuit over a failing downstream).
+//! circuits, a circuit over a failing downstream), traces (a worker's drain with traces off,
+//! on, and before trace support).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod consume;
@@ -26,6 +27,7 @@ mod probes;
 mod publish;
 mod scale;
 mod ticker;
+mod traces;
 mod web;
 
 use chime_tests::connect_amqp;
@@ -137,6 +139,9 @@ pub async fn main() {
     }
     if c.opted("probes") {
         probes::scenario(c.o.runs).await;
+    }
+    if c.opted("traces") {
+        traces::scenario(&c).await;
     }
     if c.opted("priority") {
         latency::priority(&c).await;

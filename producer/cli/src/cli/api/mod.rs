@@ -24,6 +24,7 @@ use chime_producer::{EnqueueClient, EnqueueError};
 use chime_shared::config::{ApiConfig, Rate, ValidConfig};
 use chime_shared::history::HistoryReader;
 use chime_shared::topology::Names;
+use chime_shared::trace::TraceContext;
 use clap::Args;
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -43,6 +44,9 @@ pub const OPENAPI: &str = include_str!("openapi.json");
 
 /// The routes, as the OpenAPI document lists them.
 const ROUTES: [&str; 3] = ["/api/v1/jobs/{job}", "/api/v1/keys/{key}", "/api/v1/openapi.json"];
+
+const TRACEPARENT: header::HeaderName = header::HeaderName::from_static("traceparent");
+const TRACESTATE: header::HeaderName = header::HeaderName::from_static("tracestate");
 
 /// The shortest token accepted.
 const MIN_TOKEN: usize = 16;
@@ -284,10 +288,15 @@ async fn post_job(
             );
         }
     };
-    let req = match body::request(&job, &bytes) {
+    let mut req = match body::request(&job, &bytes) {
         Ok(r) => r,
         Err((field, message)) => return error(StatusCode::BAD_REQUEST, message, field.as_deref()),
     };
+    // The caller's trace, which the run continues (an invalid traceparent is ignored).
+    let text = |h: header::HeaderName| headers.get(h).and_then(|v| v.to_str().ok());
+    if let Some(t) = text(TRACEPARENT).and_then(|p| TraceContext::parse(p, text(TRACESTATE))) {
+        req = req.trace(t);
+    }
     let client = match api.client().await {
         Ok(c) => c,
         Err(e) => return enqueue_error(&e),
