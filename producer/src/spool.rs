@@ -159,8 +159,8 @@ fn line(record: &Spooled) -> Result<Vec<u8>, SpoolError> {
     Ok(out)
 }
 
-/// A line's record, or why it is not one.
-fn parse(line: &[u8]) -> Result<Spooled, String> {
+/// A line's JSON, or why its checksum does not hold.
+fn checked(line: &[u8]) -> Result<&[u8], String> {
     let (sum, json) = match (line.get(..16), line.get(16), line.get(17..)) {
         (Some(sum), Some(b' '), Some(json)) => (sum, json),
         _ => return Err("too short for a checksum and a record".into()),
@@ -169,7 +169,18 @@ fn parse(line: &[u8]) -> Result<Spooled, String> {
     if want != Some(checksum(json)) {
         return Err("checksum does not match".into());
     }
-    serde_json::from_slice(json).map_err(|e| format!("not a spooled job: {e}"))
+    Ok(json)
+}
+
+/// A line's record, or why it is not one.
+fn parse(line: &[u8]) -> Result<Spooled, String> {
+    serde_json::from_slice(checked(line)?).map_err(|e| format!("not a spooled job: {e}"))
+}
+
+/// When a record was spooled, read without building the record (its envelope is skipped).
+#[derive(serde::Deserialize)]
+struct SpooledAt {
+    spooled_at: DateTime<Utc>,
 }
 
 impl Spool {
@@ -366,11 +377,23 @@ impl Spool {
             }
         }
         status.torn.sort();
-        for r in self.list()? {
-            status.records += 1;
-            status.oldest = Some(status.oldest.map_or(r.spooled_at, |o| o.min(r.spooled_at)));
+        // Counted line by line, one file in memory at a time: a producer holding a large spool
+        // reports it often (its flusher, the alert), and must not hold it all to count it.
+        let files = self.files()?;
+        for path in &files {
+            let Ok(bytes) = fs::read(path) else { continue }; // flushed meanwhile
+            let records = bytes
+                .split_inclusive(|b| *b == b'\n')
+                .filter_map(|l| l.strip_suffix(b"\n"))
+                .filter_map(|l| checked(l).ok())
+                .filter_map(|json| serde_json::from_slice::<SpooledAt>(json).ok())
+                .skip(read_done(path));
+            for r in records {
+                status.records += 1;
+                status.oldest = Some(status.oldest.map_or(r.spooled_at, |o| o.min(r.spooled_at)));
+            }
         }
-        status.files = self.files()?.len();
+        status.files = files.len();
         Ok(status)
     }
 

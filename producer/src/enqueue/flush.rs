@@ -114,7 +114,7 @@ impl Spooler {
         if flusher.as_ref().is_some_and(|h| !h.is_finished()) {
             return;
         }
-        *flusher = Some(handle.spawn(flush_loop(self.clone())));
+        *flusher = Some(handle.spawn(flush_loop(Arc::downgrade(self))));
     }
 
     /// Whether every record this process spooled is published; if so, later jobs are
@@ -138,11 +138,16 @@ impl Drop for Spooler {
 }
 
 /// Flushes until this process's own records are published, waiting 1 s doubling to 30 s
-/// between failed attempts.
-async fn flush_loop(spooler: Arc<Spooler>) {
-    let client = EnqueueClient::lazy(spooler.config.clone());
+/// between failed attempts. It holds its spooler only while it flushes: once the client is
+/// dropped, it ends (what is left stays in the spool for the next flush: a new client's, or
+/// `chime-worker`'s and `chime tick`'s at start).
+async fn flush_loop(spooler: std::sync::Weak<Spooler>) {
+    let Some(first) = spooler.upgrade() else { return };
+    let client = EnqueueClient::lazy(first.config.clone());
+    drop(first);
     let mut wait = Duration::from_secs(1);
     loop {
+        let Some(spooler) = spooler.upgrade() else { return };
         let flushed = flush(&client, &spooler.spool).await;
         report(&spooler.config, &spooler.spool).await;
         match flushed {
@@ -157,6 +162,7 @@ async fn flush_loop(spooler: Arc<Spooler>) {
             }
             Err(e) => {
                 tracing::warn!(error = %e, retry_in = ?wait, "spool flush failed; trying again");
+                drop(spooler);
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(30));
             }

@@ -26,7 +26,7 @@ pub(crate) type OtelLayer =
 /// How long an export may take.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Spans being exported; dropping it sends what is buffered (at most [`EXPORT_TIMEOUT`]).
+/// Spans being exported; dropping it sends what is buffered (waiting at most 10 s).
 #[derive(Debug)]
 pub struct Otlp {
     provider: SdkTracerProvider,

@@ -196,3 +196,220 @@ async fn the_cli_spools_when_the_broker_is_away_and_flushes_when_it_is_back() {
     let (_, out, _) = chime(&up, &["spool", "status"], None);
     assert!(out.contains("0 job(s) in 0 file(s)") && out.contains("set aside"), "{out}");
 }
+
+/// What a producer answered for one job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    Confirmed,
+    Spooled,
+    /// Failed, or the producer was killed before it answered: the job may run (at most once)
+    /// or not.
+    Unknown,
+}
+
+/// The broker stopped under a steady enqueue load from the library, `chime enqueue` and
+/// `chime api` at once (`CHIME_SPOOL_OUTAGE_SECS`, default 10 s; RELIABILITY.md records a
+/// 60 s run), with producers SIGKILLed while they spool: the `chime api` process once in the
+/// middle of the outage (restarted: the new process takes over the dead one's spool file), and
+/// `chime enqueue` processes at random moments. Every job a producer answered for (confirmed
+/// or spooled) runs exactly once afterwards; no job runs twice, answered or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_under_load_from_every_producer_loses_nothing_and_runs_nothing_twice() {
+    let outage = Duration::from_secs(
+        std::env::var("CHIME_SPOOL_OUTAGE_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(10),
+    );
+    let rabbit = PrivateRabbit::start().await;
+    let mut env = TestEnv::new("spool-outage");
+    env.amqp_url = rabbit.url();
+    let jobs = format!(
+        "{}{COUNT_JOB}",
+        spool_section(&env, "").replace("[[jobs]]\nname = \"rec\"\nhandler = \"rec\"\n", "")
+    );
+    let text = env.config_text("quorum", "", "", &jobs);
+    let path = env.write_config(&text);
+    let config = env.config("quorum", "", "", &jobs);
+    let ledger = Ledger::default();
+    let worker = Running::start(config.clone(), counting_registry(&ledger), 16).await;
+    let answers: Arc<Mutex<Vec<(u64, String, Answer)>>> = Arc::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let job = |n: u64| format!(r#"{{"n": {n}}}"#);
+
+    // The library: one job every 20 ms.
+    let client = Arc::new(EnqueueClient::connect(config.clone()).await.unwrap());
+    let lib = {
+        let (client, answers, stop) = (client.clone(), answers.clone(), stop.clone());
+        tokio::spawn(async move {
+            for n in 0u64.. {
+                if stop.is_cancelled() {
+                    break;
+                }
+                let key = format!("lib-{n}");
+                let req = EnqueueRequest::new("count").payload(serde_json::json!({"n": n})).key(&key);
+                let a = match client.enqueue(req).await {
+                    Ok(d) if d.delivery == Delivery::Confirmed => Answer::Confirmed,
+                    Ok(_) => Answer::Spooled,
+                    Err(_) => Answer::Unknown,
+                };
+                answers.lock().unwrap().push((n, key, a));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    // `chime enqueue`, one process at a time; a third of them SIGKILLed within 80 ms.
+    let cli = {
+        let (answers, stop, path) = (answers.clone(), stop.clone(), path.clone());
+        tokio::spawn(async move {
+            for i in 0u64.. {
+                if stop.is_cancelled() {
+                    break;
+                }
+                let (n, key) = (100_000 + i, format!("cli-{i}"));
+                let mut child = tokio::process::Command::new(bin("chime"))
+                    .arg("--config")
+                    .arg(&path)
+                    .args(["enqueue", "count", "--payload", &job(n), "--key", &key, "--allow-spool"])
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::null())
+                    .kill_on_drop(true)
+                    .spawn()
+                    .unwrap();
+                let a = if i % 3 == 2 {
+                    let after = Duration::from_millis(uuid::Uuid::new_v4().as_u128() as u64 % 80);
+                    tokio::select! {
+                        s = child.wait() => if s.is_ok_and(|s| s.success()) { Answer::Spooled } else { Answer::Unknown },
+                        () = tokio::time::sleep(after) => {
+                            let _ = child.start_kill();
+                            let _ = child.wait().await;
+                            Answer::Unknown
+                        }
+                    }
+                } else {
+                    let out = child.wait_with_output().await.unwrap();
+                    let text = String::from_utf8_lossy(&out.stdout);
+                    match (out.status.success(), text.contains("spooled")) {
+                        (true, false) => Answer::Confirmed,
+                        (true, true) => Answer::Spooled,
+                        _ => Answer::Unknown,
+                    }
+                };
+                answers.lock().unwrap().push((n, key, a));
+            }
+        })
+    };
+    // `chime api`, one POST every 50 ms; the process is SIGKILLed in the outage and restarted.
+    let port = free_port();
+    let start_api = || {
+        let mut cmd = tokio::process::Command::new(bin("chime"));
+        cmd.env("CHIME_API_TOKEN", "outage-token-0123456789");
+        Child::run(cmd, &env.dir, &path, &["api", "--listen", &format!("127.0.0.1:{port}")], "api")
+    };
+    let mut api = start_api();
+    wait_until("chime api answers /livez", Duration::from_secs(30), || async move {
+        chime_tests::probes::get_once(port, "/livez").await.is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+    })
+    .await;
+    let http = {
+        let (answers, stop) = (answers.clone(), stop.clone());
+        tokio::spawn(async move {
+            let web = reqwest::Client::builder().timeout(Duration::from_secs(20)).build().unwrap();
+            for i in 0u64.. {
+                if stop.is_cancelled() {
+                    break;
+                }
+                let (n, key) = (200_000 + i, format!("http-{i}"));
+                let sent = web
+                    .post(format!("http://127.0.0.1:{port}/api/v1/jobs/count"))
+                    .bearer_auth("outage-token-0123456789")
+                    .header("content-type", "application/json")
+                    .body(serde_json::json!({"payload": {"n": n}, "key": key}).to_string())
+                    .send()
+                    .await;
+                let a = match sent {
+                    Ok(r) if r.status() == 202 => {
+                        let v: serde_json::Value =
+                            serde_json::from_str(&r.text().await.unwrap_or_default()).unwrap_or_default();
+                        match v["delivery"].as_str() {
+                            Some("confirmed") => Answer::Confirmed,
+                            Some("spooled") => Answer::Spooled,
+                            _ => Answer::Unknown,
+                        }
+                    }
+                    _ => Answer::Unknown,
+                };
+                answers.lock().unwrap().push((n, key, a));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+
+    let count = |a: Answer| answers.lock().unwrap().iter().filter(|x| x.2 == a).count();
+    wait_until("jobs confirmed before the outage", Duration::from_secs(30), || async {
+        count(Answer::Confirmed) >= 30
+    })
+    .await;
+    rabbit.kill().await;
+    let down = Instant::now();
+    wait_until("jobs spooled in the outage", Duration::from_secs(30), || async {
+        count(Answer::Spooled) >= 20
+    })
+    .await;
+    tokio::time::sleep(outage.saturating_sub(down.elapsed()) / 2).await;
+    // The API process, killed while it holds spooled jobs; a new one takes its place.
+    api.child.start_kill().unwrap();
+    let _ = api.child.wait().await;
+    api = start_api();
+    tokio::time::sleep(outage.saturating_sub(down.elapsed())).await;
+    let spooled_in_outage = count(Answer::Spooled);
+    rabbit.restart().await;
+    println!("broker down for {:?}", down.elapsed());
+    let back = count(Answer::Confirmed);
+    wait_until("jobs confirmed after the outage", Duration::from_secs(60), || async {
+        count(Answer::Confirmed) >= back + 30
+    })
+    .await;
+    stop.cancel();
+    for t in [lib, cli, http] {
+        t.await.unwrap();
+    }
+    // What killed `chime enqueue` processes left: an operator's flush (workers do it at start).
+    let (code, out, err) = chime(&path, &["spool", "flush"], None);
+    assert_eq!(code, 0, "{out}{err}");
+
+    let all = answers.lock().unwrap().clone();
+    let answered: Vec<&(u64, String, Answer)> = all.iter().filter(|a| a.2 != Answer::Unknown).collect();
+    let keys: Vec<String> =
+        answered.iter().map(|(_, k, _)| chime_shared::envelope::adhoc_key("count", k).to_string()).collect();
+    crate::limits::wait_all_done(&config, &env, &keys, Duration::from_secs(120)).await;
+    wait_until("the spool empty", Duration::from_secs(60), || async {
+        let (_, out, _) = chime(&path, &["spool", "status", "--json"], None);
+        serde_json::from_str::<serde_json::Value>(out.trim()).is_ok_and(|s| s["records"] == 0)
+    })
+    .await;
+    let lost: Vec<&(u64, String, Answer)> =
+        answered.iter().copied().filter(|(n, _, _)| ledger.get(*n) != 1).collect();
+    let by = |p: &str, a: Answer| all.iter().filter(|x| x.1.starts_with(p) && x.2 == a).count();
+    println!(
+        "answered {} of {} jobs ({spooled_in_outage} spooled in the outage): library {}+{} spooled, cli {}+{} spooled \
+         ({} unknown, killed or failed), http {}+{} spooled ({} unknown); runs {}, duplicate runs {}",
+        answered.len(),
+        all.len(),
+        by("lib-", Answer::Confirmed),
+        by("lib-", Answer::Spooled),
+        by("cli-", Answer::Confirmed),
+        by("cli-", Answer::Spooled),
+        by("cli-", Answer::Unknown),
+        by("http-", Answer::Confirmed),
+        by("http-", Answer::Spooled),
+        by("http-", Answer::Unknown),
+        ledger.total(),
+        ledger.duplicates()
+    );
+    assert!(lost.is_empty(), "answered but not run exactly once: {lost:?}");
+    assert_eq!(ledger.duplicates(), 0, "no job runs twice");
+    for p in ["lib-", "cli-", "http-"] {
+        assert!(by(p, Answer::Spooled) > 0, "{p} jobs were spooled in the outage");
+    }
+    worker.stop().await;
+    drop(client);
+    drop(api);
+}

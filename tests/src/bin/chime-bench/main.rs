@@ -15,7 +15,8 @@
 //! events and 10,000 dead letters), probes (`/livez` idle and under a connection flood),
 //! limits (a rate limit's accuracy across 4 workers, tenant isolation, the cost of limits and
 //! circuits, a circuit over a failing downstream), traces (a worker's drain with traces off,
-//! on, and before trace support).
+//! on, and before trace support), spool (enqueue with the spool on and off, spooling and
+//! flushing rates, a producer's memory while it spools 1 GiB).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod consume;
@@ -26,6 +27,7 @@ mod measure;
 mod probes;
 mod publish;
 mod scale;
+mod spool;
 mod ticker;
 mod traces;
 mod web;
@@ -139,6 +141,11 @@ pub async fn main() {
     }
     if c.opted("probes") {
         probes::scenario(c.o.runs).await;
+    }
+    if c.opted("spool") {
+        spool::scenario(&c).await;
+    } else if c.opted("spool-big") {
+        spool::big(&c.o.queue_type).await;
     }
     if c.opted("traces") {
         traces::scenario(&c).await;
