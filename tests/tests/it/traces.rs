@@ -113,6 +113,7 @@ async fn the_producers_trace_reaches_the_workers_run_span() {
     let jobs = format!(
         "[telemetry]\notlp_endpoint = \"http://127.0.0.1:{otlp}\"\n\
          [[jobs]]\nname = \"echo\"\nhandler = \"noop\"\n\
+         [[jobs]]\nname = \"beat\"\nhandler = \"noop\"\nschedule = \"* * * * * *\"\n\
          [[jobs]]\nname = \"flaky\"\nhandler = \"exec\"\nmax_attempts = 3\n\
          backoff = {{ initial = \"1s\", factor = 1.0, max = \"1s\" }}\n\
          command = [\"sh\", \"-c\", \"test -e {f} || {{ touch {f}; exit 1; }}\"]\n",
@@ -198,4 +199,31 @@ async fn the_producers_trace_reaches_the_workers_run_span() {
     assert_eq!(first.trace, second.trace, "both attempts continue the producer's trace");
     assert_eq!(first.parent, second.parent);
     assert!(second.links.contains(&(first.trace.clone(), first.id.clone())), "{second:?} links to {first:?}");
+
+    // 4. The ticker: each published slot has a span, which the slot's run continues.
+    let _ticker = Child::run(
+        {
+            let mut cmd = tokio::process::Command::new(bin("chime"));
+            cmd.env("OTEL_BSP_SCHEDULE_DELAY", "100");
+            cmd
+        },
+        &env.dir,
+        &path,
+        &["tick"],
+        "ticker",
+    );
+    let slot =
+        wait_span(&got, "a slot's span", |s| s.name == "slot" && s.attr("job").as_deref() == Some("beat"))
+            .await;
+    assert_eq!(slot.service, "chime", "{slot:?}");
+    let slot_key = slot.attr("key").unwrap();
+    let run = wait_span(&got, "the slot's run span", |s| {
+        s.name == "job" && s.attr("key") == Some(slot_key.clone())
+    })
+    .await;
+    assert_eq!(
+        (run.trace.as_str(), run.parent.as_str()),
+        (slot.trace.as_str(), slot.id.as_str()),
+        "{run:?} {slot:?}"
+    );
 }
