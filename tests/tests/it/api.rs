@@ -164,4 +164,18 @@ async fn jobs_enqueued_with_curl_run_and_every_bad_request_is_named() {
     // Another token is not slowed down.
     assert_eq!(get(port, &format!("/api/v1/keys/{unknown}"), LIMITED).0, 200);
     worker.stop().await;
+
+    // A broker nobody answers on and no spool: 503 with Retry-After, nothing enqueued; the
+    // job is named in the error.
+    let down = env.dir.join("down.toml");
+    std::fs::write(&down, text.replace(&env.amqp_url, "amqp://guest:guest@127.0.0.1:1/%2f")).unwrap();
+    let port = free_port();
+    let _down_api = start_api(&env, &down, port);
+    wait_until("the second chime api answers /livez", Duration::from_secs(30), || async move {
+        chime_tests::probes::get_once(port, "/livez").await.is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+    })
+    .await;
+    let (status, e, retry) = post(port, "echo", Some(TOKEN), r#"{"key": "order-8"}"#);
+    assert_eq!((status, retry.as_str()), (503, "5"), "{e}");
+    assert!(e["error"].as_str().is_some_and(|m| m.contains("RabbitMQ")), "{e}");
 }
