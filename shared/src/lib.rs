@@ -27,6 +27,7 @@
 #![warn(missing_docs)]
 
 pub mod amqp;
+pub mod calendar;
 pub mod catalog;
 pub mod config;
 pub mod control;

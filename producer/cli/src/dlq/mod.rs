@@ -338,7 +338,8 @@ impl DlqClient {
                         old.max_attempts,
                         Source::Replay,
                     );
-                    env.trace_id = old.trace_id;
+                    // The replayed run stays in the trace of the job that died.
+                    (env.trace_id, env.trace_state) = (old.trace_id, old.trace_state);
                     // A level's job goes back to its level; a broadcast copy to any worker
                     // (the one it was for may be gone), still under its own key.
                     env.priority = old.priority;
