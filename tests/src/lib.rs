@@ -78,6 +78,7 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 
 /// A test's own namespace on the shared services. Dropping it deletes every queue and
 /// exchange the test declared and every Redis key under its prefix.
+pub mod otlp;
 pub mod probes;
 pub mod proxy;
 pub mod reliability;

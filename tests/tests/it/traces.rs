@@ -4,9 +4,7 @@
 //! before.
 
 use crate::common::*;
-use axum::routing::post;
 use serde_json::Value;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 const TOKEN: &str = "trace-token-0123456789abcdef";
@@ -75,29 +73,8 @@ fn spans_of(body: &Value) -> Vec<Span> {
     out
 }
 
-/// An OTLP/HTTP receiver: every span posted to `/v1/traces`.
-async fn receiver() -> (u16, Arc<Mutex<Vec<Span>>>) {
-    let got: Arc<Mutex<Vec<Span>>> = Arc::default();
-    let sink = got.clone();
-    let app = axum::Router::new().route(
-        "/v1/traces",
-        post(move |body: axum::body::Bytes| {
-            let sink = sink.clone();
-            async move {
-                let json: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-                sink.lock().unwrap().extend(spans_of(&json));
-                ([("content-type", "application/json")], "{}")
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (port, got)
-}
-
-async fn wait_span(got: &Arc<Mutex<Vec<Span>>>, what: &str, pred: impl Fn(&Span) -> bool) -> Span {
-    let found = || got.lock().unwrap().iter().find(|s| pred(s)).cloned();
+async fn wait_span(got: &chime_tests::otlp::Bodies, what: &str, pred: impl Fn(&Span) -> bool) -> Span {
+    let found = || got.lock().unwrap().iter().flat_map(spans_of).find(|s| pred(s));
     wait_until(what, Duration::from_secs(60), || async { found().is_some() }).await;
     found().unwrap()
 }
@@ -108,7 +85,7 @@ async fn wait_span(got: &Arc<Mutex<Vec<Span>>>, what: &str, pred: impl Fn(&Span)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_producers_trace_reaches_the_workers_run_span() {
     let env = TestEnv::new("traces");
-    let (otlp, got) = receiver().await;
+    let (otlp, got) = chime_tests::otlp::receiver().await;
     let flag = env.dir.join("failed-once");
     let jobs = format!(
         "[telemetry]\notlp_endpoint = \"http://127.0.0.1:{otlp}\"\n\

@@ -1,6 +1,6 @@
 //! Opt-in `traces`: what traces cost a `chime-worker`. One worker drains a queue of noop jobs
 //! with traces off (no `[telemetry] otlp_endpoint`) and on (every run's span exported to a
-//! local OTLP receiver, which counts and drops them), and, with
+//! local OTLP receiver), and, with
 //! `BENCH_WORKER_BEFORE=/path/to/chime-worker`, a build without trace support: the rounds
 //! interleaved, medians and ratios to "off" printed. The rate is taken after the first 1,000
 //! jobs (startup excluded); success logs are off (`log.success_sample = 0`) in every variant.
@@ -11,35 +11,13 @@ use crate::fixtures::*;
 use crate::measure::*;
 use chime_producer::EnqueueClient;
 use chime_tests::*;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 const JOBS: usize = 30_000;
 const WARM: u64 = 1_000;
 
-/// An OTLP/HTTP receiver that counts the requests posted to it.
-async fn receiver() -> (u16, Arc<AtomicU64>) {
-    let posts = Arc::new(AtomicU64::new(0));
-    let seen = posts.clone();
-    let app = axum::Router::new().route(
-        "/v1/traces",
-        axum::routing::post(move |_body: axum::body::Bytes| {
-            let seen = seen.clone();
-            async move {
-                seen.fetch_add(1, Ordering::Relaxed);
-                ([("content-type", "application/json")], "{}")
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (port, posts)
-}
-
 pub async fn scenario(c: &Ctx) {
-    let (otlp, posts) = receiver().await;
+    let (otlp, posts) = chime_tests::otlp::receiver().await;
     let this = bin_path("chime-worker");
     let mut variants: Vec<(&str, std::path::PathBuf, Option<u16>)> =
         vec![("off", this.clone(), None), ("on (OTLP)", this, Some(otlp))];
@@ -66,7 +44,7 @@ pub async fn scenario(c: &Ctx) {
             cpu / off_cpu
         );
     }
-    println!("the receiver took {} export requests", posts.load(Ordering::Relaxed));
+    println!("the receiver took {} export requests", posts.lock().unwrap().len());
 }
 
 /// Publishes the jobs, starts the worker, and returns its drain rate and CPU per job past the

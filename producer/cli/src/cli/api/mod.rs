@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-use super::failure::{Failure, runtime, usage};
+use super::failure::{Failure, usage};
 use super::history::KeyView;
 use super::logins::{Logins, ct_eq};
 
@@ -439,15 +439,7 @@ pub async fn run(config: ValidConfig, args: ApiArgs) -> Result<(), Failure> {
     tracing::info!(addr = %local, tokens = ?names, "http api serving");
     eprintln!("chime api: serving http://{local}/api/v1/ (tokens: {})", names.join(", "));
     let api = Arc::new(Api::new(config, tokens));
-    let token = CancellationToken::new();
-    let stop = token.clone();
-    tokio::spawn(async move {
-        let _ = chime_daemon::signals::next_stop().await;
-        stop.cancel();
-    });
-    chime_daemon::server::serve_router(listener, router(api), token)
-        .await
-        .map_err(|e| runtime(anyhow::anyhow!(format!("server: {e}"))))
+    super::web::serve_until_stopped(listener, router(api), CancellationToken::new()).await
 }
 
 #[cfg(test)]

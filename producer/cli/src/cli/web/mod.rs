@@ -301,12 +301,21 @@ pub async fn run(config: ValidConfig, args: WebArgs) -> Result<(), Failure> {
     let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| args.listen.clone());
     info!(addr = %local, read_only = args.read_only, auth = auth.required(), "dashboard serving");
     eprintln!("chime web: serving http://{local}/{}", if args.read_only { " (read-only)" } else { "" });
+    serve_until_stopped(listener, router(web), token).await
+}
+
+/// Serves `app` until SIGTERM/SIGINT (or `token` is cancelled): `chime web` and `chime api`.
+pub async fn serve_until_stopped(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    token: CancellationToken,
+) -> Result<(), Failure> {
     let stop = token.clone();
     tokio::spawn(async move {
         let _ = chime_daemon::signals::next_stop().await;
         stop.cancel();
     });
-    chime_daemon::server::serve_router(listener, router(web), token)
+    chime_daemon::server::serve_router(listener, app, token)
         .await
         .map_err(|e| runtime(anyhow::anyhow!(format!("server: {e}"))))
 }
