@@ -154,6 +154,46 @@ async fn the_producers_trace_reaches_the_workers_run_span() {
     .await;
     assert_eq!(run2.trace, caller_trace, "{run2:?}");
 
+    // 2b. A publisher in another language that sets the AMQP `traceparent` header (as
+    // OpenTelemetry's AMQP instrumentations do) and leaves the envelope's trace_id null.
+    let foreign_trace = "5af7651916cd43dd8448eb211c80319d";
+    let key4 = chime_shared::envelope::adhoc_key("echo", "k4");
+    let env4 = chime_shared::envelope::Envelope::new(
+        "echo",
+        "default",
+        key4,
+        serde_json::Value::Null,
+        None,
+        3,
+        chime_shared::envelope::Source::Adhoc,
+    );
+    let mut headers = lapin::types::FieldTable::default();
+    chime_shared::envelope::put_header(
+        &mut headers,
+        "traceparent",
+        &format!("00-{foreign_trace}-c7ad6b7169203331-01"),
+    );
+    let conn = connect_amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(lapin::options::ConfirmSelectOptions::default()).await.unwrap();
+    chime_shared::amqp::publish_confirmed(
+        &ch,
+        &env.names().work_exchange(),
+        "default",
+        &env4.encode(),
+        env4.properties().with_headers(headers),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let key4 = key4.to_string();
+    let run4 = wait_span(&got, "the foreign job's run span", |s| {
+        s.name == "job" && s.attr("key").as_deref() == Some(&key4)
+    })
+    .await;
+    assert_eq!((run4.trace.as_str(), run4.parent.as_str()), (foreign_trace, "c7ad6b7169203331"), "{run4:?}");
+    let _ = conn.close(200, "".into()).await;
+
     // 3. A retry: both attempts in the producer's trace, the second linked to the first.
     let (code, out, err) = chime_env(
         &path,
