@@ -175,6 +175,9 @@ impl Catalog {
                 circuit: None,
                 criticality: Default::default(),
                 promote_after: None,
+                calendar: None,
+                on_holiday: None,
+                business_day: None,
             });
         }
         let known = config.all_queues();

@@ -28,6 +28,7 @@ pub const DEFAULT_PERMANENT_EXIT_CODE: i32 = 100;
 // Each section: its types, defaults and rules together; `Config::validate` runs them and the
 // rules that span sections.
 mod amqp;
+mod calendars;
 mod circuits;
 mod jobs;
 mod limits;
@@ -37,6 +38,7 @@ mod store;
 mod workers;
 
 pub use amqp::{AmqpConfig, Urls};
+pub use calendars::{CalendarConfig, ResolvedCalendar};
 pub use circuits::{Circuit, CircuitRef, NamedCircuit, OnOpen, ResolvedCircuit, Trip};
 pub use jobs::{CatchUp, ExecConfig, HandlerConfig, JobConfig, Overlap, Shards};
 pub use limits::{LimitKey, NO_TENANT, NamedLimit, Rate, RateLimit, RateLimitRef, ResolvedLimit};
@@ -131,6 +133,12 @@ pub struct Config {
     /// Circuit breakers several jobs share by name (`jobs[].circuit = "<name>"`).
     #[serde(deserialize_with = "circuits::de_circuits")]
     pub circuits: Vec<NamedCircuit>,
+    /// Business calendars jobs follow by name (`jobs[].calendar = "<name>"`).
+    pub calendars: Vec<CalendarConfig>,
+    /// The calendars read and checked (their `.ics` files included) when the config was
+    /// validated.
+    #[serde(skip)]
+    pub resolved_calendars: BTreeMap<String, ResolvedCalendar>,
     /// Queues known only from the workers' catalog (never read from the file): they join
     /// [`Config::all_queues`] for the operator tools (see `crate::catalog`).
     #[serde(skip)]
@@ -156,6 +164,8 @@ impl Default for Config {
             jobs: Vec::new(),
             limits: Vec::new(),
             circuits: Vec::new(),
+            calendars: Vec::new(),
+            resolved_calendars: BTreeMap::new(),
             catalog_queues: Vec::new(),
         }
     }
@@ -334,9 +344,27 @@ impl Config {
 
     /// This config, checked: the form every entry point takes. Built in code, a config is
     /// checked by the same rules as one read from a file.
-    pub fn validated(self) -> Result<ValidConfig, ConfigError> {
-        self.validate()?;
+    pub fn validated(mut self) -> Result<ValidConfig, ConfigError> {
+        self.resolved_calendars = self.check()?;
         Ok(ValidConfig(std::sync::Arc::new(self)))
+    }
+
+    /// The schedule of `job` (an entry of this config), on its calendar if it follows one;
+    /// `None` for a job without a schedule.
+    pub fn schedule_of(&self, job: &JobConfig) -> Result<Option<crate::schedule::Schedule>, ConfigError> {
+        let fresh;
+        let calendars = if self.resolved_calendars.len() == self.calendars.len() {
+            &self.resolved_calendars
+        } else {
+            // Not validated yet: read the calendars now.
+            fresh = calendars::resolve(&self.calendars)?;
+            &fresh
+        };
+        calendars::schedule_of(job, calendars).map_err(|(field, e)| {
+            let at =
+                self.jobs.iter().position(|j| j.name == job.name).map_or(String::new(), |i| format!("[{i}]"));
+            ConfigError::invalid(format!("jobs{at} ({}).{field}", job.name), e)
+        })
     }
 
     /// Applies `CHIME_AMQP_URL`, `CHIME_REDIS_URL` and `CHIME_PREFIX` through `get`.
@@ -357,6 +385,11 @@ impl Config {
 
     /// Checks every value once; the error names the first bad key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check().map(|_| ())
+    }
+
+    /// [`Config::validate`], giving the calendars it read.
+    fn check(&self) -> Result<BTreeMap<String, ResolvedCalendar>, ConfigError> {
         if self.prefix.len() > 64 {
             return Err(ConfigError::invalid(
                 "prefix",
@@ -402,6 +435,8 @@ impl Config {
         }
         limits::validate(&self.limits, &self.jobs)?;
         circuits::validate(&self.circuits, &self.jobs)?;
+        let calendars = calendars::resolve(&self.calendars)?;
+        calendars::validate(&calendars, &self.jobs)?;
         let queues = self.all_queues();
         for q in self.worker.shed.keys() {
             if !queues.contains(q) {
@@ -462,7 +497,7 @@ impl Config {
                 ),
             ));
         }
-        Ok(())
+        Ok(calendars)
     }
 
     /// The job named `name`.

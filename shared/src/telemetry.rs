@@ -42,6 +42,9 @@ pub const RUNS_PARKED: &str = "chime_runs_parked_total";
 /// Counter: scheduled slots the ticker did not publish because their queue was shedding
 /// (`job`; a `sheddable` job).
 pub const SLOTS_SHED: &str = "chime_slots_shed_total";
+/// Counter: scheduled slots its business calendar skips (`job`, `reason`: `holiday` or
+/// `not_working_day`; `on_holiday = "skip"`).
+pub const SLOTS_CALENDAR_SKIPPED: &str = "chime_slots_calendar_skipped_total";
 /// Gauge: 1 while this worker sheds the `sheddable` runs of a queue (`queue`).
 pub const QUEUE_SHEDDING: &str = "chime_queue_shedding";
 /// Gauge: the state of a circuit breaker as a worker last saw it (`circuit`): 0 closed, 1
@@ -79,6 +82,7 @@ pub const ALL: &[&str] = &[
     CIRCUIT_STATE,
     CIRCUIT_TRANSITIONS,
     SLOTS_SHED,
+    SLOTS_CALENDAR_SKIPPED,
     QUEUE_SHEDDING,
     JOBS_SPOOLED,
     SPOOL_FLUSHED,
@@ -130,6 +134,10 @@ pub fn describe() {
     describe_gauge!(CIRCUIT_STATE, "Circuit breaker state last seen: 0 closed, 1 half-open, 2 open.");
     describe_counter!(CIRCUIT_TRANSITIONS, "Circuit breaker state changes, by circuit and new state.");
     describe_counter!(SLOTS_SHED, "Scheduled slots not published because their queue was shedding.");
+    describe_counter!(
+        SLOTS_CALENDAR_SKIPPED,
+        "Scheduled slots skipped by their business calendar (holiday, day off)."
+    );
     describe_gauge!(QUEUE_SHEDDING, "1 while this worker sheds the sheddable runs of the queue.");
     describe_counter!(
         JOBS_SPOOLED,

@@ -208,6 +208,7 @@ impl TickerStore {
                     "missed" => e.missed += n,
                     "paused" => e.paused += n,
                     "overlapped" => e.overlapped += n,
+                    "calendar" => e.calendar += n,
                     _ => {}
                 }
             }
@@ -225,4 +226,6 @@ pub struct SlotCounts {
     pub paused: u64,
     /// Skipped by the overlap policy (the previous run was still in progress).
     pub overlapped: u64,
+    /// Skipped by its business calendar (`on_holiday = "skip"`: holidays and days off).
+    pub calendar: u64,
 }

@@ -1,8 +1,8 @@
 //! For the daemons' `main`s (libraries install no signal handlers): wait for a stop signal
 //! while reloading on SIGHUP and when the config file changes.
 
-use std::path::Path;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
 use tokio::signal::unix::{SignalKind, signal};
 
 /// How often the config file's modification time is checked. Polling `metadata` (which
@@ -14,11 +14,29 @@ const POLL: Duration = Duration::from_secs(2);
 /// Returns at the first SIGTERM or SIGINT. Calls `reload` on SIGHUP and whenever the
 /// modification time of `config_file` changes (checked every 2 s). Returns at once, with an
 /// error, if the handlers cannot be installed.
-pub async fn until_stopped(config_file: &Path, mut reload: impl FnMut()) -> std::io::Result<()> {
+pub async fn until_stopped(config_file: &Path, reload: impl FnMut()) -> std::io::Result<()> {
+    let file = config_file.to_path_buf();
+    until_stopped_watching(move || vec![file.clone()], reload).await
+}
+
+/// [`until_stopped`] watching every file `files` names (asked again at each check: the config
+/// file and the files it points to, such as a calendar's `.ics`, which a reload may change).
+pub async fn until_stopped_watching(
+    files: impl Fn() -> Vec<PathBuf>,
+    mut reload: impl FnMut(),
+) -> std::io::Result<()> {
     let (mut term, mut int, mut hup) =
         (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?, signal(SignalKind::hangup())?);
-    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let mut seen = mtime(config_file);
+    let mtimes = || -> Vec<(PathBuf, Option<SystemTime>)> {
+        files()
+            .into_iter()
+            .map(|p| {
+                let m = std::fs::metadata(&p).and_then(|m| m.modified()).ok();
+                (p, m)
+            })
+            .collect()
+    };
+    let mut seen = mtimes();
     let mut poll = tokio::time::interval(POLL);
     loop {
         let changed = tokio::select! {
@@ -26,7 +44,7 @@ pub async fn until_stopped(config_file: &Path, mut reload: impl FnMut()) -> std:
             _ = int.recv() => return Ok(()),
             _ = hup.recv() => true,
             _ = poll.tick() => {
-                let now = mtime(config_file);
+                let now = mtimes();
                 let changed = now != seen;
                 seen = now;
                 changed

@@ -6,8 +6,8 @@
 //! days (a Saturday made a working day); an extra working day wins over a holiday. Dates are
 //! the calendar's own (the zone it names decides which day an instant falls on).
 //!
-//! This module is the planner alone: the ticker, `chime jobs next`, catch-up and backfill do
-//! not use it yet (issue #26).
+//! This module is the days alone; `crate::schedule` puts a schedule's slots on them, and
+//! `[[calendars]]` in the config builds them.
 
 mod ics;
 
@@ -44,7 +44,8 @@ impl Yearly {
 }
 
 /// Where a slot that falls on a day that is not a business day goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum OnHoliday {
     /// It does not run (recorded as skipped).
     Skip,

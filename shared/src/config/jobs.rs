@@ -123,6 +123,12 @@ pub struct JobConfig {
     /// `promote_after` it has waited (low → normal → high), and among runs of one level the
     /// one that waited longest goes first, so no run starves.
     pub promote_after: Option<Duration>,
+    /// The `[[calendars]]` entry its slots follow (business days, holidays).
+    pub calendar: Option<String>,
+    /// Where a slot on a day that is not a business day goes (default `skip`).
+    pub on_holiday: Option<crate::calendar::OnHoliday>,
+    /// Only the n-th (n ≥ 1) or n-th last (n ≤ −1) business day of each month.
+    pub business_day: Option<i32>,
 }
 
 /// What runs a job. In TOML it is the `handler` key plus the keys of that handler alone
@@ -230,6 +236,12 @@ struct RawJobConfig {
     criticality: Option<Criticality>,
     #[serde(default, deserialize_with = "duration::de_opt")]
     promote_after: Option<Duration>,
+    #[serde(default)]
+    calendar: Option<String>,
+    #[serde(default)]
+    on_holiday: Option<crate::calendar::OnHoliday>,
+    #[serde(default)]
+    business_day: Option<i32>,
 }
 
 /// `[[jobs]]` with each entry's index in its errors, as `validate` names them.
@@ -337,19 +349,14 @@ impl RawJobConfig {
             circuit: raw.circuit,
             criticality: raw.criticality.unwrap_or_default(),
             promote_after: raw.promote_after,
+            calendar: raw.calendar,
+            on_holiday: raw.on_holiday,
+            business_day: raw.business_day,
         })
     }
 }
 
 impl JobConfig {
-    /// The job's schedule, if it has one, in its zone.
-    pub fn schedule(&self) -> Result<Option<crate::schedule::Schedule>, crate::schedule::ScheduleError> {
-        self.schedule
-            .as_deref()
-            .map(|s| crate::schedule::Schedule::parse(s, self.timezone.as_deref()))
-            .transpose()
-    }
-
     /// The options this entry sets (a typed job's options with this entry on top:
     /// [`JobConfig::over`]).
     pub fn options(&self) -> JobOptions {

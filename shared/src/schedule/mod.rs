@@ -21,12 +21,36 @@
 //!
 //! Slots are handled as UTC instants; keys derive from the UTC instant, so every replica and
 //! every restart computes the same slots.
+//!
+//! # Business calendars
+//!
+//! A schedule may follow a business calendar (`jobs[].calendar`, [`Schedule::on_calendar`]).
+//! The calendar's dates are the schedule's own (a job runs in its calendar's zone), so a
+//! slot's day is its local date. By its [`Rule`]:
+//!
+//! - `on_holiday = "skip"`: the slots on business days run; the others are skipped (the
+//!   ticker counts them, and records those on holidays).
+//! - `on_holiday = "next_business_day"` / `"previous_business_day"` (fixed-time schedules
+//!   only): a slot on another day runs on the next (previous) business day at the same local
+//!   time, resolved by the fixed-time DST rule above. Its instant, hence its key, is that of
+//!   the rolled local time: a slot rolled onto a time the schedule already has on that day,
+//!   or two slots rolled onto one, are one slot and run once.
+//! - `business_day = n`: the slots on the n-th business day of each month (n ≥ 1), or the
+//!   n-th last (n ≤ −1; −1 is the last). The schedule gives the time of day and the months;
+//!   its day fields must be `*`.
+//!
+//! Slots stay strictly increasing instants computed from the config alone, so watermarks,
+//! catch-up, backfill and every replica work on them unchanged.
 
 use chrono::{DateTime, Duration, LocalResult, NaiveDate, NaiveTime, Offset, TimeZone, Utc};
 use chrono_tz::{GapInfo, Tz};
 use croner::Cron;
 use croner::parser::{CronParser, Seconds, Year};
 use std::str::FromStr;
+
+mod business;
+
+pub use business::{BUSINESS_DAY_HORIZON_MONTHS, Business, Closed, Moved, Rule};
 
 /// How a schedule is resolved across daylight-saving transitions (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,13 +61,16 @@ pub enum Kind {
     Wildcard,
 }
 
-/// A parsed schedule.
+/// A parsed schedule, optionally on a business calendar ([`Schedule::on_calendar`]).
 #[derive(Debug, Clone)]
 pub struct Schedule {
     cron: Cron,
     tz: Tz,
     kind: Kind,
     expr: String,
+    /// Neither day field restricts the day (`*` or `?` in both).
+    days_any: bool,
+    business: Option<std::sync::Arc<Business>>,
 }
 
 /// Why a schedule is rejected.
@@ -79,10 +106,12 @@ impl Schedule {
             message: crate::redact::escape_control(&message).into_owned(),
         };
         let fields: Vec<&str> = expr.split_whitespace().collect();
-        let (kind, dom_and_dow) = if expr.trim_start().starts_with('@') {
+        let (kind, dom_and_dow, days_any) = if expr.trim_start().starts_with('@') {
             // croner's macros: only @hourly has a wildcard hour; none restricts both day fields.
-            let hourly = expr.trim().eq_ignore_ascii_case("@hourly");
-            (if hourly { Kind::Wildcard } else { Kind::FixedTime }, false)
+            let m = expr.trim().to_ascii_lowercase();
+            let hourly = m == "@hourly";
+            let days_any = matches!(m.as_str(), "@hourly" | "@daily" | "@midnight");
+            (if hourly { Kind::Wildcard } else { Kind::FixedTime }, false, days_any)
         } else {
             let time_fields = match fields.len() {
                 5 => 2,
@@ -93,7 +122,7 @@ impl Schedule {
             let kind =
                 if fields[..time_fields].iter().any(|f| star(f)) { Kind::Wildcard } else { Kind::FixedTime };
             let (dom, dow) = (fields[time_fields], fields[time_fields + 2]);
-            (kind, star(dom) || star(dow))
+            (kind, star(dom) || star(dow), star(dom) && star(dow) && !dom.contains('/') && !dow.contains('/'))
         };
         let cron = CronParser::builder()
             .seconds(Seconds::Optional)
@@ -116,7 +145,21 @@ impl Schedule {
         if !fires {
             return Err(bad("never fires: no date matches (check day of month against month)".into()));
         }
-        Ok(Self { cron, tz, kind, expr: expr.to_string() })
+        Ok(Self { cron, tz, kind, expr: expr.to_string(), days_any, business: None })
+    }
+
+    /// This schedule on a business calendar (see [`Rule`]):
+    /// refused, with the reason, when the rule cannot apply to it (a roll on a wildcard
+    /// schedule, `business_day` with day fields, an index no month reaches).
+    pub fn on_calendar(mut self, business: Business) -> Result<Self, String> {
+        business::check(&self, &business)?;
+        self.business = Some(std::sync::Arc::new(business));
+        Ok(self)
+    }
+
+    /// The business calendar it follows, if any.
+    pub fn business(&self) -> Option<&Business> {
+        self.business.as_deref()
     }
 
     /// The zone slots are computed in.
@@ -134,8 +177,25 @@ impl Schedule {
         self.kind
     }
 
-    /// The first slot strictly after `t`.
+    /// The first slot strictly after `t` (on its calendar, if it has one).
     pub fn next_after(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        match &self.business {
+            None => self.next_bare(t),
+            Some(b) => self.next_business(b, t),
+        }
+    }
+
+    /// What the ticker walks: [`Schedule::next_after`], and the slots its calendar skips
+    /// (`on_holiday = "skip"`), which it counts and records ([`Schedule::skipped`]).
+    pub fn next_tick(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        match self.business.as_deref().map(|b| b.rule) {
+            Some(Rule::OnHoliday(crate::calendar::OnHoliday::Skip)) => self.next_bare(t),
+            _ => self.next_after(t),
+        }
+    }
+
+    /// The bare schedule's first slot after `t`, calendar aside.
+    fn next_bare(&self, t: DateTime<Utc>) -> Option<DateTime<Utc>> {
         match self.kind {
             Kind::FixedTime => self.next_fixed(t),
             Kind::Wildcard => self.next_wildcard(t),
@@ -241,6 +301,8 @@ fn at_second(s: i64) -> Option<DateTime<Utc>> {
     DateTime::from_timestamp(s, 0)
 }
 
+#[cfg(test)]
+mod business_oracle;
 #[cfg(test)]
 mod fuzz;
 #[cfg(test)]

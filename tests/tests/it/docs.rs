@@ -160,6 +160,12 @@ fn config_keys() -> BTreeSet<String> {
                     keys.insert(format!("circuits[].{k}"));
                 }
             }
+            "calendars" => {
+                let calendar = format!("[[calendars]]\nname = \"a\"\n{UNKNOWN}\n");
+                for k in accepted_keys(&calendar) {
+                    keys.insert(format!("calendars[].{k}"));
+                }
+            }
             "prefix" => {
                 keys.insert(top.clone());
             }

@@ -151,7 +151,7 @@ async fn finish(
     single: &std::path::Path,
 ) {
     // The slots to account for: from the first the sharded job ran to 01:00:30Z, by the schedule.
-    let schedule = config.job("split").unwrap().schedule().unwrap().unwrap();
+    let schedule = config.schedule_of(config.job("split").unwrap()).unwrap().unwrap();
     let first = rows(split).iter().filter_map(|r| r[0].parse::<DateTime<Utc>>().ok()).min().unwrap();
     let last: DateTime<Utc> = "2026-10-25T01:00:30Z".parse().unwrap();
     let mut slots = vec![first];

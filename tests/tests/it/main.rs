@@ -4,6 +4,7 @@
 mod api;
 mod backfill;
 mod broker_restart;
+mod calendar;
 mod catalog;
 mod circuits;
 mod cli;

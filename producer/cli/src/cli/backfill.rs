@@ -78,8 +78,9 @@ pub async fn run(config: ValidConfig, args: BackfillArgs) -> Result<(), Failure>
         .job(&args.job)
         .ok_or_else(|| usage(anyhow::anyhow!("unknown job {:?} (not in the config's [[jobs]])", args.job)))?
         .clone();
-    let schedule = job.schedule()
-        .map_err(|e| usage(anyhow::anyhow!("job {}: {e}", job.name)))?
+    let schedule = config
+        .schedule_of(&job)
+        .map_err(|e| usage(anyhow::anyhow!("{e}")))?
         .ok_or_else(|| {
             usage(anyhow::anyhow!(
                 "job {} has no schedule: backfill publishes a schedule's past slots (use `chime enqueue` for ad-hoc runs)",

@@ -42,8 +42,9 @@ fn schedule_of(config: &Config, name: &str) -> Result<Schedule, Failure> {
     let job = config
         .job(name)
         .ok_or_else(|| usage(anyhow::anyhow!("unknown job {name:?} (not in the config's [[jobs]])")))?;
-    job.schedule()
-        .map_err(|e| usage(anyhow::anyhow!("job {name}: {e}")))?
+    config
+        .schedule_of(job)
+        .map_err(|e| usage(anyhow::anyhow!("{e}")))?
         .ok_or_else(|| usage(anyhow::anyhow!("job {name} has no schedule (it runs ad hoc only)")))
 }
 
@@ -91,16 +92,13 @@ pub fn jobs(config: &Config, cmd: JobsCommand) -> Result<(), Failure> {
                     .with_timezone(&Utc),
                 None => Utc::now(),
             };
-            let slots: Vec<String> = s
-                .upcoming(after, count)
-                .into_iter()
-                .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
-                .collect();
+            let runs = s.upcoming(after, count);
             if json {
+                let slots: Vec<String> = runs.iter().map(|t| rfc3339(*t)).collect();
                 println!("{}", serde_json::to_string(&slots).unwrap_or_default());
             } else {
-                for t in slots {
-                    println!("{t}");
+                for line in explained(&s, after, &runs) {
+                    println!("{line}");
                 }
             }
             Ok(())
@@ -108,10 +106,91 @@ pub fn jobs(config: &Config, cmd: JobsCommand) -> Result<(), Failure> {
     }
 }
 
+fn rfc3339(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+}
+
+/// One line per run; on a business calendar each says why it is where it is (the slots it
+/// runs for, rolled from days off; its business day of the month), and the slots the calendar
+/// skips between them get a line of their own.
+fn explained(s: &Schedule, after: DateTime<Utc>, runs: &[DateTime<Utc>]) -> Vec<String> {
+    use chime_shared::calendar::OnHoliday;
+    use chime_shared::schedule::{Closed, Rule};
+    let Some(b) = s.business() else { return runs.iter().map(|t| rfc3339(*t)).collect() };
+    let local = |l: &chrono::NaiveDateTime| l.format("%a %Y-%m-%d %H:%M").to_string();
+    let why = |c: Closed| match c {
+        Closed::Holiday => "holiday",
+        Closed::NotWorkingDay => "day off",
+    };
+    let mut lines: Vec<(DateTime<Utc>, String)> = Vec::new();
+    for run in runs {
+        let text = match b.rule {
+            Rule::OnHoliday(policy) => {
+                let from = s.origins(*run);
+                if from.is_empty() {
+                    rfc3339(*run)
+                } else {
+                    let which = if policy == OnHoliday::NextBusinessDay { "next" } else { "previous" };
+                    let list: Vec<String> =
+                        from.iter().map(|m| format!("{} ({})", local(&m.from), why(m.closed))).collect();
+                    format!(
+                        "{}  {which} business day for {} [calendar {}]",
+                        rfc3339(*run),
+                        list.join(", "),
+                        b.name
+                    )
+                }
+            }
+            Rule::BusinessDay(n) => {
+                let ordinal = match n {
+                    -1 => "last".to_string(),
+                    n if n < 0 => format!("{} last", ordinal(n.unsigned_abs())),
+                    n => ordinal(n.unsigned_abs()),
+                };
+                let month = run.with_timezone(&s.zone()).format("%B %Y");
+                format!("{}  {ordinal} business day of {month} [calendar {}]", rfc3339(*run), b.name)
+            }
+        };
+        lines.push((*run, text));
+    }
+    if let Some(last) = runs.last() {
+        // One line a day: the first skipped slot's instant (its key is for it), and how many.
+        let mut days: Vec<(chime_shared::schedule::Moved, usize)> = Vec::new();
+        for m in s.moved_between(after, *last, 1_000_000).into_iter().filter(|m| m.to.is_none()) {
+            match days.last_mut() {
+                Some((first, n)) if first.from.date() == m.from.date() => *n += 1,
+                _ => days.push((m, 1)),
+            }
+        }
+        for (m, n) in days {
+            let Some(at) = m.at else { continue };
+            let day = m.from.format("%a %Y-%m-%d");
+            let what = if n == 1 { "skipped".to_string() } else { format!("{n} slots skipped") };
+            lines.push((
+                at,
+                format!("{}  {what}: {day} is a {} [calendar {}]", rfc3339(at), why(m.closed), b.name),
+            ));
+        }
+    }
+    lines.sort_by_key(|(t, _)| *t);
+    lines.into_iter().map(|(_, l)| l).collect()
+}
+
+fn ordinal(n: u32) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (_, 11..=13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
+}
+
 /// `chime tick`: the ticker daemon. SIGHUP, or a change of the config file, reloads the
 /// schedules; SIGTERM/SIGINT gives the lease up and exits.
 pub async fn tick(config: ValidConfig, path: PathBuf, listen: Option<String>) -> Result<(), Failure> {
-    scheduled_jobs(&config).map_err(|(job, e)| usage(anyhow::anyhow!("job {job}: {e}")))?;
+    scheduled_jobs(&config).map_err(|e| usage(anyhow::anyhow!("{e}")))?;
     let listen = listen.or_else(|| config.ticker.listen.clone());
     let health = Health::new(&["redis"]);
     let token = CancellationToken::new();
@@ -142,11 +221,17 @@ pub async fn tick(config: ValidConfig, path: PathBuf, listen: Option<String>) ->
 
 /// Signals and config-file changes: reload on SIGHUP or a changed file, stop on SIGTERM/SIGINT.
 async fn reloads(path: PathBuf, tx: watch::Sender<ValidConfig>, token: CancellationToken) {
+    // The config file, and the calendars' .ics files the running config reads.
+    let watched = {
+        let (path, rx) = (path.clone(), tx.subscribe());
+        move || {
+            let mut files = vec![path.clone()];
+            files.extend(rx.borrow().calendars.iter().filter_map(|c| c.ics.clone()));
+            files
+        }
+    };
     let reload = || match Config::load(Some(&path)).and_then(|c| {
-        scheduled_jobs(&c).map_err(|(job, e)| chime_shared::ConfigError::Invalid {
-            key: format!("jobs ({job}).schedule"),
-            message: e.to_string(),
-        })?;
+        scheduled_jobs(&c)?;
         Ok(c)
     }) {
         Ok(c) => {
@@ -155,7 +240,7 @@ async fn reloads(path: PathBuf, tx: watch::Sender<ValidConfig>, token: Cancellat
         }
         Err(e) => warn!(error = %e, "config reload rejected; keeping the running config"),
     };
-    if let Err(e) = chime_daemon::signals::until_stopped(&path, reload).await {
+    if let Err(e) = chime_daemon::signals::until_stopped_watching(watched, reload).await {
         warn!(error = %e, "cannot install signal handlers");
         return;
     }
@@ -216,7 +301,7 @@ pub async fn status(config: ValidConfig, json: bool) -> Result<(), Failure> {
     let marks = store.watermarks().await.map_err(runtime)?;
     let now = Utc::now();
     let jobs: Vec<JobRow> = scheduled_jobs(&config)
-        .map_err(|(job, e)| usage(anyhow::anyhow!("job {job}: {e}")))?
+        .map_err(|e| usage(anyhow::anyhow!("{e}")))?
         .into_iter()
         .map(|j| {
             let last = marks.get(&j.name).and_then(|s| DateTime::from_timestamp(*s, 0));

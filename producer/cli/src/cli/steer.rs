@@ -159,7 +159,7 @@ async fn catch_up_paused(
     from: DateTime<Utc>,
     until: DateTime<Utc>,
 ) -> Result<usize, Failure> {
-    let jobs = scheduled_jobs(&config).map_err(|(j, e)| usage(anyhow::anyhow!("job {j}: {e}")))?;
+    let jobs = scheduled_jobs(&config).map_err(|e| usage(anyhow::anyhow!("{e}")))?;
     let Some(j) = jobs.iter().find(|j| j.name == job) else { return Ok(0) };
     let window = chrono::Duration::from_std(j.window).unwrap_or(chrono::Duration::hours(1));
     let from = from.max(until - window);

@@ -14,11 +14,13 @@
 //! are deterministic, so the duplicates a split brain can still cause are absorbed by workers.
 
 use chime_shared::amqp;
+use chime_shared::calendar::OnHoliday;
+use chime_shared::config::ConfigError;
 use chime_shared::config::ValidConfig;
 use chime_shared::config::{CatchUp, Config};
 use chime_shared::envelope;
 use chime_shared::health::Health;
-use chime_shared::schedule::{Schedule, ScheduleError};
+use chime_shared::schedule::Schedule;
 use chime_shared::telemetry;
 use chime_shared::topology::{self, Names};
 use chrono::{DateTime, Utc};
@@ -78,18 +80,19 @@ impl TickerJob {
 }
 
 /// Every job of `config` that has a schedule.
-pub fn scheduled_jobs(config: &Config) -> Result<Vec<TickerJob>, (String, ScheduleError)> {
+pub fn scheduled_jobs(config: &Config) -> Result<Vec<TickerJob>, ConfigError> {
     let mut out = Vec::new();
-    let mut parsed: HashMap<(String, Option<String>), Arc<Schedule>> = HashMap::new();
+    // Expression, zone and calendar settings.
+    type Id = (String, Option<String>, Option<String>, Option<OnHoliday>, Option<i32>);
+    let mut parsed: HashMap<Id, Arc<Schedule>> = HashMap::new();
     for job in &config.jobs {
         let Some(expr) = &job.schedule else { continue };
-        let id = (expr.clone(), job.timezone.clone());
+        let id = (expr.clone(), job.timezone.clone(), job.calendar.clone(), job.on_holiday, job.business_day);
         let schedule = match parsed.get(&id) {
             Some(s) => s.clone(),
             None => {
-                let s = Arc::new(
-                    Schedule::parse(expr, job.timezone.as_deref()).map_err(|e| (job.name.clone(), e))?,
-                );
+                let Some(s) = config.schedule_of(job)? else { continue };
+                let s = Arc::new(s);
                 parsed.insert(id, s.clone());
                 s
             }
@@ -143,7 +146,7 @@ impl Plan {
             let s = &job.schedule;
             let Some(wm) = watermarks.get(&job.name).and_then(|w| DateTime::from_timestamp(*w, 0)) else {
                 // A job never published before starts with its next slot.
-                if let Some(next) = s.next_after(now) {
+                if let Some(next) = s.next_tick(now) {
                     plan.push(i, job, next);
                 }
                 continue;
@@ -156,9 +159,10 @@ impl Plan {
             let in_window = s.slots_between(catch_from, now, COUNT_CAP);
             // Never below the watermark: a leader whose clock is behind the last published
             // slot (clock skew between replicas) continues after it, not before.
-            let upcoming = s.next_after(now.max(wm));
+            let upcoming = s.next_tick(now.max(wm));
             let (first, skipped) = match job.catch_up {
-                CatchUp::All => (in_window.first().copied().or(upcoming), 0),
+                // The first tick: a slot, or one its calendar skips (recorded as such).
+                CatchUp::All => (s.next_tick(catch_from).filter(|t| *t <= now).or(upcoming), 0),
                 CatchUp::Latest => match in_window.last() {
                     Some(last) => (Some(*last), in_window.len() - 1),
                     None => (upcoming, 0),
@@ -398,7 +402,7 @@ impl Ticker {
                                 }
                                 buffered = self.buffered(&names, &jobs).await;
                             }
-                            Err((job, e)) => warn!(%job, error = %e, "reload rejected; keeping the old schedules"),
+                            Err(e) => warn!(error = %e, "reload rejected; keeping the old schedules"),
                         }
                     }
                 }
@@ -546,7 +550,7 @@ mod tests {
             for (i, slot) in plan.pop_due(now, BATCH) {
                 out.push(slot.format("%m-%dT%H:%M:%SZ").to_string());
                 marks.insert(jobs[i].name.clone(), slot.timestamp());
-                if let Some(next) = jobs[i].schedule.next_after(slot) {
+                if let Some(next) = jobs[i].schedule.next_tick(slot) {
                     plan.push(i, &jobs[i], next);
                 }
             }
@@ -588,6 +592,47 @@ mod tests {
             lead(&jobs, "2026-10-24T20:00:00Z", "2026-10-25T23:00:00Z", &[], None),
             ["10-25T00:30:00Z", "10-25T13:30:00Z"]
         );
+    }
+
+    #[test]
+    fn calendar_slots_roll_once_across_takeovers_and_outages_on_a_dst_weekend() {
+        use chime_shared::calendar::Calendar;
+        use chime_shared::schedule::{Business, Rule};
+        // Berlin, Monday to Friday, Friday 27 March 2026 a holiday; the clocks go forward on
+        // Sunday 29th (02:30 does not exist that night). A 02:30 job rolled forward: Friday,
+        // Saturday and Sunday all land on Monday 02:30 CEST (00:30Z), which is Monday's own
+        // slot: one run.
+        let holiday = "2026-03-27".parse().unwrap();
+        let on = |rule| {
+            let mut j = berlin("30 2 * * *").remove(0);
+            let business = Business {
+                name: "de".into(),
+                calendar: Arc::new(Calendar::default().with_holidays([holiday])),
+                rule,
+            };
+            j.schedule = Arc::new(
+                Schedule::parse("30 2 * * *", Some("Europe/Berlin")).unwrap().on_calendar(business).unwrap(),
+            );
+            vec![j]
+        };
+        let jobs = on(Rule::OnHoliday(OnHoliday::NextBusinessDay));
+        let want = ["03-30T00:30:00Z", "03-31T00:30:00Z"];
+        assert_eq!(lead(&jobs, "2026-03-26T12:00:00Z", "2026-03-31T12:00:00Z", &[], None), want);
+        let takeovers = ["2026-03-27T01:30:30Z", "2026-03-29T01:00:00Z", "2026-03-30T00:30:30Z"];
+        assert_eq!(lead(&jobs, "2026-03-26T12:00:00Z", "2026-03-31T12:00:00Z", &takeovers, None), want);
+        // Every ticker down over the weekend: the next leader catches Monday's slot up, once.
+        let wm = Some("2026-03-26T01:30:00Z");
+        assert_eq!(lead(&jobs, "2026-03-30T02:00:00Z", "2026-03-31T12:00:00Z", &[], wm), want);
+        // Skipped instead: the ticker walks the days off too (to count and record them).
+        let jobs = on(Rule::OnHoliday(OnHoliday::Skip));
+        let ticks = lead(&jobs, "2026-03-26T12:00:00Z", "2026-03-31T12:00:00Z", &takeovers, None);
+        assert_eq!(
+            ticks,
+            ["03-27T01:30:00Z", "03-28T01:30:00Z", "03-29T01:00:00Z", "03-30T00:30:00Z", "03-31T00:30:00Z"]
+        );
+        let skipped: Vec<bool> =
+            ticks.iter().map(|s| jobs[0].schedule.skipped(t(&format!("2026-{s}"))).is_some()).collect();
+        assert_eq!(skipped, [true, true, true, false, false]);
     }
 
     #[test]

@@ -7,6 +7,7 @@ use chime_shared::envelope::{self, Envelope, Source};
 use chime_shared::group;
 use chime_shared::history::{self, Outcome, RunEvent};
 use chime_shared::idempotency;
+use chime_shared::schedule::Closed;
 use chime_shared::telemetry;
 use chime_shared::topology::Names;
 use chime_shared::trace;
@@ -95,6 +96,28 @@ impl Ticker {
         let mut shed_events = Vec::new();
         for ((i, slot), paused) in due.into_iter().zip(paused.into_iter().chain(std::iter::repeat(false))) {
             let Some(job) = jobs.get(i) else { continue };
+            // A slot its business calendar skips (`on_holiday = "skip"`): counted; recorded
+            // when the day is a holiday (days off every week are counted only).
+            if let Some(closed) = job.schedule.skipped(slot) {
+                let calendar = job.schedule.business().map(|b| b.name.as_str()).unwrap_or_default();
+                debug!(job = %job.name, %slot, calendar, reason = closed.as_str(), "not a business day: slot skipped");
+                metrics::counter!(telemetry::SLOTS_CALENDAR_SKIPPED, "job" => job.name.clone(), "reason" => closed.as_str())
+                    .increment(1);
+                self.store.count(&job.name, "calendar", 1).await;
+                if closed == Closed::Holiday {
+                    let day = slot.with_timezone(&job.schedule.zone()).date_naive();
+                    info!(job = %job.name, %slot, calendar, %day, "holiday: slot skipped");
+                    shed_events.push(self.unpublished(
+                        job,
+                        slot,
+                        Outcome::Skipped,
+                        "calendar",
+                        format!("slot {slot}: {day} is a holiday in calendar {calendar:?}"),
+                    ));
+                }
+                handled.push((i, slot));
+                continue;
+            }
             if paused {
                 debug!(job = %job.name, %slot, "schedule paused: slot skipped");
                 metrics::counter!(telemetry::SLOTS_PAUSED, "job" => job.name.clone()).increment(1);
@@ -429,7 +452,7 @@ impl Ticker {
         }
         for (i, slot) in confirmed {
             if let Some(job) = jobs.get(i)
-                && let Some(next) = job.schedule.next_after(slot)
+                && let Some(next) = job.schedule.next_tick(slot)
             {
                 plan.push(i, job, next);
             }

@@ -21,7 +21,7 @@ pub async fn schedules(State(web): State<Arc<Web>>, Query(notice): Query<Notice>
 }
 
 async fn body(web: &Web) -> anyhow::Result<Markup> {
-    let jobs = scheduled_jobs(&web.config).map_err(|(j, e)| anyhow::anyhow!("job {j}: {e}"))?;
+    let jobs = scheduled_jobs(&web.config)?;
     if jobs.is_empty() {
         return Ok(html! { p { "No job of this config has a schedule." } });
     }
@@ -60,7 +60,10 @@ async fn body(web: &Web) -> anyhow::Result<Markup> {
         };
         rows.push(vec![
             html! { a href={ "/history?job=" (enc(job)) } { (t(job)) } },
-            html! { code { (t(j.schedule.expr())) } " " (j.schedule.zone().name()) },
+            html! {
+                code { (t(j.schedule.expr())) } " " (j.schedule.zone().name())
+                @if let Some(b) = j.schedule.business() { br; span.muted { "calendar " (t(&b.name)) } }
+            },
             html! { (t(&j.queue)) },
             html! { (next.map(at).unwrap_or_else(|| "-".into())) },
             html! { (last[i].map(at).unwrap_or_else(|| "-".into())) },
@@ -68,6 +71,7 @@ async fn body(web: &Web) -> anyhow::Result<Markup> {
             html! { (n.missed) },
             html! { (n.paused) },
             html! { (n.overlapped) },
+            html! { (n.calendar) },
             paused_cell(&flags[i], now),
             actions,
         ]);
@@ -85,10 +89,11 @@ async fn body(web: &Web) -> anyhow::Result<Markup> {
                 "Missed",
                 "Paused slots",
                 "Overlapped",
+                "Calendar skipped",
                 "State",
                 "",
             ],
-            &["Missed", "Paused slots", "Overlapped"],
+            &["Missed", "Paused slots", "Overlapped", "Calendar skipped"],
             &rows,
         ))
         p.muted {
