@@ -304,6 +304,90 @@ pub async fn workers<C: ConnectionLike + Send>(
     Ok(beats)
 }
 
+/// Cancels `key` (`chime cancel`, the dashboard's Cancel button, `POST /v1/jobs/{key}/cancel`)
+/// and says what happened, the same words everywhere: a run in progress is stopped by its
+/// worker (which records it); a key waiting for its next attempt or not started yet is
+/// recorded `cancelled` here (in the history too, when its record knew its job), and a copy of
+/// it that arrives later is dropped. A key already `done`, `dead` or `cancelled` is left as it
+/// is. The message's flag is true when something was cancelled (or had been).
+pub async fn cancel(
+    conn: &mut crate::redis_conn::RedisConn,
+    names: &Names,
+    config: &crate::config::Config,
+    key: &str,
+    who: &str,
+) -> Result<(crate::idempotency::Cancelled, String, bool), crate::idempotency::IdemError> {
+    use crate::idempotency::Cancelled;
+    use crate::record::KeyState;
+    let retention = config.redis.done_retention;
+    let (found, about) = crate::idempotency::cancel(conn, names, key, retention, who).await?;
+    let unrun = |error: &str| {
+        about.as_ref().map(|(job, queue)| crate::history::RunEvent {
+            job: job.clone(),
+            key: key.to_string(),
+            id: String::new(),
+            queue: queue.clone(),
+            attempt: 0,
+            max_attempts: 0,
+            worker: who.to_string(),
+            started_at: None,
+            finished_at: Utc::now(),
+            outcome: crate::history::Outcome::Cancelled,
+            duration_ms: None,
+            reason: Some("cancelled".into()),
+            error: Some(error.to_string()),
+            entry: None,
+        })
+    };
+    let keep = crate::duration::format(retention);
+    let (text, event, ok) = match &found {
+        Cancelled::Running { owner } => {
+            let worker = owner.split('/').next().unwrap_or(owner);
+            (
+                format!(
+                    "cancelling {key}: its run on worker {worker} stops within a second (the handler's cancellation \
+                     token fires; an exec program gets SIGTERM, then SIGKILL after worker.cancel_grace); it is \
+                     recorded cancelled, not retried, not dead-lettered"
+                ),
+                None,
+                true,
+            )
+        }
+        Cancelled::Waiting => (
+            format!(
+                "cancelled {key}: no run held it (it was waiting for its next attempt, or its worker is gone); \
+                 a copy that arrives is dropped as cancelled"
+            ),
+            unrun(&format!("cancelled by {who} between attempts")),
+            true,
+        ),
+        Cancelled::NotStarted => (
+            format!(
+                "cancelled {key}: no run of it has started (it is queued or delayed, or chime does not know it); \
+                 a copy that arrives within redis.done_retention ({keep}) is dropped as cancelled"
+            ),
+            None,
+            true,
+        ),
+        Cancelled::Settled(KeyState::Cancelled) => (format!("{key} was cancelled already"), None, true),
+        Cancelled::Settled(KeyState::Done) => (format!("{key} is done: nothing to cancel"), None, false),
+        Cancelled::Settled(KeyState::Dead | KeyState::Dying) => (
+            format!(
+                "{key} is dead (dead-lettered): nothing to cancel; `chime dlq purge` removes its dead letter"
+            ),
+            None,
+            false,
+        ),
+        Cancelled::Settled(other) => (format!("{key} is {other}: nothing cancelled"), None, false),
+    };
+    if let Some(event) = event
+        && let Err(e) = crate::history::append(conn, names, &[event]).await
+    {
+        tracing::warn!(error = %e, "the cancellation is not in the history");
+    }
+    Ok((found, text, ok))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -53,11 +53,14 @@ pub enum Outcome {
     /// Skipped while its queue was backed up past its shedding threshold (a `sheddable` job):
     /// the run by a worker, or the slot by the ticker (`error` says which threshold).
     Shed,
+    /// Cancelled (`chime cancel`): the run stopped by its worker, or, for a key no run held,
+    /// the cancellation itself.
+    Cancelled,
 }
 
 impl Outcome {
     /// Every outcome, in a fixed order.
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: [Outcome; 10] = [
         Outcome::Succeeded,
         Outcome::Retried,
         Outcome::DeadLettered,
@@ -67,6 +70,7 @@ impl Outcome {
         Outcome::Skipped,
         Outcome::Parked,
         Outcome::Shed,
+        Outcome::Cancelled,
     ];
 
     /// The spelling in events, filters and URLs.
@@ -81,6 +85,7 @@ impl Outcome {
             Outcome::Skipped => "skipped",
             Outcome::Parked => "parked",
             Outcome::Shed => "shed",
+            Outcome::Cancelled => "cancelled",
         }
     }
 
@@ -96,6 +101,7 @@ impl Outcome {
             Outcome::Skipped => 'k',
             Outcome::Parked => 'p',
             Outcome::Shed => 'h',
+            Outcome::Cancelled => 'c',
         }
     }
 

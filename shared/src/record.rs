@@ -19,6 +19,8 @@ pub enum KeyState {
     Dead,
     /// Released for a retry (`free`).
     Free,
+    /// Cancelled (`chime cancel`): not run again; later copies are dropped (`cancelled`).
+    Cancelled,
     /// Anything else: not a state chime writes (a newer release's, or a poisoned record).
     Unknown(String),
 }
@@ -32,6 +34,7 @@ impl KeyState {
             "done" => Self::Done,
             "dead" => Self::Dead,
             "free" => Self::Free,
+            "cancelled" => Self::Cancelled,
             other => Self::Unknown(other.to_string()),
         }
     }
@@ -44,13 +47,14 @@ impl KeyState {
             Self::Done => "done",
             Self::Dead => "dead",
             Self::Free => "free",
+            Self::Cancelled => "cancelled",
             Self::Unknown(s) => s,
         }
     }
 
     /// The run is over for good (`done` or `dead`): nothing runs it again but a replay.
     pub fn settled(&self) -> bool {
-        matches!(self, Self::Done | Self::Dead)
+        matches!(self, Self::Done | Self::Dead | Self::Cancelled)
     }
 
     /// What the state means, for `chime inspect` and the dashboard.
@@ -61,6 +65,7 @@ impl KeyState {
             Self::Done => "done: later copies are absorbed as duplicates",
             Self::Dead => "dead: dead-lettered; later copies are absorbed until it is replayed",
             Self::Free => "free: released for a retry",
+            Self::Cancelled => "cancelled: not run again; later copies are dropped as cancelled",
             Self::Unknown(_) => "unknown state",
         }
     }
@@ -160,7 +165,7 @@ mod tests {
 
     #[test]
     fn states_round_trip_and_unknown_ones_stay_visible() {
-        for s in ["run", "dying", "done", "dead", "free", "zombie"] {
+        for s in ["run", "dying", "done", "dead", "free", "cancelled", "zombie"] {
             assert_eq!(KeyState::parse(s).as_str(), s);
         }
         assert!(KeyState::parse("done").settled() && KeyState::parse("dead").settled());

@@ -103,6 +103,8 @@ pub mod outcome {
     pub const EXPIRED: &str = "expired";
     /// A `sheddable` run skipped while its queue was above its shedding threshold.
     pub const SHED: &str = "shed";
+    /// Cancelled (`chime cancel`): a run stopped, or a copy of a cancelled key dropped.
+    pub const CANCELLED: &str = "cancelled";
 }
 
 /// Label used instead of a job name that is not in the config (keeps cardinality bounded).

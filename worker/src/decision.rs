@@ -11,6 +11,7 @@
 //! | Redis error | — | — | requeue (intake pauses) | |
 //! | the key's record is not a chime record | — | — | dead-letter `bad_record`, ack | requeue |
 //! | `done` / `dead` | — | — | ack (duplicate) | |
+//! | `cancelled` | — | — | ack (dropped as cancelled, recorded) | |
 //! | `busy` (another live owner) | — | — | re-delay this copy by the remaining lease, ack | requeue |
 //! | `dying` (a dead letter not known to be confirmed) | — | — | publish the dead letter again, record `dead`, ack | requeue |
 //! | claimed | succeeded | — | record `done` (retried until it is), ack | (not recorded by the drain deadline: requeue) |
@@ -19,6 +20,7 @@
 //! | claimed | permanent | any | as above | as above |
 //! | claimed | the downstream pushed back (`rate_limited`) | any | slow the job's rate bucket, publish the same attempt after the wait, free the key, ack (`parked`) | free the key, requeue |
 //! | claimed | lease taken over by another owner | — | ack (that owner settles its own copy) | |
+//! | claimed | cancelled (`chime cancel`; the key is `cancelled` already) | — | record the `cancelled` run, ack | |
 //! | claimed, a `sheddable` job while its queue sheds | not run | — | record `done` with a `shed` run (a later copy is a duplicate), ack | (not recorded by the drain deadline: requeue) |
 //! | claimed | stopped at the drain deadline | — | free the key, requeue | |
 //! | (no handler for the job) | — | — | re-delay for `worker.unknown_job_grace`, then dead-letter `unknown_job` | requeue |
@@ -51,6 +53,8 @@ pub(crate) enum RunEnd {
     LeaseTaken,
     /// Stopped by the drain deadline without a result.
     Stopped,
+    /// Cancelled (`chime cancel`) and stopped without a result in its grace.
+    Cancelled,
 }
 
 /// Why a delivery is acked without a new record or message.
@@ -58,6 +62,8 @@ pub(crate) enum RunEnd {
 pub(crate) enum Settled {
     Duplicate,
     Expired,
+    /// A copy of a cancelled key.
+    Cancelled,
 }
 
 /// Why a copy is sent round again unchanged.
@@ -136,6 +142,8 @@ pub(crate) enum HeldPlan {
     LeaseTaken,
     /// Stopped at the drain deadline: free the key, requeue.
     Release,
+    /// Cancelled while it ran (the record says `cancelled` already): record the run, ack.
+    Cancelled,
     /// The downstream pushed back: publish the same attempt after `delay`, free the key, ack.
     Park {
         delay: Duration,
@@ -163,6 +171,7 @@ pub(crate) fn on_claim(claim: Result<Claim, &IdemError>) -> AfterClaim {
         Err(e) => AfterClaim::Settle(on_redis_error(e)),
         Ok(Claim::Claimed { fence, .. }) => AfterClaim::Run(fence),
         Ok(Claim::Done { .. } | Claim::Dead { .. }) => AfterClaim::Settle(Plan::Ack(Settled::Duplicate)),
+        Ok(Claim::Cancelled { .. }) => AfterClaim::Settle(Plan::Ack(Settled::Cancelled)),
         // Never drop a busy copy (its owner may die): send it round after the remaining lease.
         Ok(Claim::Busy { remaining, .. }) => AfterClaim::Settle(Plan::Redelay {
             delay: remaining.max(Duration::from_secs(1)),
@@ -196,6 +205,7 @@ pub(crate) fn on_run(
         RunEnd::Succeeded => HeldPlan::RecordDone,
         RunEnd::LeaseTaken => HeldPlan::LeaseTaken,
         RunEnd::Stopped => HeldPlan::Release,
+        RunEnd::Cancelled => HeldPlan::Cancelled,
         RunEnd::Failed(failure, error) => match retry::decide(attempt, max_attempts, failure, backoff, key) {
             Decision::Retry(delay) => HeldPlan::Retry { delay },
             Decision::Dead(reason) => {
@@ -297,6 +307,7 @@ mod tests {
         assert_eq!(on_claim(Ok(Claim::Claimed { fence: 7, checkpoint: None })), AfterClaim::Run(7));
         assert_eq!(on_claim(Ok(Claim::Done { fence: 7 })), settle(Plan::Ack(Settled::Duplicate)));
         assert_eq!(on_claim(Ok(Claim::Dead { fence: 7 })), settle(Plan::Ack(Settled::Duplicate)));
+        assert_eq!(on_claim(Ok(Claim::Cancelled { fence: 7 })), settle(Plan::Ack(Settled::Cancelled)));
         let busy = Claim::Busy { fence: 1, remaining: Duration::from_millis(300) };
         assert_eq!(
             on_claim(Ok(busy)),
@@ -322,6 +333,7 @@ mod tests {
         assert_eq!(on_run(RunEnd::Succeeded, 1, 3, &backoff(), k), HeldPlan::RecordDone);
         assert_eq!(on_run(RunEnd::LeaseTaken, 1, 3, &backoff(), k), HeldPlan::LeaseTaken);
         assert_eq!(on_run(RunEnd::Stopped, 1, 3, &backoff(), k), HeldPlan::Release);
+        assert_eq!(on_run(RunEnd::Cancelled, 1, 3, &backoff(), k), HeldPlan::Cancelled);
         assert!(matches!(
             on_run(RunEnd::Failed(Failure::Transient, "e".into()), 1, 3, &backoff(), k),
             HeldPlan::Retry { .. }

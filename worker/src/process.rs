@@ -343,7 +343,7 @@ async fn report<S: KeyStore>(store: &S, spec: &JobSpec, end: &RunEnd, probe: Opt
     let ended = match end {
         RunEnd::Succeeded => Ended::Succeeded,
         RunEnd::Failed(..) | RunEnd::RetryAfter(..) => Ended::Failed,
-        RunEnd::RateLimited(..) | RunEnd::LeaseTaken | RunEnd::Stopped => Ended::Neither,
+        RunEnd::RateLimited(..) | RunEnd::LeaseTaken | RunEnd::Stopped | RunEnd::Cancelled => Ended::Neither,
     };
     let token = probe.and_then(|mut p| p.token());
     // Successes are reported in batches (a closed circuit only needs their number); a
@@ -715,6 +715,7 @@ enum Stop {
     Timeout,
     LeaseTaken,
     Shutdown,
+    Cancelled,
 }
 
 /// What a handler left as its result (see [`JobContext::set_result`]).
@@ -762,6 +763,8 @@ async fn run_handler<S: KeyStore>(
     save_rx: tokio::sync::mpsc::UnboundedReceiver<crate::handler::SaveCheckpoint>,
 ) -> RunEnd {
     let cancel = CancellationToken::new();
+    // Fired when `chime cancel` names this key (the cancellations stream).
+    let cancelled = core.watch_cancel(key);
     let ctx = JobContext {
         job: env.job.clone(),
         queue: env.queue.clone(),
@@ -784,23 +787,27 @@ async fn run_handler<S: KeyStore>(
     // the checkpoints it saves, under this claim.
     let mut renewals = std::pin::pin!(async {
         tokio::select! {
-            _ = renew_lease(core, store, key, owner, fence, spec.global.map(|n| (env.job.as_str(), n))) => {}
+            lost = renew_lease(core, store, key, owner, fence, spec.global.map(|n| (env.job.as_str(), n))) => lost,
             _ = save_checkpoints(core, store, key, owner, save_rx) => std::future::pending().await,
         }
     });
     let mut stop = tokio::select! {
         joined = &mut task => return ended(joined),
         _ = tokio::time::sleep(spec.timeout) => Stop::Timeout,
-        _ = &mut renewals => Stop::LeaseTaken,
+        lost = &mut renewals => lost,
+        _ = cancelled.token.cancelled() => Stop::Cancelled,
         _ = core.hard_stop.cancelled() => Stop::Shutdown,
     };
+    if stop == Stop::Cancelled {
+        info!("cancelled (chime cancel): the handler's cancellation token fires");
+    }
     // Cancellation first; the handler has the grace to stop on its own, renewing meanwhile.
     cancel.cancel();
     let grace = core.config.worker.cancel_grace;
     let late = tokio::select! {
         joined = tokio::time::timeout(grace, &mut task) => joined.ok(),
-        _ = &mut renewals, if stop != Stop::LeaseTaken => {
-            stop = Stop::LeaseTaken;
+        lost = &mut renewals, if stop != Stop::LeaseTaken && stop != Stop::Cancelled => {
+            stop = lost;
             None
         }
     };
@@ -809,6 +816,8 @@ async fn run_handler<S: KeyStore>(
         return RunEnd::LeaseTaken;
     }
     match (stop, late.map(ended)) {
+        // Told to stop by `chime cancel`: cancelled, whatever it returned after.
+        (Stop::Cancelled, _) => RunEnd::Cancelled,
         // Stopped cleanly with a result: success stands; an error after a timeout is a timeout.
         (_, Some(RunEnd::Succeeded)) => RunEnd::Succeeded,
         (Stop::Timeout, Some(RunEnd::Failed(Failure::Permanent, e))) => RunEnd::Failed(Failure::Permanent, e),
@@ -870,8 +879,9 @@ async fn save_checkpoints<S: KeyStore>(
     }
 }
 
-/// Renews the lease every third of it; returns only when another owner holds the key. A
-/// record Redis lost is claimed again (new fence) and the job keeps running.
+/// Renews the lease every third of it; returns only when another owner holds the key
+/// ([`Stop::LeaseTaken`]) or the key was cancelled ([`Stop::Cancelled`]). A record Redis lost
+/// is claimed again (new fence) and the job keeps running.
 ///
 /// A run holding a global slot (`global`: job and limit) renews it with the lease. A slot that
 /// lapsed meanwhile (Redis lost it, or the worker stalled past the lease) is taken again if
@@ -883,7 +893,7 @@ async fn renew_lease<S: KeyStore>(
     owner: &str,
     fence: &AtomicU64,
     global: Option<(&str, usize)>,
-) {
+) -> Stop {
     let lease = store.lease();
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + lease / 3, lease / 3);
     let mut over_limit = false;
@@ -912,7 +922,8 @@ async fn renew_lease<S: KeyStore>(
                 fence.store(new, Ordering::Relaxed);
                 Stats::bump(&core.stats.leases_recreated);
             }
-            Ok(Renewal::Lost) => return,
+            Ok(Renewal::Lost) => return Stop::LeaseTaken,
+            Ok(Renewal::Cancelled) => return Stop::Cancelled,
             Err(e) if e.is_bad_record() => warn!(error = %e, "lease renewal failed; the job keeps running"),
             Err(e) => {
                 warn!(error = %e, "lease renewal failed; the job keeps running");
@@ -1040,6 +1051,16 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                 debug!("duplicate absorbed");
                 Stats::bump(&self.stats().duplicates);
                 self.completed(outcome::DUPLICATE);
+                ticket.ack().await;
+            }
+            Plan::Ack(Settled::Cancelled) => {
+                info!("copy of a cancelled key dropped");
+                self.completed(outcome::CANCELLED);
+                self.record(
+                    Outcome::Cancelled,
+                    Some("cancelled"),
+                    Some("a copy of a cancelled key, dropped"),
+                );
                 ticket.ack().await;
             }
             Plan::Ack(Settled::Expired) => {
@@ -1186,6 +1207,13 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
             HeldPlan::LeaseTaken => {
                 Stats::bump(&self.stats().lost_lease);
                 self.record(Outcome::LostLease, None, self.run_error());
+                ticket.ack().await;
+            }
+            HeldPlan::Cancelled => {
+                info!("job cancelled (chime cancel)");
+                self.completed(outcome::CANCELLED);
+                let why = self.run_error().unwrap_or("cancelled while it ran (chime cancel)");
+                self.record(Outcome::Cancelled, Some("cancelled"), Some(why));
                 ticket.ack().await;
             }
             HeldPlan::Release => {

@@ -240,6 +240,7 @@ impl Worker {
             self.health.clone(),
             shutdown.clone(),
         ));
+        let cancels = tokio::spawn(cancellations(self.core.clone(), self.store.clone()));
         info!(worker = %self.core.worker_id, queues = ?self.queues, concurrency = self.concurrency,
             prefetch = ?self.prefetch, "worker starting");
 
@@ -293,6 +294,7 @@ impl Worker {
             self.drain(&tracker).await;
         }
         monitor.abort();
+        cancels.abort();
         let _ = steering.await;
         let _ = shedding.await;
         // Runs no finish followed (expired, lost lease) may still wait for their pipeline.
@@ -730,6 +732,58 @@ async fn control(
     let last = heartbeat(&core, &queues, concurrency, &health);
     if control::retire(&mut conn, &core.names, &last).await.is_err() {
         let _ = control::unregister(&mut conn, &core.names, &core.worker_id).await;
+    }
+}
+
+/// How often a worker reads the cancellations stream.
+const CANCELS_EVERY: Duration = Duration::from_millis(500);
+
+/// Twice a second: the keys `chime cancel` named since the last read (the cancellations
+/// stream, one Redis command); a run of one of them here has its token fired. A stream rather
+/// than pub/sub: it needs no connection of its own (Sentinel, Cluster) and loses nothing while
+/// a connection is re-made. The owner's lease renewal, which finds the key `cancelled`, is the
+/// fallback (within a third of `redis.lease`).
+async fn cancellations(core: Arc<Core>, store: IdemStore) {
+    let mut conn = store.connection();
+    let stream = core.names.cancels();
+    let mut last: Option<String> = None;
+    let mut tick = tokio::time::interval(CANCELS_EVERY);
+    loop {
+        tick.tick().await;
+        let Some(from) = last.clone() else {
+            // From the newest entry on: a key cancelled before is `cancelled` already, and a
+            // claim of it here finds that.
+            let newest: Result<Vec<(String, Vec<String>)>, _> = redis::cmd("XREVRANGE")
+                .arg(&stream)
+                .arg("+")
+                .arg("-")
+                .arg("COUNT")
+                .arg(1)
+                .query_async(&mut conn)
+                .await;
+            if let Ok(newest) = newest {
+                last = Some(newest.first().map_or_else(|| "0-0".to_string(), |(id, _)| id.clone()));
+            }
+            continue;
+        };
+        let read: Result<Vec<(String, Vec<String>)>, _> = redis::cmd("XRANGE")
+            .arg(&stream)
+            .arg(format!("({from}"))
+            .arg("+")
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await;
+        let Ok(entries) = read else { continue };
+        for (id, fields) in entries {
+            if let [name, key] = fields.as_slice()
+                && name == "key"
+                && core.cancel_key(key)
+            {
+                info!(%key, "chime cancel named a run of this worker: stopping it");
+            }
+            last = Some(id);
+        }
     }
 }
 

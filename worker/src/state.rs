@@ -373,6 +373,22 @@ pub(crate) struct Core {
     pub shed: HashMap<String, QueueShed>,
     /// Aging: `jobs[].promote_after` by job (empty: strict priorities, nothing looked up).
     pub promote: HashMap<String, Duration>,
+    /// The keys running here, each with the token `chime cancel` fires.
+    cancels: Mutex<HashMap<String, CancellationToken>>,
+}
+
+/// A run's cancellation watch ([`Core::watch_cancel`]); unregisters when dropped.
+pub(crate) struct CancelWatch<'a> {
+    core: &'a Core,
+    key: String,
+    /// Fired when the key is cancelled.
+    pub token: CancellationToken,
+}
+
+impl Drop for CancelWatch<'_> {
+    fn drop(&mut self) {
+        self.core.cancels.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.key);
+    }
 }
 
 /// One queue's load shedding, as this worker sees it.
@@ -425,6 +441,7 @@ impl Core {
             started_at: chrono::Utc::now(),
             minutes: Mutex::new(std::collections::BTreeMap::new()),
             shed,
+            cancels: Mutex::new(HashMap::new()),
         }
     }
 
@@ -472,6 +489,24 @@ impl Core {
 
     fn running_gauge(&self) -> &metrics::Gauge {
         self.running_gauge.get_or_init(|| metrics::gauge!(telemetry::WORKER_RUNNING))
+    }
+
+    /// Watches `key` for `chime cancel` while the returned watch lives.
+    pub fn watch_cancel(&self, key: &str) -> CancelWatch<'_> {
+        let token = CancellationToken::new();
+        self.cancels.lock().unwrap_or_else(|p| p.into_inner()).insert(key.to_string(), token.clone());
+        CancelWatch { core: self, key: key.to_string(), token }
+    }
+
+    /// `chime cancel` named `key`: stops its run here, if one runs here (true).
+    pub fn cancel_key(&self, key: &str) -> bool {
+        match self.cancels.lock().unwrap_or_else(|p| p.into_inner()).get(key) {
+            Some(t) => {
+                t.cancel();
+                true
+            }
+            None => false,
+        }
     }
 
     /// Registers a run for the heartbeat until the guard is dropped.

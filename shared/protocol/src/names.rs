@@ -101,6 +101,11 @@ impl Names {
     pub fn idem_key(&self, key: &str) -> String {
         format!("{}:idem:{key}", self.prefix)
     }
+    /// Redis stream of the keys `chime cancel` cancelled: workers read it twice a second and
+    /// stop the runs of those keys they hold.
+    pub fn cancels(&self) -> String {
+        format!("{}:cancels", self.prefix)
+    }
     /// Redis stream of the run history of `queue`.
     pub fn history(&self, queue: &str) -> String {
         format!("{}:history:{queue}", self.prefix)

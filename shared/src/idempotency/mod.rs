@@ -21,6 +21,10 @@
 //! decided to dead-letter and is publishing the DLQ copy; a copy that finds the key `dying`
 //! (its publisher died or failed) publishes the dead letter again instead of dropping it.
 //! `done`/`dead`: settled; later copies are duplicates. `free`: released for a retry.
+//! `cancelled` (`chime cancel`, [`cancel`]): settled without running again; the owner of a
+//! run in progress learns it at its next renewal (or sooner, from the cancellations stream),
+//! and a copy that arrives later is dropped as cancelled. A run that still completes within
+//! its grace records `done` (it did run).
 //!
 //! Every write refreshes the record's TTL to the retention, so a record never expires while
 //! its job runs (`done_retention` is validated to exceed every job timeout plus a lease).
@@ -57,7 +61,7 @@ static CLAIM: LazyLock<Script> = LazyLock::new(|| {
         r"{PRELUDE}
 local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'f', 'r', 'e', 'a', 'cp')
 local s, fence = h[1], tonumber(h[4]) or 0
-if s == 'done' or s == 'dead' then return {{s, fence, 0}} end
+if s == 'done' or s == 'dead' or s == 'cancelled' then return {{s, fence, 0}} end
 if s == 'dying' then
   redis.call('HSET', KEYS[1], 'o', ARGV[1])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -84,6 +88,7 @@ if not h[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {{'recreated', now}}
 end
+if h[1] == 'cancelled' and h[2] == ARGV[1] then return {{'cancelled', tonumber(h[3]) or 0}} end
 if h[1] ~= 'run' or h[2] ~= ARGV[1] then return {{'lost', tonumber(h[3]) or 0}} end
 redis.call('HSET', KEYS[1], 'u', int(now_ms + tonumber(ARGV[2])))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -126,7 +131,8 @@ if not h[1] then
   end
   return 2
 end
-if (h[1] ~= 'run' and h[1] ~= 'dying') or h[2] ~= ARGV[1] then return 0 end
+local finished_anyway = h[1] == 'cancelled' and ARGV[3] == 'done'
+if (h[1] ~= 'run' and h[1] ~= 'dying' and not finished_anyway) or h[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 's', ARGV[3], 'u', 0, 't', int(now_ms))
 redis.call('HDEL', KEYS[1], 'r', 'e', 'a')
 result()
@@ -170,6 +176,80 @@ pub async fn settle_unrun(
     }
     let n: i64 = inv.invoke_async(conn).await?;
     Ok(n == 1)
+}
+
+/// KEYS[1]; ARGV retention_ms, who → `{state before, owner, lease left ms, job, queue}`. A
+/// key that is `done`, `dead`, `dying` or already `cancelled` is left as it is; any other
+/// (running, free between attempts, a lapsed run, or no record at all: not started, or
+/// unknown) becomes `cancelled`, keeping its owner (whose renewal then answers `cancelled`).
+static CANCEL: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        r"{PRELUDE}
+local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'j', 'q')
+local s = h[1]
+local left = math.max((tonumber(h[3]) or 0) - now_ms, 0)
+if s == 'done' or s == 'dead' or s == 'dying' or s == 'cancelled' then
+  return {{s, h[2] or '', 0, h[4] or '', h[5] or ''}}
+end
+if s == 'run' and left == 0 then s = 'lapsed' end
+redis.call('HSET', KEYS[1], 's', 'cancelled', 'u', 0, 't', int(now_ms), 'x', ARGV[2])
+if not h[1] then redis.call('HSET', KEYS[1], 'o', '', 'f', 0) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return {{s or 'none', h[2] or '', left, h[4] or '', h[5] or ''}}"
+    ))
+});
+
+/// What [`cancel`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cancelled {
+    /// A run held the key: its owner stops it (the token fires within about a second).
+    Running {
+        /// The run's owner token (`<worker>/<n>`).
+        owner: String,
+    },
+    /// Between attempts (`free`), or its run's lease had lapsed: nothing runs it again.
+    Waiting,
+    /// No record: not started yet (queued or delayed), or a key chime does not know. A copy
+    /// that arrives within `redis.done_retention` is dropped as cancelled.
+    NotStarted,
+    /// Already settled (`done`, `dead`, `dying` or `cancelled`): nothing changed.
+    Settled(crate::record::KeyState),
+}
+
+/// Cancels `key` (see [`Cancelled`]); `who` is recorded with it (`x`). The job and queue of
+/// the key, when its record knew them, come back for the history.
+pub async fn cancel(
+    conn: &mut RedisConn,
+    names: &Names,
+    key: &str,
+    retention: Duration,
+    who: &str,
+) -> Result<(Cancelled, Option<(String, String)>), IdemError> {
+    let mut inv = CANCEL.key(names.idem_key(key));
+    inv.arg(IdemStore::ms(retention)).arg(who);
+    let (state, owner, _left, job, queue): (String, String, u64, String, String) =
+        inv.invoke_async(conn).await.map_err(IdemError::classify)?;
+    let about = (!job.is_empty()).then_some((job, queue));
+    let answer = match state.as_str() {
+        "run" => {
+            // Told to every worker (read twice a second); the owner's renewal is the fallback.
+            let _: String = redis::cmd("XADD")
+                .arg(names.cancels())
+                .arg("MAXLEN")
+                .arg("~")
+                .arg(10_000)
+                .arg("*")
+                .arg("key")
+                .arg(key)
+                .query_async(conn)
+                .await?;
+            Cancelled::Running { owner }
+        }
+        "free" | "lapsed" => Cancelled::Waiting,
+        "none" => Cancelled::NotStarted,
+        other => Cancelled::Settled(crate::record::KeyState::parse(other)),
+    };
+    Ok((answer, about))
 }
 
 /// KEYS[1]; ARGV owner, checkpoint, retention_ms → 1 saved, 0 another owner (or a final
@@ -270,6 +350,11 @@ pub enum Claim {
         /// Fence token of the record (increases with every claim of the key).
         fence: u64,
     },
+    /// Cancelled (`chime cancel`): this copy is dropped as cancelled.
+    Cancelled {
+        /// Fence token of the record (increases with every claim of the key).
+        fence: u64,
+    },
     /// Another live owner holds it for `remaining` more.
     Busy {
         /// Fence token of the record (increases with every claim of the key).
@@ -311,6 +396,8 @@ pub enum Renewal {
     },
     /// Another owner (or a final state) holds the key: the lease was really taken over.
     Lost,
+    /// The run was cancelled (`chime cancel`): stop it, settle nothing more.
+    Cancelled,
 }
 
 /// Whether an outcome was written by [`IdemStore::finish`] or [`IdemStore::mark_dying`].
@@ -563,6 +650,7 @@ impl IdemStore {
             Some("claimed") => Claim::Claimed { fence, checkpoint: text(6) },
             Some("done") => Claim::Done { fence },
             Some("dead") => Claim::Dead { fence },
+            Some("cancelled") => Claim::Cancelled { fence },
             Some("busy") => Claim::Busy { fence, remaining: Duration::from_millis(third) },
             Some("dying") => Claim::Dying {
                 fence,
@@ -585,6 +673,7 @@ impl IdemStore {
             "renewed" => Renewal::Renewed,
             "recreated" => Renewal::Recreated { fence },
             "lost" => Renewal::Lost,
+            "cancelled" => Renewal::Cancelled,
             other => return Err(IdemError::BadRecord(format!("renew answered {other:?}"))),
         })
     }

@@ -5,6 +5,7 @@ mod api;
 mod backfill;
 mod broker_restart;
 mod calendar;
+mod cancel;
 mod catalog;
 mod circuits;
 mod cli;

@@ -41,7 +41,13 @@ pub const PUSHBACK_WAIT: std::time::Duration = std::time::Duration::from_secs(1)
 /// Keep at most this much of the program's stderr for the error message.
 const STDERR_TAIL: usize = 2048;
 
-const GUARD: &str = r#"exec 3<&0; trap 'kill -KILL 0' TERM HUP INT; "$@" <&3 3<&- & wait $!"#;
+/// The guard: SIGTERM (the worker died: `PR_SET_PDEATHSIG`), SIGHUP or SIGINT kill the whole
+/// group at once; SIGUSR1 (the run's cancellation: timeout, `chime cancel`, drain deadline)
+/// passes SIGTERM on to the program, which then has `worker.cancel_grace` before the group is
+/// killed. It waits for the program (once at least, so a program that is already gone still
+/// gives its status; again while it lives, as a trapped signal interrupts `wait`) and exits
+/// with its status.
+const GUARD: &str = r#"exec 3<&0; trap 'kill -KILL 0' TERM HUP INT; trap 'kill -TERM $p 2>/dev/null' USR1; "$@" <&3 3<&- & p=$!; wait $p; s=$?; while kill -0 $p 2>/dev/null; do wait $p; s=$?; done; exit $s"#;
 
 /// Runs a program per job (`handler = "exec"`), payload on stdin; see the module docs.
 pub struct ExecHandler {
@@ -302,10 +308,26 @@ async fn run(exec: &ExecHandler, ctx: JobContext, payload: serde_json::Value) ->
             files.save_checkpoint(&ctx).await;
         }
     };
+    // The run's cancellation: the program gets SIGTERM (through the guard), and the grace to
+    // stop before the group is killed with SIGKILL (when this future is dropped).
+    let leader = guard.0;
+    let term = async {
+        ctx.cancel.cancelled().await;
+        if let Some(pid) = leader {
+            // SAFETY: kill only sends a signal; a stale pid fails with ESRCH.
+            unsafe {
+                libc::kill(pid, libc::SIGUSR1);
+            }
+        }
+        loop {
+            std::future::pending::<()>().await;
+        }
+    };
     let (_, tail, status) = tokio::join!(write, read, async {
         tokio::select! {
             status = child.wait() => status,
             never = watch => never,
+            never = term => never,
         }
     });
     let status = status.map_err(|e| JobError::transient(format!("waiting for the program: {e}")))?;

@@ -82,6 +82,14 @@ pub enum Command {
     /// Hold a circuit breaker open (until closed) or close it, for every worker at once
     #[command(subcommand)]
     Circuit(steer::CircuitCommand),
+    /// Cancel a run: stop it on whichever worker runs it (within a second), or drop it when a
+    /// copy arrives; recorded `cancelled`, not retried, not dead-lettered
+    Cancel {
+        /// The run's idempotency key (a UUID, as `chime enqueue` and `chime history` print it)
+        key: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Move a waiting run to another priority level of its queue (`high`, `normal`, `low`)
     Priority {
         /// The run's idempotency key (a UUID, as `chime enqueue` and `chime history` print it)
@@ -253,6 +261,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Workers { json } => steer::workers(config, json).await,
         Command::Circuits { json } => steer::circuits(config, json).await,
         Command::Circuit(cmd) => steer::circuit(config, cmd).await,
+        Command::Cancel { key, json } => steer::cancel(config, &key, json).await,
         Command::Priority { key, level, queue } => {
             steer::priority(config, &key, &level, queue.as_deref()).await
         }

@@ -354,6 +354,34 @@ pub async fn circuit(config: ValidConfig, cmd: CircuitCommand) -> Result<(), Fai
 /// moves it to `LEVEL`: a copy published there (confirmed) before the original is acked.
 /// A run already delivered to a worker (its prefetch), running, retrying or done is not
 /// waiting: exit 1, saying so.
+/// `chime cancel KEY`: see `chime_shared::control::cancel`. Exit code 1 when there was nothing
+/// to cancel (done, dead).
+pub async fn cancel(config: ValidConfig, key: &str, json: bool) -> Result<(), Failure> {
+    let key = uuid::Uuid::parse_str(key.trim())
+        .map_err(|_| {
+            usage(anyhow::anyhow!(
+                "{key:?} is not an idempotency key (a UUID, as `chime enqueue` and `chime history` print it)"
+            ))
+        })?
+        .to_string();
+    let mut conn = super::history::reader(&config).await?.connection();
+    let names = Names::new(&config.prefix);
+    let who = control::operator();
+    let (found, text, ok) = control::cancel(&mut conn, &names, &config, &key, &who).await.map_err(runtime)?;
+    if json {
+        let state = match &found {
+            chime_shared::idempotency::Cancelled::Running { .. } => "running".to_string(),
+            chime_shared::idempotency::Cancelled::Waiting => "waiting".to_string(),
+            chime_shared::idempotency::Cancelled::NotStarted => "not_started".to_string(),
+            chime_shared::idempotency::Cancelled::Settled(s) => s.as_str().to_string(),
+        };
+        println!("{}", serde_json::json!({"key": key, "was": state, "cancelled": ok, "message": text}));
+    } else if ok {
+        println!("{text}");
+    }
+    if ok { Ok(()) } else { Err(runtime(anyhow::anyhow!("{text}"))) }
+}
+
 pub async fn priority(
     config: ValidConfig,
     key: &str,

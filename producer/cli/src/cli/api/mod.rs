@@ -43,7 +43,8 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8091";
 pub const OPENAPI: &str = include_str!("openapi.json");
 
 /// The routes, as the OpenAPI document lists them.
-const ROUTES: [&str; 3] = ["/api/v1/jobs/{job}", "/api/v1/keys/{key}", "/api/v1/openapi.json"];
+const ROUTES: [&str; 4] =
+    ["/api/v1/jobs/{job}", "/api/v1/keys/{key}", "/api/v1/openapi.json", "/api/v1/keys/{key}/cancel"];
 
 const TRACEPARENT: header::HeaderName = header::HeaderName::from_static("traceparent");
 const TRACESTATE: header::HeaderName = header::HeaderName::from_static("tracestate");
@@ -401,12 +402,71 @@ async fn get_key(
     }
 }
 
+/// `POST /api/v1/keys/{key}/cancel`: `chime cancel KEY`. The token must allow the key's job
+/// (a key whose job is not known yet, still queued or unknown, needs a token for every job);
+/// 200 with what happened, 409 when the key is done or dead.
+async fn cancel_key(
+    State(api): State<Arc<Api>>,
+    info: Option<axum::Extension<ConnectInfo<SocketAddr>>>,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let token = match api.admit(&headers, peer(info.as_ref().map(|i| &i.0))) {
+        Ok(t) => t,
+        Err(r) => return *r,
+    };
+    let Ok(key) = uuid::Uuid::parse_str(&key) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "not an idempotency key (a UUID, as enqueue answered it)",
+            Some("key"),
+        );
+    };
+    let unavailable = |e: String| {
+        with_retry_after(
+            error(StatusCode::SERVICE_UNAVAILABLE, chime_shared::redact::redact_text(&e), None),
+            RETRY_AFTER_UNAVAILABLE,
+        )
+    };
+    let reader = match api.reader().await {
+        Ok(r) => r,
+        Err(e) => return unavailable(format!("redis: {e}")),
+    };
+    let record = match reader.record(&key.to_string()).await {
+        Ok(r) => r,
+        Err(e) => {
+            api.reader.lock().await.take();
+            return unavailable(format!("redis: {e}"));
+        }
+    };
+    let jobs: BTreeSet<&str> = record.runs.iter().map(|r| r.job.as_str()).collect();
+    let allowed = if jobs.is_empty() { token.jobs.is_none() } else { jobs.iter().all(|j| token.allows(j)) };
+    if !allowed {
+        return error(
+            StatusCode::NOT_FOUND,
+            format!("token {:?} may not cancel this key", token.name),
+            Some("key"),
+        );
+    }
+    let who = format!("api token {}", token.name);
+    let mut conn = reader.connection();
+    let names = Names::new(&api.config.prefix);
+    match chime_shared::control::cancel(&mut conn, &names, &api.config, &key.to_string(), &who).await {
+        Ok((_, text, true)) => {
+            json(StatusCode::OK, &serde_json::json!({"key": key, "cancelled": true, "message": text}))
+        }
+        Ok((_, text, false)) => error(StatusCode::CONFLICT, text, Some("key")),
+        Err(e) => unavailable(format!("redis: {e}")),
+    }
+}
+
 /// The API's routes.
 pub fn router(api: Arc<Api>) -> Router {
     Router::new()
         .route(ROUTES[0], post(post_job))
         .route(ROUTES[1], get(get_key))
         .route(ROUTES[2], get(openapi))
+        .route(ROUTES[3], post(cancel_key))
         .route("/livez", get(|| async { "ok\n" }))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route (see /api/v1/openapi.json)", None) })
         .with_state(api)

@@ -335,6 +335,7 @@ pub fn router(web: Arc<Web>) -> Router {
         .route("/actions/queue", post(pages::queue_action))
         .route("/actions/schedule", post(pages::schedule_action))
         .route("/actions/circuit", post(pages::circuit_action))
+        .route("/actions/cancel", post(pages::cancel_action))
         .route("/livez", get(|| async { "ok\n" }))
         .layer(middleware::from_fn_with_state(web.clone(), guard))
         .with_state(web)

@@ -100,6 +100,28 @@ pub async fn circuit_action(State(web): State<Arc<Web>>, Form(form): Form<Action
     back_to(&web, &form.back, msg)
 }
 
+/// The Cancel button of a key's page: `chime cancel KEY`.
+pub async fn cancel_action(State(web): State<Arc<Web>>, Form(form): Form<ActionForm>) -> Response {
+    if !csrf_ok(&web, &form) {
+        return csrf_refused();
+    }
+    let raw = form.fields.get("key").cloned().unwrap_or_default();
+    let Ok(key) = uuid::Uuid::parse_str(raw.trim()) else {
+        return (StatusCode::BAD_REQUEST, format!("{raw:?} is not an idempotency key (a UUID)\n"))
+            .into_response();
+    };
+    let mut conn = web.reader.connection();
+    let who = format!("dashboard ({})", chime_shared::control::operator());
+    let msg = match chime_shared::control::cancel(&mut conn, &web.names, &web.config, &key.to_string(), &who)
+        .await
+    {
+        Ok((_, text, _)) => text,
+        Err(e) => return failed(&web, "Cancel", e),
+    };
+    tracing::info!(%key, "dashboard action: cancel");
+    back_to(&web, &form.back, msg)
+}
+
 pub async fn schedule_action(State(web): State<Arc<Web>>, Form(form): Form<ActionForm>) -> Response {
     if !csrf_ok(&web, &form) {
         return csrf_refused();

@@ -12,7 +12,8 @@ use super::history::runs_table;
 use super::{Notice, failed, not_found, ok_page};
 use crate::cli::web::Web;
 use crate::cli::web::dlq_cache::View;
-use crate::cli::web::html::{at, cut, key_link, t, table};
+use crate::cli::web::html::{at, button, cut, key_link, t, table};
+use chime_shared::record::KeyState;
 
 pub async fn key(
     State(web): State<Arc<Web>>,
@@ -50,9 +51,18 @@ pub async fn key(
     }
     let mut runs = record.runs.clone();
     runs.reverse();
+    // Anything not settled may be cancelled (a key with no record: queued, delayed, unknown).
+    let cancellable = !record.state.as_ref().is_some_and(|s| s.settled() || *s == KeyState::Dying);
+    let f = super::frame(&web, &Notice::default());
+    let here = format!("/keys/{key}");
+    let key_text = key.to_string();
     let body = html! {
         @if let Some(group) = group { (group) }
         (record_html(&key, &record))
+        @if cancellable {
+            p #cancel { (button(&f, "/actions/cancel", "Cancel this run", &here, &[("op", "cancel"), ("key", &key_text)], true))
+                span.muted { " stops it on its worker within a second; a copy that arrives later is dropped" } }
+        }
         h2 { "Runs" }
         @if runs.is_empty() {
             p { "No runs recorded (history off, or the record expired)." }

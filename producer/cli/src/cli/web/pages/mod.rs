@@ -19,7 +19,7 @@ mod overview;
 mod running;
 mod schedules;
 
-pub use actions::{circuit_action, dlq_action, queue_action, schedule_action};
+pub use actions::{cancel_action, circuit_action, dlq_action, queue_action, schedule_action};
 pub use dlq::{confirm, dead_letter, dlq};
 pub use history::history;
 pub use key::key;
