@@ -56,11 +56,13 @@ pub enum Outcome {
     /// Cancelled (`chime cancel`): the run stopped by its worker, or, for a key no run held,
     /// the cancellation itself.
     Cancelled,
+    /// An older copy of a key a newer enqueue replaced (debounce, replace), dropped.
+    Superseded,
 }
 
 impl Outcome {
     /// Every outcome, in a fixed order.
-    pub const ALL: [Outcome; 10] = [
+    pub const ALL: [Outcome; 11] = [
         Outcome::Succeeded,
         Outcome::Retried,
         Outcome::DeadLettered,
@@ -71,6 +73,7 @@ impl Outcome {
         Outcome::Parked,
         Outcome::Shed,
         Outcome::Cancelled,
+        Outcome::Superseded,
     ];
 
     /// The spelling in events, filters and URLs.
@@ -86,6 +89,7 @@ impl Outcome {
             Outcome::Parked => "parked",
             Outcome::Shed => "shed",
             Outcome::Cancelled => "cancelled",
+            Outcome::Superseded => "superseded",
         }
     }
 
@@ -102,6 +106,7 @@ impl Outcome {
             Outcome::Parked => 'p',
             Outcome::Shed => 'h',
             Outcome::Cancelled => 'c',
+            Outcome::Superseded => 'u',
         }
     }
 

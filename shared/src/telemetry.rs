@@ -105,6 +105,8 @@ pub mod outcome {
     pub const SHED: &str = "shed";
     /// Cancelled (`chime cancel`): a run stopped, or a copy of a cancelled key dropped.
     pub const CANCELLED: &str = "cancelled";
+    /// An older copy of a key a newer enqueue replaced (debounce, replace), dropped.
+    pub const SUPERSEDED: &str = "superseded";
 }
 
 /// Label used instead of a job name that is not in the config (keeps cardinality bounded).

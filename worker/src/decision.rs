@@ -12,6 +12,7 @@
 //! | the key's record is not a chime record | — | — | dead-letter `bad_record`, ack | requeue |
 //! | `done` / `dead` | — | — | ack (duplicate) | |
 //! | `cancelled` | — | — | ack (dropped as cancelled, recorded) | |
+//! | `superseded` (an older copy of a key a newer enqueue replaced) | — | — | ack (dropped, recorded) | |
 //! | `busy` (another live owner) | — | — | re-delay this copy by the remaining lease, ack | requeue |
 //! | `dying` (a dead letter not known to be confirmed) | — | — | publish the dead letter again, record `dead`, ack | requeue |
 //! | claimed | succeeded | — | record `done` (retried until it is), ack | (not recorded by the drain deadline: requeue) |
@@ -64,6 +65,8 @@ pub(crate) enum Settled {
     Expired,
     /// A copy of a cancelled key.
     Cancelled,
+    /// An older copy of a key a newer enqueue replaced (debounce, replace).
+    Superseded,
 }
 
 /// Why a copy is sent round again unchanged.
@@ -172,6 +175,7 @@ pub(crate) fn on_claim(claim: Result<Claim, &IdemError>) -> AfterClaim {
         Ok(Claim::Claimed { fence, .. }) => AfterClaim::Run(fence),
         Ok(Claim::Done { .. } | Claim::Dead { .. }) => AfterClaim::Settle(Plan::Ack(Settled::Duplicate)),
         Ok(Claim::Cancelled { .. }) => AfterClaim::Settle(Plan::Ack(Settled::Cancelled)),
+        Ok(Claim::Superseded { .. }) => AfterClaim::Settle(Plan::Ack(Settled::Superseded)),
         // Never drop a busy copy (its owner may die): send it round after the remaining lease.
         Ok(Claim::Busy { remaining, .. }) => AfterClaim::Settle(Plan::Redelay {
             delay: remaining.max(Duration::from_secs(1)),
@@ -308,6 +312,7 @@ mod tests {
         assert_eq!(on_claim(Ok(Claim::Done { fence: 7 })), settle(Plan::Ack(Settled::Duplicate)));
         assert_eq!(on_claim(Ok(Claim::Dead { fence: 7 })), settle(Plan::Ack(Settled::Duplicate)));
         assert_eq!(on_claim(Ok(Claim::Cancelled { fence: 7 })), settle(Plan::Ack(Settled::Cancelled)));
+        assert_eq!(on_claim(Ok(Claim::Superseded { fence: 7 })), settle(Plan::Ack(Settled::Superseded)));
         let busy = Claim::Busy { fence: 1, remaining: Duration::from_millis(300) };
         assert_eq!(
             on_claim(Ok(busy)),

@@ -577,7 +577,8 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     }
     if spec.sheddable && core.shedding(&incoming.queue).is_some() {
         let (key, owner) = (env.key.to_string(), core.owner_token());
-        return match decision::on_claim(claim(core, store, &key, &owner).await.as_ref().cloned()) {
+        let version = chime_shared::idempotency::version_of(&env);
+        return match decision::on_claim(claim(core, store, &key, &owner, version).await.as_ref().cloned()) {
             AfterClaim::Run(fence) => {
                 let held = Held { key, owner, fence, result: None };
                 Verdict::Held { env, spec, held, plan: HeldPlan::Shed, run: None }
@@ -639,7 +640,7 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         None => None,
     };
     let key = env.key.to_string();
-    let claim = claim(core, store, &key, &owner).await;
+    let claim = claim(core, store, &key, &owner, chime_shared::idempotency::version_of(&env)).await;
     let checkpoint = match &claim {
         Ok(Claim::Claimed { checkpoint, .. }) => checkpoint.clone(),
         _ => None,
@@ -694,8 +695,14 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
 }
 
 /// Claims `key` for `owner`; a failure is logged (and an unreachable Redis pauses the intake).
-async fn claim<S: KeyStore>(core: &Core, store: &S, key: &str, owner: &str) -> Result<Claim, IdemError> {
-    let claim = store.claim(key, owner).await;
+async fn claim<S: KeyStore>(
+    core: &Core,
+    store: &S,
+    key: &str,
+    owner: &str,
+    version: u64,
+) -> Result<Claim, IdemError> {
+    let claim = store.claim(key, owner, version).await;
     match &claim {
         Err(e) if e.is_bad_record() => {
             warn!(error = %e, "the key's record is unreadable; dead-lettering this delivery")
@@ -1051,6 +1058,16 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                 debug!("duplicate absorbed");
                 Stats::bump(&self.stats().duplicates);
                 self.completed(outcome::DUPLICATE);
+                ticket.ack().await;
+            }
+            Plan::Ack(Settled::Superseded) => {
+                debug!("older copy of a replaced key dropped (superseded)");
+                self.completed(outcome::SUPERSEDED);
+                self.record(
+                    Outcome::Superseded,
+                    Some("superseded"),
+                    Some("a newer enqueue of this key replaced this copy"),
+                );
                 ticket.ack().await;
             }
             Plan::Ack(Settled::Cancelled) => {

@@ -22,7 +22,14 @@ use tokio_util::sync::CancellationToken;
 /// A key's record: claim, renew, finish, and the `dying` mark of a dead letter in flight.
 pub(crate) trait KeyStore: Send + Sync + 'static {
     fn lease(&self) -> Duration;
-    fn claim(&self, key: &str, owner: &str) -> impl Future<Output = Result<Claim, IdemError>> + Send;
+    /// Claims `key` for `owner`, for the copy of `version` (its `enqueued_at`, µs): an older
+    /// copy of a key a newer enqueue replaced is superseded.
+    fn claim(
+        &self,
+        key: &str,
+        owner: &str,
+        version: u64,
+    ) -> impl Future<Output = Result<Claim, IdemError>> + Send;
     fn renew(&self, key: &str, owner: &str) -> impl Future<Output = Result<Renewal, IdemError>> + Send;
     /// Records the final state (with the encoded result of a `done` run, see
     /// `StoredResult::encode`); `run` (when history is on) joins the key's record in the same
@@ -166,8 +173,13 @@ impl KeyStore for IdemStore {
     fn lease(&self) -> Duration {
         IdemStore::lease(self)
     }
-    fn claim(&self, key: &str, owner: &str) -> impl Future<Output = Result<Claim, IdemError>> + Send {
-        IdemStore::claim(self, key, owner)
+    fn claim(
+        &self,
+        key: &str,
+        owner: &str,
+        version: u64,
+    ) -> impl Future<Output = Result<Claim, IdemError>> + Send {
+        IdemStore::claim_copy(self, key, owner, Some(version))
     }
     fn renew(&self, key: &str, owner: &str) -> impl Future<Output = Result<Renewal, IdemError>> + Send {
         IdemStore::renew(self, key, owner)

@@ -63,6 +63,14 @@ pub struct EnqueueRequest {
     /// tracing backend is installed (`chime_shared::trace`).
     #[serde(skip)]
     pub trace: Option<TraceContext>,
+    /// Debounce: delivered after this window, and of the enqueues of its key within it only
+    /// the last runs, with its payload (needs a key).
+    #[serde(skip)]
+    pub debounce: Option<Duration>,
+    /// Replace: supersedes the copies of its key still waiting (queued or delayed); the newest
+    /// enqueue runs, with its payload (needs a key).
+    #[serde(skip)]
+    pub replace: bool,
 }
 
 impl EnqueueRequest {
@@ -119,6 +127,23 @@ impl EnqueueRequest {
     pub fn trace(mut self, trace: TraceContext) -> Self {
         self.trace = Some(trace);
         self
+    }
+    /// Debounces: delivered after `window`; of several enqueues of this key within it, only
+    /// the last runs, with its payload (a key already `done` stays done). Needs a key.
+    pub fn debounce(mut self, window: Duration) -> Self {
+        self.debounce = Some(window);
+        self
+    }
+    /// Replaces: this enqueue supersedes the copies of its key still waiting (queued or
+    /// delayed); they are dropped when they arrive and this one runs, with its payload. A copy
+    /// already running is not stopped (see `chime cancel`). Needs a key.
+    pub fn replace(mut self) -> Self {
+        self.replace = true;
+        self
+    }
+    /// Whether this enqueue supersedes earlier copies of its key (debounce or replace).
+    pub fn supersedes(&self) -> bool {
+        self.replace || self.debounce.is_some()
     }
     /// Overrides the job's attempts.
     pub fn max_attempts(mut self, n: u32) -> Self {
@@ -265,7 +290,7 @@ pub enum EnqueueError {
         queue: String,
     },
     /// Redis, which a sharded or broadcast job needs (its group record), could not be asked.
-    #[error("redis (a sharded or broadcast job's group record): {0}")]
+    #[error("redis: {0}")]
     Redis(String),
     /// Declaring the job's queue or the delay chain failed.
     #[error(transparent)]
@@ -508,12 +533,34 @@ impl EnqueueClient {
 
     async fn enqueue_one(&self, req: &EnqueueRequest) -> Result<Enqueued, EnqueueError> {
         let p = self.prepare(req)?;
+        if req.supersedes() {
+            self.supersede(&p.envelope).await?;
+        }
         // With a spool, a typed job's own queue is declared on the way to the broker; a queue
         // only the broker knows must be there now, or a spooled job could never be delivered.
         if self.spooler.is_none() || p.unverified_queue.is_some() {
             self.check_queue(&p).await?;
         }
         self.enqueue_prepared(&p).await
+    }
+
+    /// Debounce and replace: makes `env` the newest version of its key (its `enqueued_at`), so
+    /// that workers drop the older copies when they arrive (`chime_shared::idempotency::supersede`).
+    async fn supersede(&self, env: &Envelope) -> Result<(), EnqueueError> {
+        let reader = self
+            .redis
+            .get_or_try_init(|| {
+                chime_shared::history::HistoryReader::connect(&self.config.redis, self.names.clone())
+            })
+            .await
+            .map_err(|e| EnqueueError::Redis(format!("recording the newest copy of key {}: {e}", env.key)))?;
+        let mut conn = reader.connection();
+        let version = chime_shared::idempotency::version_of(env);
+        let retention = self.config.redis.done_retention;
+        chime_shared::idempotency::supersede(&mut conn, &self.names, &env.key.to_string(), version, retention)
+            .await
+            .map(|_| ())
+            .map_err(|e| EnqueueError::Redis(format!("recording the newest copy of key {}: {e}", env.key)))
     }
 
     /// Publishes one prepared job — as itself, or fanned out to its shards or live workers —
@@ -614,7 +661,9 @@ impl EnqueueClient {
                 out.push(p.clone());
                 continue;
             };
-            let redis_err = |e: redis::RedisError| EnqueueError::Redis(e.to_string());
+            let redis_err = |e: redis::RedisError| {
+                EnqueueError::Redis(format!("a sharded or broadcast job's group record: {e}"))
+            };
             let reader = self
                 .redis
                 .get_or_try_init(|| {
@@ -947,7 +996,35 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
         Some(k) => envelope::adhoc_key(&req.job, k),
         None => envelope::random_key(),
     };
-    let delay = match (req.delay, req.at) {
+    if req.supersedes() && req.key.is_none() {
+        let flag = if req.replace { "replace" } else { "debounce" };
+        return Err(EnqueueError::Invalid {
+            field: flag.into(),
+            message: "needs a key: the key names the run whose earlier copies it supersedes".into(),
+        });
+    }
+    if req.debounce.is_some() && (req.delay.is_some() || req.at.is_some()) {
+        return Err(EnqueueError::Invalid {
+            field: "debounce".into(),
+            message: "the window is the delay: give --debounce or a delay/time, not both".into(),
+        });
+    }
+    if req.debounce.is_some_and(|w| w < Duration::from_secs(1)) {
+        return Err(EnqueueError::Invalid {
+            field: "debounce".into(),
+            message: "must be at least 1s (delays are whole seconds)".into(),
+        });
+    }
+    if req.supersedes() && (entry.is_some_and(|j| j.shards.is_some() || j.broadcast)) {
+        return Err(EnqueueError::Invalid {
+            field: if req.replace { "replace".into() } else { "debounce".into() },
+            message: format!(
+                "job {:?} fans out (sharded or broadcast): replace and debounce apply to one run",
+                req.job
+            ),
+        });
+    }
+    let delay = match (req.delay.or(req.debounce), req.at) {
         (Some(_), Some(_)) => {
             return Err(EnqueueError::Invalid {
                 field: "delay".into(),

@@ -52,16 +52,20 @@ use crate::topology::Names;
 const PRELUDE: &str = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) \
 local now_ms = math.floor(now / 1000) local function int(x) return string.format('%.0f', x) end";
 
-/// KEYS[1] idem key; ARGV owner, lease_ms, retention_ms. Claiming again with the same owner
+/// KEYS[1] idem key; ARGV owner, lease_ms, retention_ms, version (µs: the copy's
+/// [`version_of`]). A copy older than the key's newest version (`v`, set by debounce and
+/// replace) is `superseded`. Claiming again with the same owner
 /// token returns the same fence (a command resent after a connection drop is harmless). A
 /// claim returns the key's last checkpoint (7th element), if any.
 /// A `dying` key is handed to the caller (it becomes the owner) with the dead letter's facts.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{PRELUDE}
-local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'f', 'r', 'e', 'a', 'cp')
+local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'f', 'r', 'e', 'a', 'cp', 'v')
 local s, fence = h[1], tonumber(h[4]) or 0
-if s == 'done' or s == 'dead' or s == 'cancelled' then return {{s, fence, 0}} end
+if s == 'cancelled' then return {{s, fence, 0}} end
+if h[9] and ARGV[4] and tonumber(ARGV[4]) < tonumber(h[9]) then return {{'superseded', fence, 0}} end
+if s == 'done' or s == 'dead' then return {{s, fence, 0}} end
 if s == 'dying' then
   redis.call('HSET', KEYS[1], 'o', ARGV[1])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -198,6 +202,42 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return {{s or 'none', h[2] or '', left, h[4] or '', h[5] or ''}}"
     ))
 });
+
+/// KEYS[1]; ARGV version (µs), retention_ms → the key's state (`none` without one). Raises the
+/// record's `v` to the version unless the key is settled: a copy whose version is below `v`
+/// is superseded (`CLAIM` answers `superseded`).
+static SUPERSEDE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"local h = redis.call('HMGET', KEYS[1], 's', 'v')
+local s = h[1]
+if s == 'done' or s == 'dead' or s == 'dying' or s == 'cancelled' then return s end
+if not h[2] or tonumber(h[2]) < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'v', ARGV[1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return s or 'none'",
+    )
+});
+
+/// The version of a copy for debounce and replace: when its job was enqueued, in µs (retries
+/// and delayed copies keep it).
+pub fn version_of(env: &crate::envelope::Envelope) -> u64 {
+    u64::try_from(env.enqueued_at.timestamp_micros()).unwrap_or(0)
+}
+
+/// Makes `version` the newest of `key` (debounce, replace): copies of the key with an older
+/// version are dropped as superseded when they arrive. Returns the key's state (a settled key
+/// is left as it is: a key `done` stays done).
+pub async fn supersede(
+    conn: &mut RedisConn,
+    names: &Names,
+    key: &str,
+    version: u64,
+    retention: Duration,
+) -> Result<crate::record::KeyState, IdemError> {
+    let mut inv = SUPERSEDE.key(names.idem_key(key));
+    inv.arg(version).arg(IdemStore::ms(retention));
+    let state: String = inv.invoke_async(conn).await.map_err(IdemError::classify)?;
+    Ok(crate::record::KeyState::parse(&state))
+}
 
 /// What [`cancel`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -347,6 +387,11 @@ pub enum Claim {
     },
     /// Already dead-lettered (a duplicate of a dead job).
     Dead {
+        /// Fence token of the record (increases with every claim of the key).
+        fence: u64,
+    },
+    /// An older copy of a key a newer enqueue replaced (debounce, replace): dropped.
+    Superseded {
         /// Fence token of the record (increases with every claim of the key).
         fence: u64,
     },
@@ -635,8 +680,17 @@ impl IdemStore {
 
     /// Claims `key` for `owner` (a token unique to this attempt). One round trip.
     pub async fn claim(&self, key: &str, owner: &str) -> Result<Claim, IdemError> {
+        self.claim_copy(key, owner, None).await
+    }
+
+    /// [`IdemStore::claim`] for the copy of `version` ([`version_of`]): an older copy of a key
+    /// a newer enqueue replaced is [`Claim::Superseded`].
+    pub async fn claim_copy(&self, key: &str, owner: &str, version: Option<u64>) -> Result<Claim, IdemError> {
         let mut cmd = evalsha(&CLAIM, self.names.idem_key(key));
         cmd.arg(owner).arg(Self::ms(self.lease)).arg(Self::ms(self.retention));
+        if let Some(v) = version {
+            cmd.arg(v);
+        }
         let reply: Vec<Value> = self.call(cmd).await?;
         // A missing field is Nil: no conversion (a failed one formats an error message).
         let text = |i: usize| match reply.get(i) {
@@ -651,6 +705,7 @@ impl IdemStore {
             Some("done") => Claim::Done { fence },
             Some("dead") => Claim::Dead { fence },
             Some("cancelled") => Claim::Cancelled { fence },
+            Some("superseded") => Claim::Superseded { fence },
             Some("busy") => Claim::Busy { fence, remaining: Duration::from_millis(third) },
             Some("dying") => Claim::Dying {
                 fence,

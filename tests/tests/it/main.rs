@@ -12,6 +12,7 @@ mod cli;
 mod common;
 mod contract;
 mod dead_letters;
+mod debounce;
 mod deployments;
 mod dlq_ops;
 mod docs;

@@ -323,15 +323,29 @@ async fn run(exec: &ExecHandler, ctx: JobContext, payload: serde_json::Value) ->
             std::future::pending::<()>().await;
         }
     };
-    let (_, tail, status) = tokio::join!(write, read, async {
+    let waited = async {
         tokio::select! {
             status = child.wait() => status,
             never = watch => never,
             never = term => never,
         }
+    };
+    // stderr is read while the program runs; once it has exited, what it left behind (a
+    // background child still holding stderr) is killed, so the run ends with its program.
+    let mut read = std::pin::pin!(read);
+    let (_, (status, early)) = tokio::join!(write, async {
+        let mut waited = std::pin::pin!(waited);
+        tokio::select! {
+            status = &mut waited => (status, None),
+            tail = &mut read => (waited.await, Some(tail)),
+        }
     });
-    let status = status.map_err(|e| JobError::transient(format!("waiting for the program: {e}")))?;
     drop(guard); // the group leader exited; kill stragglers it left behind
+    let tail = match early {
+        Some(tail) => tail,
+        None => read.await,
+    };
+    let status = status.map_err(|e| JobError::transient(format!("waiting for the program: {e}")))?;
     // What the program wrote last before it exited.
     files.save_checkpoint(&ctx).await;
     if status.code() == Some(0) {

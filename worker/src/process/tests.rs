@@ -174,7 +174,7 @@ impl KeyStore for FakeStore {
     fn lease(&self) -> Duration {
         Duration::from_millis(self.lease_ms)
     }
-    async fn claim(&self, key: &str, owner: &str) -> Result<Claim, IdemError> {
+    async fn claim(&self, key: &str, owner: &str, _version: u64) -> Result<Claim, IdemError> {
         if self.down.load(Ordering::SeqCst) {
             return Err(Self::err());
         }

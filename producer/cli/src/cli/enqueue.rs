@@ -41,6 +41,14 @@ pub struct EnqueueArgs {
     /// Deliver at this time (RFC 3339; a past time runs now)
     #[arg(long, value_name = "RFC3339")]
     pub at: Option<String>,
+    /// Debounce: deliver after this window ("30s"); of several enqueues of this --key within
+    /// it only the last runs, with its payload (a key already done stays done)
+    #[arg(long, value_name = "DUR", conflicts_with_all = ["delay", "at", "batch"], requires = "key")]
+    pub debounce: Option<String>,
+    /// Replace: supersede the copies of this --key still waiting (queued or delayed); this one
+    /// runs, with its payload (one already running is not stopped: see `chime cancel`)
+    #[arg(long, conflicts_with = "batch", requires = "key")]
+    pub replace: bool,
     /// JSON lines, one job each ({"payload":…,"key":…} or a bare payload); `-` = stdin
     #[arg(long, value_name = "PATH|-")]
     pub batch: Option<String>,
@@ -160,6 +168,13 @@ pub async fn run(config: ValidConfig, args: EnqueueArgs) -> Result<(), Failure> 
     req.priority = args.priority;
     req.delay = delay;
     req.at = at;
+    req.replace = args.replace;
+    req.debounce = args
+        .debounce
+        .as_deref()
+        .map(chime_shared::duration::parse)
+        .transpose()
+        .map_err(|e| usage(anyhow::anyhow!("--debounce: {e}")))?;
     // Validate before connecting, so a bad request never touches the broker.
     let key = prepare(&config, &req).map_err(from_enqueue)?.envelope.key;
     // Asked before publishing: a worker may settle this very copy a moment later.
