@@ -68,7 +68,17 @@ async fn a_holiday_from_an_ics_file_skips_slots_until_the_file_changes() {
     let runs: Runs = Arc::default();
     let worker = Running::start(config.clone(), recording(&runs, &["beat"]), 4).await;
     let store = TickerStore::connect(&config.redis, &config.prefix).unwrap();
-    let ticker = Child::ticker(&env.dir, &path, &[], "a");
+    let leader = Child::ticker(&env.dir, &path, &[], "a");
+    wait_until("ticker a leads", Duration::from_secs(20), || async {
+        store
+            .leader()
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|l| l.id.split(':').nth(1) == Some(&leader.pid().to_string()))
+    })
+    .await;
+    let standby = Child::ticker(&env.dir, &path, &[], "b");
 
     // `jobs next` says so.
     let (code, out, err) = chime(&path, &["jobs", "next", "beat", "--count", "1"], None);
@@ -95,6 +105,15 @@ async fn a_holiday_from_an_ics_file_skips_slots_until_the_file_changes() {
     );
     assert!(store.counts().await.unwrap()["beat"].calendar >= 3);
     assert!(slots_of(&runs, "beat").is_empty(), "a slot ran on a holiday");
+    // The leader dies; the standby carries on skipping, from the watermark.
+    drop(leader);
+    let before = history("skipped").len();
+    wait_until("the standby skips too", Duration::from_secs(30), || async {
+        history("skipped").len() >= before + 3
+    })
+    .await;
+    assert!(slots_of(&runs, "beat").is_empty(), "a slot ran on a holiday after the failover");
+    let ticker = standby;
 
     // The file changes (the holidays are withdrawn): the ticker reloads it, slots run again.
     std::fs::write(&holidays, ics(&[])).unwrap();
@@ -105,8 +124,10 @@ async fn a_holiday_from_an_ics_file_skips_slots_until_the_file_changes() {
     assert!(ticker.log_text().contains("config reloaded"), "{}", ticker.log_text());
     drop(ticker);
     // No slot was both skipped and run; each ran once.
+    let all_skipped = history("skipped");
     let skipped_keys: BTreeSet<String> =
-        history("skipped").iter().map(|e| e["key"].as_str().unwrap().to_string()).collect();
+        all_skipped.iter().map(|e| e["key"].as_str().unwrap().to_string()).collect();
+    assert_eq!(skipped_keys.len(), all_skipped.len(), "a slot recorded skipped twice (by both leaders)");
     let ran = slots_of(&runs, "beat");
     for slot in &ran {
         let key = chime_shared::envelope::scheduled_key("beat", *slot).to_string();
