@@ -268,3 +268,38 @@ async fn the_dashboard_and_the_http_api_cancel_a_running_job() {
     assert!(body.to_string().contains("is done: nothing to cancel"), "{body}");
     drop((api, worker));
 }
+
+/// The worker running a key is SIGKILLed; the key is cancelled while nobody runs it; the
+/// broker redelivers the copy to a new worker, which drops it as cancelled: the job never runs
+/// again (its program died with its worker: `PR_SET_PDEATHSIG`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_cancelled_while_its_worker_is_dead_never_runs_again() {
+    let env = TestEnv::new("cancelkill");
+    let d = env.dir.display().to_string();
+    let jobs = format!(
+        "[[jobs]]\nname = \"long\"\nhandler = \"exec\"\ncommand = [\"sh\", \"-c\", \
+         \"echo $$ >> {d}/$CHIME_KEY.started; sleep 60\"]\n"
+    );
+    let text = env.config_text("quorum", "", "", &jobs);
+    let path = env.write_config(&text);
+    let a = Child::worker(&env.dir, &path, &[], "a");
+    let file = |key: &str, ext: &str| env.dir.join(format!("{key}.{ext}"));
+    let key = enqueue(&path, "long", "k1", &[]);
+    wait_until("the run started", Duration::from_secs(30), || async { file(&key, "started").exists() }).await;
+    let pid = std::fs::read_to_string(file(&key, "started")).unwrap();
+    a.signal(9);
+    wait_until("the program died with its worker", Duration::from_secs(10), || async { !alive(&pid) }).await;
+    // Its lease is still running: the cancellation says a run holds it.
+    let (code, out, err) = chime(&path, &["cancel", &key], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("cancelling"), "{out}");
+    let b = Child::worker(&env.dir, &path, &[], "b");
+    wait_until("the redelivered copy dropped as cancelled", Duration::from_secs(30), || async {
+        history_of(&path, &key).iter().any(|e| e["error"] == "a copy of a cancelled key, dropped")
+    })
+    .await;
+    let started = std::fs::read_to_string(file(&key, "started")).unwrap();
+    assert_eq!(started.lines().count(), 1, "the cancelled job ran again: {started}");
+    assert_eq!(idem_state(&env, &key).await.as_deref(), Some("cancelled"));
+    drop((a, b));
+}
