@@ -549,7 +549,8 @@ mod fuzz;
 mod tests {
     use super::*;
 
-    fn err(text: &str) -> String {
+    /// The error of a config that must be refused.
+    pub(super) fn err(text: &str) -> String {
         match Config::from_toml_str(text) {
             Ok(_) => panic!("config unexpectedly valid:\n{text}"),
             Err(e) => e.to_string(),

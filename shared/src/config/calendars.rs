@@ -224,14 +224,8 @@ use chrono::Datelike;
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::err;
     use super::*;
-
-    fn err(text: &str) -> String {
-        match Config::from_toml_str(text) {
-            Ok(_) => panic!("config unexpectedly valid:\n{text}"),
-            Err(e) => e.to_string(),
-        }
-    }
 
     const UK: &str =
         "[[calendars]]\nname = \"uk\"\nzone = \"Europe/London\"\nholidays = [\"2026-12-28\", \"12-25\"]\n";

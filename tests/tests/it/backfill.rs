@@ -2,43 +2,11 @@
 //! daylight-saving night; slots already done absorbed, a deadline counted from the backfill,
 //! sharded jobs fanned out, and bad ranges refused by name.
 
-use chime_worker::{JobContext, JobError, Registry, raw_handler_fn};
 use chrono::{DateTime, Utc};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::*;
-
-/// (job, slot, shard) of every run.
-type Runs = Arc<Mutex<Vec<(String, DateTime<Utc>, Option<u32>)>>>;
-
-fn recording(runs: &Runs, names: &[&str]) -> Registry {
-    let mut r = Registry::new();
-    for name in names {
-        let runs = runs.clone();
-        r.register(
-            *name,
-            raw_handler_fn(move |ctx: JobContext, _| {
-                let runs = runs.clone();
-                async move {
-                    runs.lock().unwrap().push((
-                        ctx.job().to_string(),
-                        ctx.slot().unwrap(),
-                        ctx.shard().map(|s| s.0),
-                    ));
-                    Ok::<_, JobError>(())
-                }
-            }),
-        );
-    }
-    r
-}
-
-fn slots_of(runs: &Runs, job: &str) -> Vec<DateTime<Utc>> {
-    let mut s: Vec<_> = runs.lock().unwrap().iter().filter(|r| r.0 == job).map(|r| r.1).collect();
-    s.sort();
-    s
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backfill_runs_each_past_slot_once_across_a_dst_night() {
@@ -52,8 +20,8 @@ async fn backfill_runs_each_past_slot_once_across_a_dst_night() {
     let text = env.config_text("quorum", "", "", jobs);
     let path = env.write_config(&text);
     let config = chime_shared::Config::from_toml_str(&text).unwrap();
-    let runs: Runs = Arc::default();
-    let worker = Running::start(config.clone(), recording(&runs, &["report", "split"]), 8).await;
+    let runs: SlotRuns = Arc::default();
+    let worker = Running::start(config.clone(), slot_recording(&runs, &["report", "split"]), 8).await;
     let night = ["--from", "2026-03-29T00:00", "--to", "2026-03-29T04:00"];
 
     // The plan: local 00:00-01:50 and 03:00-04:00 (the skipped hour has no slot), in UTC.

@@ -4,39 +4,12 @@
 //! `jobs next` says why a slot moved or was skipped; `check-config` names a bad calendar.
 
 use chime_scheduler::lease::TickerStore;
-use chime_worker::{JobContext, JobError, Registry, raw_handler_fn};
 use chrono::{DateTime, Utc};
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::common::*;
-
-type Runs = Arc<Mutex<Vec<(String, DateTime<Utc>)>>>;
-
-fn recording(runs: &Runs, names: &[&str]) -> Registry {
-    let mut r = Registry::new();
-    for name in names {
-        let runs = runs.clone();
-        r.register(
-            *name,
-            raw_handler_fn(move |ctx: JobContext, _| {
-                let runs = runs.clone();
-                async move {
-                    runs.lock().unwrap().push((ctx.job().to_string(), ctx.slot().unwrap()));
-                    Ok::<_, JobError>(())
-                }
-            }),
-        );
-    }
-    r
-}
-
-fn slots_of(runs: &Runs, job: &str) -> Vec<DateTime<Utc>> {
-    let mut s: Vec<_> = runs.lock().unwrap().iter().filter(|r| r.0 == job).map(|r| r.1).collect();
-    s.sort();
-    s
-}
 
 fn ics(days: &[chrono::NaiveDate]) -> String {
     let mut text = String::from("BEGIN:VCALENDAR\r\nVERSION:2.0\r\nPRODID:-//test//EN\r\n");
@@ -65,8 +38,8 @@ async fn a_holiday_from_an_ics_file_skips_slots_until_the_file_changes() {
     let text = env.config_text("quorum", "", "", &jobs);
     let path = env.write_config(&text);
     let config = chime_shared::Config::from_toml_str(&text).unwrap();
-    let runs: Runs = Arc::default();
-    let worker = Running::start(config.clone(), recording(&runs, &["beat"]), 4).await;
+    let runs: SlotRuns = Arc::default();
+    let worker = Running::start(config.clone(), slot_recording(&runs, &["beat"]), 4).await;
     let store = TickerStore::connect(&config.redis, &config.prefix).unwrap();
     let leader = Child::ticker(&env.dir, &path, &[], "a");
     wait_until("ticker a leads", Duration::from_secs(20), || async {
@@ -176,8 +149,8 @@ async fn backfill_runs_a_holiday_weeks_rolled_slots_once_and_jobs_next_says_why(
 
     // Backfill the week, twice: Wednesday's, then Monday's (with Thursday to Sunday rolled
     // onto it), then Tuesday's slot; the second backfill's copies are absorbed.
-    let runs: Runs = Arc::default();
-    let worker = Running::start(config.clone(), recording(&runs, &["pay", "standup", "close"]), 8).await;
+    let runs: SlotRuns = Arc::default();
+    let worker = Running::start(config.clone(), slot_recording(&runs, &["pay", "standup", "close"]), 8).await;
     let week = ["--from", "2026-11-25T00:00", "--to", "2026-12-01T23:00"];
     for job in ["pay", "standup", "close"] {
         for _ in 0..2 {

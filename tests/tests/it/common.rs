@@ -11,6 +11,39 @@ use tokio_util::sync::CancellationToken;
 
 pub use chime_tests::*;
 
+/// (job, slot, shard) of every run of a scheduled job.
+pub type SlotRuns = Arc<Mutex<Vec<(String, chrono::DateTime<chrono::Utc>, Option<u32>)>>>;
+
+/// Handlers for `names` that record each run's job, slot and shard.
+pub fn slot_recording(runs: &SlotRuns, names: &[&str]) -> Registry {
+    let mut r = Registry::new();
+    for name in names {
+        let runs = runs.clone();
+        r.register(
+            *name,
+            raw_handler_fn(move |ctx: JobContext, _| {
+                let runs = runs.clone();
+                async move {
+                    runs.lock().unwrap().push((
+                        ctx.job().to_string(),
+                        ctx.slot().unwrap(),
+                        ctx.shard().map(|s| s.0),
+                    ));
+                    Ok::<_, JobError>(())
+                }
+            }),
+        );
+    }
+    r
+}
+
+/// The slots `job` ran, in order.
+pub fn slots_of(runs: &SlotRuns, job: &str) -> Vec<chrono::DateTime<chrono::Utc>> {
+    let mut s: Vec<_> = runs.lock().unwrap().iter().filter(|r| r.0 == job).map(|r| r.1).collect();
+    s.sort();
+    s
+}
+
 /// The repository's root (the workspace), for tests that read its files.
 pub fn root() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(|p| p.to_path_buf()).unwrap_or_default()

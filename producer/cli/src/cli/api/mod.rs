@@ -340,6 +340,25 @@ fn enqueue_error(e: &EnqueueError) -> Response {
     }
 }
 
+/// The token of a request about one key, and the key; or the answer refusing it (no or a
+/// wrong token, too many failed logins, not a UUID).
+fn admit_key<'a>(
+    api: &'a Api,
+    info: Option<&axum::Extension<ConnectInfo<SocketAddr>>>,
+    headers: &HeaderMap,
+    key: &str,
+) -> Result<(&'a Token, uuid::Uuid), Box<Response>> {
+    let token = api.admit(headers, peer(info.map(|i| &i.0)))?;
+    let key = uuid::Uuid::parse_str(key).map_err(|_| {
+        Box::new(error(
+            StatusCode::BAD_REQUEST,
+            "not an idempotency key (a UUID, as enqueue answered it)",
+            Some("key"),
+        ))
+    })?;
+    Ok((token, key))
+}
+
 /// `GET /api/v1/keys/{key}`: what `chime inspect --json` prints (a key whose runs belong to a
 /// job the token may not read is answered as unknown).
 async fn get_key(
@@ -348,16 +367,9 @@ async fn get_key(
     Path(key): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let token = match api.admit(&headers, peer(info.as_ref().map(|i| &i.0))) {
-        Ok(t) => t,
+    let (token, key) = match admit_key(&api, info.as_ref(), &headers, &key) {
+        Ok(admitted) => admitted,
         Err(r) => return *r,
-    };
-    let Ok(key) = uuid::Uuid::parse_str(&key) else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "not an idempotency key (a UUID, as enqueue answered it)",
-            Some("key"),
-        );
     };
     let reader = match api.reader().await {
         Ok(r) => r,
@@ -411,16 +423,9 @@ async fn cancel_key(
     Path(key): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let token = match api.admit(&headers, peer(info.as_ref().map(|i| &i.0))) {
-        Ok(t) => t,
+    let (token, key) = match admit_key(&api, info.as_ref(), &headers, &key) {
+        Ok(admitted) => admitted,
         Err(r) => return *r,
-    };
-    let Ok(key) = uuid::Uuid::parse_str(&key) else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "not an idempotency key (a UUID, as enqueue answered it)",
-            Some("key"),
-        );
     };
     let unavailable = |e: String| {
         with_retry_after(
