@@ -29,6 +29,8 @@ struct Case {
     dom: Option<BTreeSet<u32>>,
     /// Day-of-week list (0 = Sunday), `None` = `*`.
     dow: Option<BTreeSet<u32>>,
+    /// Month list, `None` = `*`.
+    months: Option<BTreeSet<u32>>,
     weekdays: BTreeSet<u32>,
     holidays: BTreeSet<NaiveDate>,
     extra: BTreeSet<NaiveDate>,
@@ -42,7 +44,14 @@ fn list(s: &BTreeSet<u32>) -> String {
 impl Case {
     fn expr(&self) -> String {
         let opt = |f: &Option<BTreeSet<u32>>| f.as_ref().map_or("*".to_string(), list);
-        format!("{} {} {} * {}", self.minute, list(&self.hours), opt(&self.dom), opt(&self.dow))
+        format!(
+            "{} {} {} {} {}",
+            self.minute,
+            list(&self.hours),
+            opt(&self.dom),
+            opt(&self.months),
+            opt(&self.dow)
+        )
     }
 
     fn tz(&self) -> Tz {
@@ -51,6 +60,9 @@ impl Case {
 
     /// Vixie: with either day field `*` a day must match both, otherwise either.
     fn day_matches(&self, d: NaiveDate) -> bool {
+        if self.months.as_ref().is_some_and(|m| !m.contains(&d.month())) {
+            return false;
+        }
         let dom = self.dom.as_ref().map(|s| s.contains(&d.day()));
         let dow = self.dow.as_ref().map(|s| s.contains(&d.weekday().num_days_from_sunday()));
         match (dom, dow) {
@@ -138,7 +150,7 @@ fn case() -> impl Strategy<Value = Case> {
         0..ZONES.len(),
         date_near_transitions(),
         prop_oneof![Just(0u32), Just(30), 0u32..60],
-        hours,
+        (hours, proptest::option::weighted(0.3, proptest::collection::btree_set(0u32..2, 1..=2))),
         days,
         dows,
         proptest::collection::btree_set(0u32..7, 2..=7),
@@ -151,7 +163,9 @@ fn case() -> impl Strategy<Value = Case> {
             prop_oneof![1i32..=5, -5i32..=-1, 18i32..=23].prop_map(Rule::BusinessDay),
         ],
     )
-        .prop_map(|(zone, start, minute, hours, dom, dow, weekdays, holidays, extra, rule)| {
+        .prop_map(|(zone, start, minute, (hours, months), dom, dow, weekdays, holidays, extra, rule)| {
+            // The window's month and the next (so the months matter inside it).
+            let months = months.map(|m| m.iter().map(|k| (start.month() - 1 + k) % 12 + 1).collect());
             let at = |k: &i64| start + Duration::days(*k);
             let (dom, dow) = if matches!(rule, Rule::BusinessDay(_)) { (None, None) } else { (dom, dow) };
             Case {
@@ -161,6 +175,7 @@ fn case() -> impl Strategy<Value = Case> {
                 hours,
                 dom,
                 dow,
+                months,
                 weekdays,
                 holidays: holidays.iter().map(at).collect(),
                 extra: extra.iter().map(at).collect(),
@@ -180,7 +195,8 @@ proptest! {
     #[test]
     fn calendar_slots_agree_with_a_day_by_day_oracle(c in case()) {
         let tz = c.tz();
-        let bare = Schedule::parse(&c.expr(), Some(tz.name())).unwrap();
+        // A day list no listed month has (`31 11`) never fires: refused at parse, no case.
+        let Ok(bare) = Schedule::parse(&c.expr(), Some(tz.name())) else { return Ok(()) };
         let business = Business { name: "test".into(), calendar: Arc::new(c.calendar()), rule: c.rule };
         // An index no month reaches is refused up front; nothing else to compare.
         let s = match bare.clone().on_calendar(business) {
@@ -242,6 +258,11 @@ fn a_payroll_calendar_rolls_and_explains_its_slots() {
     let last = on("0 17 * * *", Rule::BusinessDay(-1)).unwrap();
     assert_eq!(last.next_after(from), Some(t("2026-12-31T17:00:00Z")));
     assert_eq!(last.next_after(t("2026-12-31T17:00:00Z")), Some(t("2027-01-29T17:00:00Z")));
+    // Quarter ends: the months from the schedule, the day from the calendar (31 March 2027 is
+    // a Wednesday, in summer time: 16:00Z).
+    let quarters = on("0 17 * 3,6,9,12 *", Rule::BusinessDay(-1)).unwrap();
+    assert_eq!(quarters.next_after(t("2027-01-01T00:00:00Z")), Some(t("2027-03-31T16:00:00Z")));
+    assert_eq!(quarters.next_after(t("2027-03-31T16:00:00Z")), Some(t("2027-06-30T16:00:00Z")));
     let skip = on("0 9 * * *", Rule::OnHoliday(OnHoliday::Skip)).unwrap();
     assert_eq!(skip.next_after(t("2026-12-24T10:00:00Z")), Some(t("2026-12-29T09:00:00Z")));
     assert_eq!(skip.next_tick(t("2026-12-24T10:00:00Z")), Some(t("2026-12-25T09:00:00Z")));
