@@ -26,7 +26,9 @@ pub enum Finished {
         /// The last error, from the key's last run (with `[history]` on).
         error: Option<String>,
     },
-    /// A sharded or broadcast run: every member ended (done or dead), in order.
+    /// It was cancelled (`chime cancel`): stopped, or dropped before it ran.
+    Cancelled,
+    /// A sharded or broadcast run: every member ended (done, dead or cancelled), in order.
     Group {
         /// Each member and how it ended.
         members: Vec<MemberFinished>,
@@ -92,6 +94,7 @@ impl Finished {
                     error: last.and_then(|r| r.error.clone()),
                 })
             }
+            Some(KeyState::Cancelled) => Some(Finished::Cancelled),
             _ => None,
         }
     }

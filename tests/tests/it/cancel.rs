@@ -264,6 +264,27 @@ async fn the_dashboard_and_the_http_api_cancel_a_running_job() {
     .await;
     let r = cancel(token, key.clone()).await.unwrap();
     assert_eq!(r.status(), 409);
+
+    // `chime enqueue --wait` on a job that gets cancelled: it says so, exit 1.
+    let waiting = tokio::process::Command::new(bin("chime"))
+        .arg("--config")
+        .arg(&path)
+        .args(["enqueue", "polite", "--key", "w2", "--wait"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let key = chime_shared::envelope::adhoc_key("polite", "w2").to_string();
+    wait_until("the waited run started", Duration::from_secs(30), || async {
+        file(&key, "started").exists()
+    })
+    .await;
+    assert_eq!(chime(&path, &["cancel", &key], None).0, 0);
+    let out =
+        tokio::time::timeout(Duration::from_secs(30), waiting.wait_with_output()).await.unwrap().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("the job was cancelled"), "{err}");
     let body: serde_json::Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
     assert!(body.to_string().contains("is done: nothing to cancel"), "{body}");
     drop((api, worker));

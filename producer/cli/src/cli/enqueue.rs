@@ -273,8 +273,12 @@ fn print_finished(
             chime_shared::redact::escape_control(reason.as_deref().unwrap_or("see chime dlq list")),
             error.map(|e| format!(": {}", chime_shared::redact::escape_control(&e))).unwrap_or_default()
         ))),
+        Finished::Cancelled => Err(runtime(anyhow::anyhow!("the job was cancelled (chime cancel)"))),
         Finished::Group { members } => {
-            let dead = members.iter().filter(|m| matches!(m.finished, Finished::Dead { .. })).count();
+            let dead = members
+                .iter()
+                .filter(|m| matches!(m.finished, Finished::Dead { .. } | Finished::Cancelled))
+                .count();
             if !json {
                 for m in &members {
                     let who = match (&m.shard, &m.worker) {
@@ -294,6 +298,7 @@ fn print_finished(
                                 chime_shared::redact::escape_control(reason)
                             )
                         }
+                        Finished::Cancelled => println!("{who}: cancelled"),
                         Finished::Group { .. } => {}
                     }
                 }
@@ -301,7 +306,10 @@ fn print_finished(
             if dead == 0 {
                 Ok(())
             } else {
-                Err(runtime(anyhow::anyhow!("{dead} of {} members were dead-lettered", members.len())))
+                Err(runtime(anyhow::anyhow!(
+                    "{dead} of {} members were dead-lettered or cancelled",
+                    members.len()
+                )))
             }
         }
     }
