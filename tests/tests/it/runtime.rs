@@ -337,8 +337,10 @@ impl Overlap {
 }
 
 /// `jobs[].global_concurrency` bounds a job across worker processes sharing the prefix: two
-/// workers, each allowed 4 jobs at once, run 16 slow jobs limited to 2 globally; never more
-/// than 2 run at once, 2 are reached, and every slot is freed at the end.
+/// workers, each allowed 2 jobs at once, run 16 slow jobs limited to 3 globally; never more
+/// than 3 run at once, and 3 are reached (which neither worker can do alone, so both ran at
+/// once under the one limit), and every slot is freed at the end. (Which worker runs how many
+/// is the broker's and the slots' race, not asserted.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_global_concurrency_limit_holds_across_workers() {
     let env = TestEnv::new("globalconc");
@@ -346,24 +348,19 @@ async fn a_global_concurrency_limit_holds_across_workers() {
         "quorum",
         "",
         "",
-        "[[jobs]]\nname = \"scarce\"\nhandler = \"scarce\"\nglobal_concurrency = 2\n",
+        "[[jobs]]\nname = \"scarce\"\nhandler = \"scarce\"\nglobal_concurrency = 3\n",
     );
     let runs = Overlap::default();
     let registry = || runs.registry("scarce", Duration::from_millis(150));
-    let a = Running::start(config.clone(), registry(), 4).await;
-    let b = Running::start(config.clone(), registry(), 4).await;
+    let a = Running::start(config.clone(), registry(), 2).await;
+    let b = Running::start(config.clone(), registry(), 2).await;
     let client = EnqueueClient::connect(config).await.unwrap();
     let reqs: Vec<_> = (0..16).map(|i| EnqueueRequest::new("scarce").key(format!("s{i}"))).collect();
     assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, 16);
     let r = &runs;
     wait_until("16 runs done", Duration::from_secs(60), || async { r.done() == 16 }).await;
-    assert_eq!(runs.peak(), 2, "at most 2 at once across both workers, and 2 reached");
-    assert!(
-        a.succeeded() > 0 && b.succeeded() > 0,
-        "both workers ran some: {} and {}",
-        a.succeeded(),
-        b.succeeded()
-    );
+    assert_eq!(runs.peak(), 3, "at most 3 at once across both workers, and 3 reached (by both at once)");
+    assert_eq!(a.succeeded() + b.succeeded(), 16, "{} and {}", a.succeeded(), b.succeeded());
     let r = connect_redis(&env.redis_url).await;
     let limit_key = env.names().limit("scarce");
     wait_until("every slot freed", Duration::from_secs(10), || {
