@@ -669,7 +669,8 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         started_at,
     };
     let guard = core.running(&owner, running);
-    let (end, result) = run(core, store, &spec, &env, &key, &owner, &fence, checkpoint).await;
+    let (end, result) =
+        run(core, store, &spec, &env, &key, &owner, &fence, checkpoint, &guard.cancelled).await;
     drop(guard);
     let duration = run_started.elapsed();
     metrics.duration.record(duration.as_secs_f64());
@@ -740,6 +741,7 @@ async fn run<S: KeyStore>(
     owner: &str,
     fence: &AtomicU64,
     checkpoint: Option<String>,
+    cancelled: &CancellationToken,
 ) -> (RunEnd, RunResult) {
     let (saves, save_rx) = tokio::sync::mpsc::unbounded_channel();
     let state = Arc::new(crate::handler::RunState {
@@ -751,7 +753,7 @@ async fn run<S: KeyStore>(
         poll: core.config.checkpoints.poll,
         kept: None,
     });
-    let end = run_handler(core, store, spec, env, key, owner, fence, state.clone(), save_rx).await;
+    let end = run_handler(core, store, spec, env, key, owner, fence, state.clone(), save_rx, cancelled).await;
     let result = state.result.lock().ok().and_then(|mut r| r.take());
     (end, result)
 }
@@ -768,10 +770,10 @@ async fn run_handler<S: KeyStore>(
     fence: &AtomicU64,
     state: Arc<crate::handler::RunState>,
     save_rx: tokio::sync::mpsc::UnboundedReceiver<crate::handler::SaveCheckpoint>,
+    // Fired when `chime cancel` names this key (the cancellations stream).
+    cancelled: &CancellationToken,
 ) -> RunEnd {
     let cancel = CancellationToken::new();
-    // Fired when `chime cancel` names this key (the cancellations stream).
-    let cancelled = core.watch_cancel(key);
     let ctx = JobContext {
         job: env.job.clone(),
         queue: env.queue.clone(),
@@ -802,7 +804,7 @@ async fn run_handler<S: KeyStore>(
         joined = &mut task => return ended(joined),
         _ = tokio::time::sleep(spec.timeout) => Stop::Timeout,
         lost = &mut renewals => lost,
-        _ = cancelled.token.cancelled() => Stop::Cancelled,
+        _ = cancelled.cancelled() => Stop::Cancelled,
         _ = core.hard_stop.cancelled() => Stop::Shutdown,
     };
     if stop == Stop::Cancelled {
@@ -1051,6 +1053,14 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
         ticket.requeue().await;
     }
 
+    /// A copy dropped without running (its key cancelled, or replaced by a newer enqueue):
+    /// counted, recorded (reason = the outcome's name), acked.
+    async fn dropped<A: AckSink>(&self, o: Outcome, label: &'static str, why: &str, ticket: Ticket<A>) {
+        self.completed(label);
+        self.record(o, Some(o.as_str()), Some(why));
+        ticket.ack().await;
+    }
+
     /// A delivery whose key it does not hold.
     async fn unheld<A: AckSink>(&self, plan: Plan, ticket: Ticket<A>) {
         match plan {
@@ -1062,23 +1072,13 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
             }
             Plan::Ack(Settled::Superseded) => {
                 debug!("older copy of a replaced key dropped (superseded)");
-                self.completed(outcome::SUPERSEDED);
-                self.record(
-                    Outcome::Superseded,
-                    Some("superseded"),
-                    Some("a newer enqueue of this key replaced this copy"),
-                );
-                ticket.ack().await;
+                let why = "a newer enqueue of this key replaced this copy";
+                self.dropped(Outcome::Superseded, outcome::SUPERSEDED, why, ticket).await;
             }
             Plan::Ack(Settled::Cancelled) => {
                 info!("copy of a cancelled key dropped");
-                self.completed(outcome::CANCELLED);
-                self.record(
-                    Outcome::Cancelled,
-                    Some("cancelled"),
-                    Some("a copy of a cancelled key, dropped"),
-                );
-                ticket.ack().await;
+                let why = "a copy of a cancelled key, dropped";
+                self.dropped(Outcome::Cancelled, outcome::CANCELLED, why, ticket).await;
             }
             Plan::Ack(Settled::Expired) => {
                 Stats::bump(&self.stats().expired);

@@ -885,7 +885,7 @@ async fn flush_minutes(core: &Core, conn: &mut chime_shared::redis_conn::RedisCo
 fn heartbeat(core: &Core, queues: &[String], concurrency: usize, health: &Health) -> WorkerBeat {
     let stats = &core.stats;
     let mut running: Vec<_> =
-        core.running.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+        core.running.lock().unwrap_or_else(|p| p.into_inner()).values().map(|(r, _)| r.clone()).collect();
     running.sort_by_key(|r| r.started_at);
     WorkerBeat {
         id: core.worker_id.clone(),

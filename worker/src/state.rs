@@ -355,8 +355,9 @@ pub(crate) struct Core {
     pub intake_stopped: CancellationToken,
     /// Cancelled at the drain deadline: stop running handlers.
     pub hard_stop: CancellationToken,
-    /// Jobs running now, by owner token (for the heartbeat).
-    pub running: Mutex<HashMap<String, Running>>,
+    /// Jobs running now, by owner token (for the heartbeat), each with the token `chime
+    /// cancel` fires.
+    pub running: Mutex<HashMap<String, (Running, CancellationToken)>>,
     /// `chime_worker_running`, looked up once (after the recorder is installed).
     running_gauge: OnceLock<metrics::Gauge>,
     /// Queues whose pause flag is set: not consumed.
@@ -373,22 +374,6 @@ pub(crate) struct Core {
     pub shed: HashMap<String, QueueShed>,
     /// Aging: `jobs[].promote_after` by job (empty: strict priorities, nothing looked up).
     pub promote: HashMap<String, Duration>,
-    /// The keys running here, each with the token `chime cancel` fires.
-    cancels: Mutex<HashMap<String, CancellationToken>>,
-}
-
-/// A run's cancellation watch ([`Core::watch_cancel`]); unregisters when dropped.
-pub(crate) struct CancelWatch<'a> {
-    core: &'a Core,
-    key: String,
-    /// Fired when the key is cancelled.
-    pub token: CancellationToken,
-}
-
-impl Drop for CancelWatch<'_> {
-    fn drop(&mut self) {
-        self.core.cancels.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.key);
-    }
 }
 
 /// One queue's load shedding, as this worker sees it.
@@ -404,6 +389,8 @@ pub(crate) struct QueueShed {
 pub(crate) struct RunningGuard<'a> {
     core: &'a Core,
     owner: String,
+    /// Fired when `chime cancel` names the run's key ([`Core::cancel_key`]).
+    pub cancelled: CancellationToken,
 }
 
 impl Drop for RunningGuard<'_> {
@@ -441,7 +428,6 @@ impl Core {
             started_at: chrono::Utc::now(),
             minutes: Mutex::new(std::collections::BTreeMap::new()),
             shed,
-            cancels: Mutex::new(HashMap::new()),
         }
     }
 
@@ -491,31 +477,26 @@ impl Core {
         self.running_gauge.get_or_init(|| metrics::gauge!(telemetry::WORKER_RUNNING))
     }
 
-    /// Watches `key` for `chime cancel` while the returned watch lives.
-    pub fn watch_cancel(&self, key: &str) -> CancelWatch<'_> {
-        let token = CancellationToken::new();
-        self.cancels.lock().unwrap_or_else(|p| p.into_inner()).insert(key.to_string(), token.clone());
-        CancelWatch { core: self, key: key.to_string(), token }
-    }
-
-    /// `chime cancel` named `key`: stops its run here, if one runs here (true).
+    /// `chime cancel` named `key`: stops its run here, if one runs here (true). Scans the
+    /// runs (a cancellation is rare; a run costs no second registry).
     pub fn cancel_key(&self, key: &str) -> bool {
-        match self.cancels.lock().unwrap_or_else(|p| p.into_inner()).get(key) {
-            Some(t) => {
-                t.cancel();
-                true
-            }
-            None => false,
+        let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        let mut found = false;
+        for (_, token) in running.values().filter(|(r, _)| r.key == key) {
+            token.cancel();
+            found = true;
         }
+        found
     }
 
-    /// Registers a run for the heartbeat until the guard is dropped.
+    /// Registers a run for the heartbeat and for `chime cancel` until the guard is dropped.
     pub fn running(&self, owner: &str, run: Running) -> RunningGuard<'_> {
+        let cancelled = CancellationToken::new();
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        running.insert(owner.to_string(), run);
+        running.insert(owner.to_string(), (run, cancelled.clone()));
         self.running_gauge().set(running.len() as f64);
         drop(running);
-        RunningGuard { core: self, owner: owner.to_string() }
+        RunningGuard { core: self, owner: owner.to_string(), cancelled }
     }
 
     pub fn job(&self, name: &str) -> Option<Arc<JobSpec>> {

@@ -94,6 +94,8 @@ impl Ticker {
         let mut paused_slots = Vec::new();
         let mut due_left = Vec::new();
         let mut shed_events = Vec::new();
+        // Calendar skips per job, counted in Redis once a batch.
+        let mut calendar_skips: HashMap<usize, u64> = HashMap::new();
         for ((i, slot), paused) in due.into_iter().zip(paused.into_iter().chain(std::iter::repeat(false))) {
             let Some(job) = jobs.get(i) else { continue };
             // A slot its business calendar skips (`on_holiday = "skip"`): counted; recorded
@@ -103,7 +105,7 @@ impl Ticker {
                 debug!(job = %job.name, %slot, calendar, reason = closed.as_str(), "not a business day: slot skipped");
                 metrics::counter!(telemetry::SLOTS_CALENDAR_SKIPPED, "job" => job.name.clone(), "reason" => closed.as_str())
                     .increment(1);
-                self.store.count(&job.name, "calendar", 1).await;
+                *calendar_skips.entry(i).or_default() += 1;
                 if closed == Closed::Holiday {
                     let day = slot.with_timezone(&job.schedule.zone()).date_naive();
                     info!(job = %job.name, %slot, calendar, %day, "holiday: slot skipped");
@@ -138,6 +140,9 @@ impl Ticker {
                 continue;
             }
             due_left.push((i, slot));
+        }
+        for (i, n) in calendar_skips {
+            self.store.count(&jobs[i].name, "calendar", n).await;
         }
 
         // Overlap: the jobs that have a policy, among the due ones and those with a slot waiting.
