@@ -29,6 +29,7 @@ mod wait;
 
 pub use chime_shared::job::{Job, JobOptions};
 pub use enqueue::flush::{FlushReport, flush_at_start, flush_spool};
+pub use enqueue::workflow::{MAX_STEPS, StepRequest, WorkflowEnqueued, WorkflowRequest};
 pub use enqueue::{
     BatchReport, Delivery, EnqueueClient, EnqueueError, EnqueueRequest, Enqueued, IntoRequest, Prepared,
     parse_batch_line, prepare,

@@ -178,6 +178,8 @@ impl Catalog {
                 calendar: None,
                 on_holiday: None,
                 business_day: None,
+                after: Vec::new(),
+                on_complete: None,
             });
         }
         let known = config.all_queues();

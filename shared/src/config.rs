@@ -36,6 +36,7 @@ mod ops;
 mod producer;
 mod store;
 mod workers;
+mod workflows;
 
 pub use amqp::{AmqpConfig, Urls};
 pub use calendars::{CalendarConfig, ResolvedCalendar};
@@ -437,6 +438,7 @@ impl Config {
         circuits::validate(&self.circuits, &self.jobs)?;
         let calendars = calendars::resolve(&self.calendars)?;
         calendars::validate(&calendars, &self.jobs)?;
+        workflows::validate(&self.jobs)?;
         let queues = self.all_queues();
         for q in self.worker.shed.keys() {
             if !queues.contains(q) {

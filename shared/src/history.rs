@@ -58,11 +58,14 @@ pub enum Outcome {
     Cancelled,
     /// An older copy of a key a newer enqueue replaced (debounce, replace), dropped.
     Superseded,
+    /// A workflow step whose upstream step is dead or cancelled: it waits (parked) until
+    /// that step is replayed and done (`error` names it).
+    Blocked,
 }
 
 impl Outcome {
     /// Every outcome, in a fixed order.
-    pub const ALL: [Outcome; 11] = [
+    pub const ALL: [Outcome; 12] = [
         Outcome::Succeeded,
         Outcome::Retried,
         Outcome::DeadLettered,
@@ -74,6 +77,7 @@ impl Outcome {
         Outcome::Shed,
         Outcome::Cancelled,
         Outcome::Superseded,
+        Outcome::Blocked,
     ];
 
     /// The spelling in events, filters and URLs.
@@ -90,6 +94,7 @@ impl Outcome {
             Outcome::Shed => "shed",
             Outcome::Cancelled => "cancelled",
             Outcome::Superseded => "superseded",
+            Outcome::Blocked => "blocked",
         }
     }
 
@@ -107,6 +112,7 @@ impl Outcome {
             Outcome::Shed => 'h',
             Outcome::Cancelled => 'c',
             Outcome::Superseded => 'u',
+            Outcome::Blocked => 'b',
         }
     }
 
@@ -401,6 +407,16 @@ pub struct KeyRecord {
     pub checkpoint: Option<serde_json::Value>,
     /// The key's last runs, oldest first.
     pub runs: Vec<RunEvent>,
+    /// A workflow step that has not run: what it waits for, or what blocks it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<String>,
+    /// Workflow steps registered as waiting for this key (released by its `done` or `dead`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub waiters: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl KeyRecord {
@@ -431,6 +447,8 @@ impl KeyRecord {
             result: StoredResult::decode(get("res").as_deref(), until, Utc::now()),
             checkpoint: get("cp").map(|c| serde_json::from_str(&c).unwrap_or(serde_json::Value::String(c))),
             runs: runs.into_iter().map(|(_, r)| r).collect(),
+            waiting: get("wf"),
+            waiters: fields.keys().filter(|k| k.starts_with("w:")).count(),
         }
     }
 }

@@ -52,6 +52,7 @@ pub mod telemetry;
 pub mod tls;
 pub mod topology;
 pub mod trace;
+pub mod workflow;
 
 pub use config::{Config, ConfigError, ValidConfig};
 pub use envelope::{Envelope, Source};

@@ -28,6 +28,8 @@
 //! | (malformed, too large) | — | — | dead-letter, ack | requeue |
 //! | (scheduled slot past its deadline) | — | — | ack (expired) | |
 //! | (its rate limit's start, or a global slot, further off than `worker.max_hold`) | — | — | publish the same attempt after the wait (`parked`), ack | requeue |
+//! | (a workflow step whose upstream steps are not all done: ended, for `on_complete`) | — | — | register on their records, publish the same attempt after 1 s doubling to 60 s (`parked`, reason `workflow`, recorded once), ack; an upstream's `done` or `dead` publishes it at once | requeue |
+//! | (a workflow step whose upstream is dead or cancelled) | — | — | as above, up to 10 min (`blocked`, recorded once); after `redis.done_retention` waiting, dead-letter `blocked` | requeue |
 //! | (its circuit breaker open, or half-open with every probe out) | — | — | publish the same attempt after the wait (`parked`), ack; or dead-letter `circuit_open` (`on_open = "dead_letter"`) | requeue |
 
 use chime_shared::config::BackoffConfig;
@@ -92,6 +94,10 @@ pub(crate) enum Park {
     /// Its circuit breaker was open, or half-open with every probe out; `parks` counts the
     /// times it was parked so.
     Circuit { parks: u32 },
+    /// A workflow step whose upstream steps have not all come to what it waits for (`blocked`:
+    /// one is dead or cancelled); `parks` counts the times it was parked so, `since` is when
+    /// it was first (s since the epoch).
+    Workflow { parks: u32, since: i64, blocked: bool },
 }
 
 impl Park {
@@ -102,6 +108,8 @@ impl Park {
             Park::GlobalSlot { .. } => "global_concurrency",
             Park::PushedBack => "pushed_back",
             Park::Circuit { .. } => "circuit_open",
+            Park::Workflow { blocked: false, .. } => "workflow",
+            Park::Workflow { blocked: true, .. } => "blocked",
         }
     }
 }

@@ -57,6 +57,8 @@ pub(crate) struct RunState {
     pub(crate) poll: Duration,
     /// Outside a worker ([`crate::testing::TestRun`]): checkpoints are kept here instead.
     pub(crate) kept: Option<std::sync::Mutex<Vec<String>>>,
+    /// A workflow step's upstream runs.
+    pub(crate) upstream: Vec<chime_shared::workflow::UpstreamRun>,
 }
 
 impl fmt::Debug for RunState {
@@ -120,6 +122,16 @@ impl JobContext {
     /// every member); `None` for a run that did not fan out.
     pub fn group(&self) -> Option<Uuid> {
         self.group
+    }
+    /// A workflow step's upstream steps, as they ended: each one's step name, job, key,
+    /// state (`done`; for an `on_complete` job also `dead` or `cancelled`) and the result
+    /// its `done` run left. Empty for a job that waits for nothing.
+    pub fn upstream(&self) -> &[chime_shared::workflow::UpstreamRun] {
+        &self.run.upstream
+    }
+    /// The result upstream step `step` left (`None`: no such step, or no result kept).
+    pub fn upstream_result(&self, step: &str) -> Option<&serde_json::Value> {
+        self.run.upstream.iter().find(|u| u.step == step)?.result.as_ref()?.value()
     }
     /// Resolves when the run must stop: its timeout passed, the worker is shutting down past
     /// its drain deadline, or another owner took the key over. The handler then has

@@ -42,8 +42,20 @@ pub(crate) const RATE_AT: &str = "x-chime-rate-at";
 pub(crate) const SLOT_PARKS: &str = "x-chime-slot-parks";
 /// Header counting the times a run was parked by its circuit breaker.
 pub(crate) const CIRCUIT_PARKS: &str = "x-chime-circuit-parks";
+/// Header counting the times a workflow step was parked waiting for its upstream steps.
+pub(crate) const WORKFLOW_PARKS: &str = "x-chime-workflow-parks";
+/// Header carrying when a workflow step first waited (s since the epoch).
+pub(crate) const WAITING_SINCE: &str = "x-chime-waiting-since";
+/// Header marking a workflow step already recorded as blocked.
+pub(crate) const BLOCKED: &str = "x-chime-blocked";
 /// Header carrying the `traceparent` of the attempt a retry follows (its span is linked).
 pub(crate) const PREVIOUS_SPAN: &str = "x-chime-previous-span";
+
+/// A fault the suite injects (`CHIME_TEST_FAULT=abort_before_release`): the process dies
+/// right after recording a workflow step's `done` or `dead`, before releasing the steps that
+/// wait for it and before acking, the worst moment for a workflow.
+static FAULT_BEFORE_RELEASE: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| std::env::var("CHIME_TEST_FAULT").is_ok_and(|v| v == "abort_before_release"));
 
 /// A delivery, as far as deciding its fate goes.
 pub(crate) struct Incoming {
@@ -254,6 +266,72 @@ async fn rate_gate<S: KeyStore>(
 /// How long any rate-limited run may wait in place without one of the worker's in-place
 /// waits (`worker.max_hold` with one).
 const IN_PLACE: Duration = Duration::from_millis(999);
+
+/// What a workflow step's upstream steps say.
+enum StepGate {
+    /// Not a waiting step, or every upstream step came to what it waits for (their runs).
+    Go(Vec<chime_shared::workflow::UpstreamRun>),
+    /// Park it this long (registered on the upstream records, which release it sooner).
+    Park(Duration, Park),
+    /// It has waited longer than `redis.done_retention`: why.
+    DeadLetter(String),
+}
+
+/// Reads a workflow step's upstream records (see `chime_shared::workflow`): it goes when
+/// they came to what it waits for, else it is parked (1 s, doubling with each park, at most
+/// 60 s; a blocked one at most 10 min), its first wait (and its first being blocked) noted on
+/// its own record and in the history.
+async fn step_gate<S: KeyStore>(
+    core: &Core,
+    store: &S,
+    env: &Envelope,
+    incoming: &Incoming,
+) -> Result<StepGate, IdemError> {
+    use chime_shared::workflow::{MAX_BLOCKED_PARK, MAX_PARK, Standing};
+    let Some(step) = env.step.as_ref().filter(|s| !s.after.is_empty()) else {
+        return Ok(StepGate::Go(Vec::new()));
+    };
+    let route = env.route();
+    let runs = futures_util::future::try_join_all(
+        step.after.iter().map(|u| store.wait_for(u, env, &route, step.wait)),
+    )
+    .await?;
+    let standing = Standing::of(step.wait, runs);
+    let blocked = matches!(standing, Standing::Blocked(_));
+    let runs = match standing {
+        Standing::Ready(runs) => return Ok(StepGate::Go(runs)),
+        _ => standing.describe(),
+    };
+    let header = |name| header_str(&incoming.properties, name);
+    let parks: u32 = header(WORKFLOW_PARKS).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let now = Utc::now().timestamp();
+    let since =
+        header(WAITING_SINCE).and_then(|s| s.parse::<i64>().ok()).filter(|s| *s <= now).unwrap_or(now);
+    let waited = Duration::from_secs(u64::try_from(now - since).unwrap_or(0));
+    if waited > core.config.redis.done_retention {
+        return Ok(StepGate::DeadLetter(format!(
+            "waited {}s (redis.done_retention), {runs}",
+            waited.as_secs()
+        )));
+    }
+    let was_blocked = has_header(&incoming.properties, BLOCKED);
+    if parks == 0 || (blocked && !was_blocked) {
+        info!(step = %step.name, "{runs}");
+        if let Err(e) = store.note_waiting(&env.key.to_string(), &runs).await {
+            warn!(error = %e, "cannot note the step's wait on its record");
+        }
+        if store.records_history() {
+            let (outcome, reason) =
+                if blocked { (Outcome::Blocked, "blocked") } else { (Outcome::Parked, "workflow") };
+            let e = run_event(core, incoming, Some(env), None, outcome, Some(reason), Some(&runs));
+            store.stream_run(&e);
+            store.log_run(&e);
+        }
+    }
+    let cap = if blocked { MAX_BLOCKED_PARK } else { MAX_PARK };
+    let delay = Duration::from_secs(1 << parks.min(10)).min(cap);
+    Ok(StepGate::Park(delay, Park::Workflow { parks: parks.saturating_add(1), since, blocked }))
+}
 
 /// Whether the delivery carries header `name`.
 fn has_header(props: &BasicProperties, name: &str) -> bool {
@@ -590,6 +668,20 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
             }
         };
     }
+    let upstream = match step_gate(core, store, &env, incoming).await {
+        Ok(StepGate::Go(runs)) => runs,
+        Ok(StepGate::Park(delay, why)) => {
+            return Verdict::unheld(Plan::Redelay { delay, why: Redelay::Parked(why) }, env, Some(spec));
+        }
+        Ok(StepGate::DeadLetter(why)) => {
+            let dead = decision::dead_info(DeadReason::Blocked, &why, env.attempt);
+            return Verdict::unheld(Plan::DeadLetter(dead), env, Some(spec));
+        }
+        Err(e) => {
+            slot_error(core, &e);
+            return Verdict::unheld(decision::on_redis_error(&e), env, Some(spec));
+        }
+    };
     let mut probe = match breaker(store, &spec, incoming).await {
         Breaker::Go => None,
         Breaker::Probe(p) => Some(p),
@@ -670,7 +762,7 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     };
     let guard = core.running(&owner, running);
     let (end, result) =
-        run(core, store, &spec, &env, &key, &owner, &fence, checkpoint, &guard.cancelled).await;
+        run(core, store, &spec, &env, &key, &owner, &fence, checkpoint, upstream, &guard.cancelled).await;
     drop(guard);
     let duration = run_started.elapsed();
     metrics.duration.record(duration.as_secs_f64());
@@ -741,6 +833,7 @@ async fn run<S: KeyStore>(
     owner: &str,
     fence: &AtomicU64,
     checkpoint: Option<String>,
+    upstream: Vec<chime_shared::workflow::UpstreamRun>,
     cancelled: &CancellationToken,
 ) -> (RunEnd, RunResult) {
     let (saves, save_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -752,6 +845,7 @@ async fn run<S: KeyStore>(
         result_max_bytes: core.config.results.max_bytes,
         poll: core.config.checkpoints.poll,
         kept: None,
+        upstream,
     });
     let end = run_handler(core, store, spec, env, key, owner, fence, state.clone(), save_rx, cancelled).await;
     let result = state.result.lock().ok().and_then(|mut r| r.take());
@@ -1061,6 +1155,33 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
         ticket.ack().await;
     }
 
+    /// Publishes at once the workflow steps registered as waiting for `env`'s key, now that
+    /// it is `done` or `dead` (best-effort: a step not released here comes back parked).
+    async fn release(&self, env: &Envelope) {
+        if !env.step.as_ref().is_some_and(|s| s.releases) {
+            return;
+        }
+        if *FAULT_BEFORE_RELEASE {
+            error!("CHIME_TEST_FAULT=abort_before_release: the process dies between `done` and the release");
+            std::process::abort();
+        }
+        let waiting = match self.store.release(&env.key.to_string()).await {
+            Ok(w) => w,
+            Err(e) => {
+                warn!(error = %e, "cannot release the steps waiting for this one; their parked copies come back on their own");
+                return;
+            }
+        };
+        for (route, copy) in waiting {
+            match self.outbox.delayed(&route, &copy, Duration::ZERO, FieldTable::default()).await {
+                Ok(()) => debug!(step = %copy.job, key = %copy.key, "waiting step released"),
+                Err(e) => {
+                    warn!(error = %e, key = %copy.key, "cannot release a waiting step; its parked copy comes back on its own")
+                }
+            }
+        }
+    }
+
     /// A delivery whose key it does not hold.
     async fn unheld<A: AckSink>(&self, plan: Plan, ticket: Ticket<A>) {
         match plan {
@@ -1103,6 +1224,13 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                     Redelay::Parked(Park::Circuit { parks }) => {
                         put_header(&mut headers, CIRCUIT_PARKS, &parks.to_string())
                     }
+                    Redelay::Parked(Park::Workflow { parks, since, blocked }) => {
+                        put_header(&mut headers, WORKFLOW_PARKS, &parks.to_string());
+                        put_header(&mut headers, WAITING_SINCE, &since.to_string());
+                        if blocked {
+                            put_header(&mut headers, BLOCKED, "1");
+                        }
+                    }
                     Redelay::Parked(Park::PushedBack) | Redelay::Busy => {}
                 }
                 match self.outbox.delayed(&env.route(), env, delay, headers).await {
@@ -1111,7 +1239,10 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                         Stats::bump(&self.stats().redelayed);
                         if let Redelay::Parked(park) = why {
                             self.parked(park, delay);
-                            self.record(Outcome::Parked, Some(park.as_str()), None);
+                            // A workflow step's waits are recorded by its gate, once.
+                            if !matches!(park, Park::Workflow { .. }) {
+                                self.record(Outcome::Parked, Some(park.as_str()), None);
+                            }
                         }
                         ticket.ack().await;
                     }
@@ -1132,6 +1263,7 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
             HeldPlan::RecordDone => {
                 let done = self.streamed(Outcome::Succeeded, None, None);
                 if let Some(logged) = record_until_done(core, store, h, done.as_ref()).await {
+                    self.release(env).await;
                     Stats::bump(&self.stats().succeeded);
                     self.completed(outcome::SUCCEEDED);
                     self.log_unless(done, logged);
@@ -1276,6 +1408,9 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                         store.finish(&h.key, &h.owner, h.fence, Final::Dead, None, died.as_ref())
                     })
                     .await;
+                }
+                if let (Some(_), Some(env)) = (held, self.env) {
+                    self.release(env).await;
                 }
                 warn!(reason = %dead.reason, error = %chime_shared::redact::escape_control(&error), queue = %incoming.queue, "dead-lettered");
                 Stats::bump(&self.stats().dead_lettered);

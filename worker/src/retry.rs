@@ -42,6 +42,8 @@ pub enum DeadReason {
     BadRecord,
     /// Its circuit breaker was open (`on_open = "dead_letter"`).
     CircuitOpen,
+    /// A workflow step that waited for its upstream steps longer than `redis.done_retention`.
+    Blocked,
 }
 
 impl DeadReason {
@@ -57,6 +59,7 @@ impl DeadReason {
             DeadReason::TooLarge => "too_large",
             DeadReason::BadRecord => "bad_record",
             DeadReason::CircuitOpen => "circuit_open",
+            DeadReason::Blocked => "blocked",
         }
     }
 }

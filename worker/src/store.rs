@@ -7,11 +7,12 @@ use chime_shared::amqp::{self, AmqpError};
 use chime_shared::circuit::{Admit, Ended, Limits, Recorded as CircuitRecorded};
 use chime_shared::config::QueueType;
 use chime_shared::delay;
-use chime_shared::envelope::Envelope;
+use chime_shared::envelope::{Envelope, Upstream, Wait};
 use chime_shared::history::RunEvent;
 use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, IdemStore, Recorded, Renewal};
 use chime_shared::limit::{RateTake, SlotTake};
 use chime_shared::topology::Names;
+use chime_shared::workflow::UpstreamRun;
 use lapin::BasicProperties;
 use lapin::types::FieldTable;
 use std::future::Future;
@@ -108,6 +109,19 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
     fn stream_run(&self, event: &RunEvent);
     /// Appends a run to its key's record, for a run no `finish` put there (best-effort).
     fn log_run(&self, event: &RunEvent);
+    /// Reads upstream step `up` for the waiting step `env` (sent to `route`), registering
+    /// `env` on it unless it came to what `wait` asks (`chime_shared::workflow`).
+    fn wait_for(
+        &self,
+        up: &Upstream,
+        env: &Envelope,
+        route: &str,
+        wait: Wait,
+    ) -> impl Future<Output = Result<UpstreamRun, IdemError>> + Send;
+    /// Takes the copies registered as waiting for `key` off its record.
+    fn release(&self, key: &str) -> impl Future<Output = Result<Vec<(String, Envelope)>, IdemError>> + Send;
+    /// Notes on waiting step `key`'s own record what it waits for.
+    fn note_waiting(&self, key: &str, standing: &str) -> impl Future<Output = Result<(), IdemError>> + Send;
 }
 
 impl KeyStore for IdemStore {
@@ -169,6 +183,21 @@ impl KeyStore for IdemStore {
     }
     fn log_run(&self, event: &RunEvent) {
         IdemStore::log_run(self, event)
+    }
+    fn wait_for(
+        &self,
+        up: &Upstream,
+        env: &Envelope,
+        route: &str,
+        wait: Wait,
+    ) -> impl Future<Output = Result<UpstreamRun, IdemError>> + Send {
+        IdemStore::wait_for(self, up, env, route, wait)
+    }
+    fn release(&self, key: &str) -> impl Future<Output = Result<Vec<(String, Envelope)>, IdemError>> + Send {
+        IdemStore::release(self, key)
+    }
+    fn note_waiting(&self, key: &str, standing: &str) -> impl Future<Output = Result<(), IdemError>> + Send {
+        IdemStore::note_waiting(self, key, standing)
     }
     fn lease(&self) -> Duration {
         IdemStore::lease(self)

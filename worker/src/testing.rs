@@ -56,6 +56,7 @@ impl TestRun {
             result_max_bytes: chime_shared::config::ResultsConfig::default().max_bytes,
             poll: checkpoints.poll,
             kept: Some(Mutex::new(Vec::new())),
+            upstream: Vec::new(),
         };
         Self {
             ctx: JobContext {
@@ -116,6 +117,17 @@ impl TestRun {
     pub fn shard(mut self, shard: u32, shards: u32, group: Uuid) -> Self {
         self.ctx.shard = Some((shard, shards));
         self.ctx.group = Some(group);
+        self
+    }
+
+    /// A workflow step's upstream runs ([`JobContext::upstream`]).
+    ///
+    /// # Panics
+    /// Once the run has started (its state is shared with the handler).
+    pub fn upstream(mut self, runs: Vec<chime_shared::workflow::UpstreamRun>) -> Self {
+        #[allow(clippy::expect_used)] // a test helper used before the run: its state is not shared yet
+        let run = Arc::get_mut(&mut self.ctx.run).expect("upstream is set before the run");
+        run.upstream = runs;
         self
     }
 

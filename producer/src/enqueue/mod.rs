@@ -5,6 +5,7 @@
 //! envelope) happens before anything is published, so a bad batch publishes nothing.
 
 pub(crate) mod flush;
+pub(crate) mod workflow;
 
 use crate::spool::SpoolError;
 use chime_shared::amqp::{self, AmqpError};
@@ -687,9 +688,12 @@ impl EnqueueClient {
                 .map_err(redis_err)?,
                 None => continue,
             };
-            out.extend(
-                fan.envelopes(&p.envelope).into_iter().map(|envelope| Prepared { envelope, ..p.clone() }),
-            );
+            let mut members = fan.envelopes(&p.envelope);
+            if let Some(c) = chime_shared::workflow::Completion::of(&self.config.jobs, job) {
+                let done = c.attach(&p.envelope, &mut members);
+                members.push(done);
+            }
+            out.extend(members.into_iter().map(|envelope| Prepared { envelope, ..p.clone() }));
         }
         Ok(out)
     }

@@ -165,6 +165,10 @@ impl Names {
     pub fn circuit(&self, name: &str) -> String {
         format!("{}:circuit:{name}", self.prefix)
     }
+    /// Redis string of a workflow (JSON): its steps, their keys and what each waits for.
+    pub fn workflow(&self, key: &str) -> String {
+        format!("{}:workflow:{key}", self.prefix)
+    }
     /// Redis hash of a fanned-out run (sharded or broadcast): its members' keys.
     pub fn group(&self, base_key: &str) -> String {
         format!("{}:group:{base_key}", self.prefix)

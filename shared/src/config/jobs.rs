@@ -129,6 +129,12 @@ pub struct JobConfig {
     pub on_holiday: Option<crate::calendar::OnHoliday>,
     /// Only the n-th (n ≥ 1) or n-th last (n ≤ −1) business day of each month.
     pub business_day: Option<i32>,
+    /// Scheduled jobs whose run of the same slot must be `done` before this one's starts (it
+    /// receives their results). They share this job's schedule.
+    pub after: Vec<String>,
+    /// A sharded or broadcast job: the job that runs once when every member of a run has
+    /// ended, with the members' outcomes and results.
+    pub on_complete: Option<String>,
 }
 
 /// What runs a job. In TOML it is the `handler` key plus the keys of that handler alone
@@ -242,6 +248,10 @@ struct RawJobConfig {
     on_holiday: Option<crate::calendar::OnHoliday>,
     #[serde(default)]
     business_day: Option<i32>,
+    #[serde(default)]
+    after: Vec<String>,
+    #[serde(default)]
+    on_complete: Option<String>,
 }
 
 /// `[[jobs]]` with each entry's index in its errors, as `validate` names them.
@@ -352,6 +362,8 @@ impl RawJobConfig {
             calendar: raw.calendar,
             on_holiday: raw.on_holiday,
             business_day: raw.business_day,
+            after: raw.after,
+            on_complete: raw.on_complete,
         })
     }
 }

@@ -155,7 +155,7 @@ static SETTLE_UNRUN: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{PRELUDE}
 {LOG_RUN}
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('HEXISTS', KEYS[1], 's') == 1 then return 0 end
 redis.call('HSET', KEYS[1], 's', 'done', 'o', ARGV[1], 'f', 0, 'u', 0, 't', int(now_ms))
 if ARGV[3] then log_run(3) end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -653,6 +653,11 @@ impl IdemStore {
         u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
     }
 
+    /// How long records are kept (`redis.done_retention`).
+    pub(crate) fn retention(&self) -> Duration {
+        self.retention
+    }
+
     /// The key names of this store's prefix.
     pub(crate) fn names(&self) -> &Names {
         &self.names
@@ -950,7 +955,12 @@ async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
             return;
         }
         let ours = [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*RUNLOG, &*XADDS, &*CHECKPOINT];
-        for script in ours.into_iter().chain(limit::scripts()).chain(circuit::scripts()) {
+        for script in ours
+            .into_iter()
+            .chain(limit::scripts())
+            .chain(circuit::scripts())
+            .chain(crate::workflow::scripts())
+        {
             if let Err(e) = script.prepare_invoke().load_async(conn).await {
                 return fail_all(again_replies, || IdemError::Redis(e.clone()));
             }

@@ -44,3 +44,4 @@ mod tls;
 mod topology;
 mod traces;
 mod web;
+mod workflow;

@@ -232,6 +232,22 @@ impl Drop for RunFiles {
     }
 }
 
+/// Largest `CHIME_UPSTREAM` passed with the upstream results (Linux caps one environment
+/// string at 128 KiB); past it, the runs go without their results.
+const UPSTREAM_ENV_BYTES: usize = 100_000;
+
+/// `CHIME_UPSTREAM`: a workflow step's upstream runs as a JSON array (empty: `[]`).
+fn upstream_json(ctx: &JobContext) -> String {
+    let runs = ctx.upstream();
+    let full = serde_json::to_string(runs).unwrap_or_else(|_| "[]".into());
+    if full.len() <= UPSTREAM_ENV_BYTES {
+        return full;
+    }
+    let bare: Vec<_> =
+        runs.iter().map(|r| chime_shared::workflow::UpstreamRun { result: None, ..r.clone() }).collect();
+    serde_json::to_string(&bare).unwrap_or_else(|_| "[]".into())
+}
+
 async fn run(exec: &ExecHandler, ctx: JobContext, payload: serde_json::Value) -> Result<(), JobError> {
     let (command, permanent, env) = (&exec.command, &exec.permanent, &exec.env);
     let mut cmd = Command::new("/bin/sh");
@@ -248,6 +264,7 @@ async fn run(exec: &ExecHandler, ctx: JobContext, payload: serde_json::Value) ->
         .env("CHIME_SHARD", ctx.shard.map(|(s, _)| s.to_string()).unwrap_or_default())
         .env("CHIME_SHARDS", ctx.shard.map(|(_, n)| n.to_string()).unwrap_or_default())
         .env("CHIME_GROUP", ctx.group.map(|g| g.to_string()).unwrap_or_default())
+        .env("CHIME_UPSTREAM", upstream_json(&ctx))
         .stdin(Stdio::piped())
         .stdout(Stdio::inherit())
         .stderr(Stdio::piped())

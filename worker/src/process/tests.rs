@@ -57,6 +57,8 @@ struct FakeStore {
     circuit: Mutex<Option<chime_shared::circuit::Admit>>,
     /// `circuit_record` and `circuit_give_back` calls: how the run ended and its probe token.
     circuit_reports: Mutex<Vec<(chime_shared::circuit::Ended, Option<String>)>>,
+    /// Copies registered as waiting, by the key they wait for: route and envelope.
+    waiters: Mutex<HashMap<String, Vec<(String, Envelope)>>>,
 }
 
 impl FakeStore {
@@ -88,6 +90,40 @@ impl FakeStore {
 }
 
 impl KeyStore for FakeStore {
+    async fn wait_for(
+        &self,
+        up: &chime_shared::envelope::Upstream,
+        env: &Envelope,
+        route: &str,
+        wait: chime_shared::envelope::Wait,
+    ) -> Result<chime_shared::workflow::UpstreamRun, IdemError> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(Self::err());
+        }
+        let key = up.key.to_string();
+        let (state, res) = match self.recs.lock().unwrap().get(&key) {
+            Some(r) => (Some(chime_shared::record::KeyState::parse(r.state)), r.res.clone()),
+            None => (None, None),
+        };
+        let result = res.and_then(|r| chime_shared::record::StoredResult::decode(Some(&r), None, Utc::now()));
+        let run = chime_shared::workflow::UpstreamRun {
+            step: up.step.clone(),
+            job: up.job.clone(),
+            key: up.key,
+            state,
+            result,
+        };
+        if !run.ended(wait) {
+            self.waiters.lock().unwrap().entry(key).or_default().push((route.to_string(), env.clone()));
+        }
+        Ok(run)
+    }
+    async fn release(&self, key: &str) -> Result<Vec<(String, Envelope)>, IdemError> {
+        Ok(self.waiters.lock().unwrap().remove(key).unwrap_or_default())
+    }
+    async fn note_waiting(&self, _key: &str, _standing: &str) -> Result<(), IdemError> {
+        Ok(())
+    }
     async fn take_slot(&self, job: &str, owner: &str, limit: usize) -> Result<SlotTake, IdemError> {
         self.slot_asks.fetch_add(1, Ordering::SeqCst);
         if self.down.load(Ordering::SeqCst) {

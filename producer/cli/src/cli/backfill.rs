@@ -140,9 +140,10 @@ pub async fn run(config: ValidConfig, args: BackfillArgs) -> Result<(), Failure>
     let mut failure = None;
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / args.rate));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let chain = chime_shared::workflow::chain_of(&config.jobs, &job.name);
     for slot in &slots {
         tick.tick().await;
-        match client.enqueue_prepared(&prepared(&job, *slot)).await {
+        match client.enqueue_prepared(&prepared(&job, *slot, &chain)).await {
             Ok(_) => published += 1,
             Err(e) => {
                 failure = Some((*slot, e));
@@ -213,8 +214,9 @@ pub async fn run(config: ValidConfig, args: BackfillArgs) -> Result<(), Failure>
     Ok(())
 }
 
-/// The message of `slot`: the ticker's envelope for it, marked as a backfill.
-fn prepared(job: &JobConfig, slot: DateTime<Utc>) -> Prepared {
+/// The message of `slot`: the ticker's envelope for it (a step of its chain, when the job is
+/// in one: backfill the chain's jobs over the same range), marked as a backfill.
+fn prepared(job: &JobConfig, slot: DateTime<Utc>, chain: &[chime_shared::workflow::StepRecord]) -> Prepared {
     let mut env = Envelope::new(
         &job.name,
         job.queue(),
@@ -226,6 +228,9 @@ fn prepared(job: &JobConfig, slot: DateTime<Utc>) -> Prepared {
     );
     env.priority = job.priority.filter(|p| *p != chime_shared::config::Priority::Normal);
     env.backfill = true;
+    if !chain.is_empty() {
+        env.step = chime_shared::workflow::scheduled_chain(chain, slot).step_of(&job.name);
+    }
     Prepared { envelope: env, delay: Duration::ZERO, unverified_queue: None, declare_queue: None }
 }
 

@@ -15,7 +15,12 @@ use super::failure::{Failure, from_enqueue, runtime, usage};
 #[derive(Debug, Clone, Args)]
 pub struct EnqueueArgs {
     /// Job name, as in the config's [[jobs]]
-    pub job: String,
+    #[arg(required_unless_present = "workflow")]
+    pub job: Option<String>,
+    /// Enqueue a workflow: a TOML (or .json) file of [[steps]] (name, job, payload, after);
+    /// every step is published now and starts when the steps it names in `after` are done
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["job", "payload", "payload_file", "batch", "debounce", "replace", "delay", "at", "queue", "max_attempts", "priority", "wait"])]
+    pub workflow: Option<String>,
     /// Payload as JSON text
     #[arg(long, conflicts_with_all = ["payload_file", "batch"])]
     pub payload: Option<String>,
@@ -66,6 +71,13 @@ pub struct EnqueueArgs {
     /// it went to the spool (default: exit 1, the job kept in the spool all the same)
     #[arg(long)]
     pub allow_spool: bool,
+}
+
+impl EnqueueArgs {
+    /// The job named (empty with --workflow).
+    fn job(&self) -> &str {
+        self.job.as_deref().unwrap_or_default()
+    }
 }
 
 /// Reads a payload from a file or `-` (stdin), at most `limit` bytes: a larger one is
@@ -143,8 +155,11 @@ fn timing(
 }
 
 pub async fn run(config: ValidConfig, args: EnqueueArgs) -> Result<(), Failure> {
-    if config.job(&args.job).is_none() {
-        return Err(usage(EnqueueError::UnknownJob(args.job)));
+    if let Some(file) = &args.workflow {
+        return workflow(config, &args, file).await;
+    }
+    if config.job(args.job()).is_none() {
+        return Err(usage(EnqueueError::UnknownJob(args.job().to_string())));
     }
     let (delay, at) = timing(&args)?;
     if let Some(batch) = &args.batch {
@@ -160,7 +175,7 @@ pub async fn run(config: ValidConfig, args: EnqueueArgs) -> Result<(), Failure> 
         .transpose()
         .context("--payload is not valid JSON")
         .map_err(usage)?;
-    let mut req = EnqueueRequest::new(&args.job);
+    let mut req = EnqueueRequest::new(args.job());
     req.payload = payload;
     req.key = args.key.clone();
     req.queue = args.queue.clone();
@@ -469,7 +484,7 @@ impl Requests<'_> {
             if line.trim().is_empty() {
                 continue;
             }
-            let mut req = parse_batch_line(&self.args.job, &line)
+            let mut req = parse_batch_line(self.args.job(), &line)
                 .map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?;
             if req.queue.is_none() {
                 req.queue = self.args.queue.clone();
@@ -547,7 +562,7 @@ async fn enqueue_batch(
     // thread of its own while the current one is published: a chunk's confirms are all
     // awaited before the next is sent, and the broker would otherwise idle while the next one
     // was parsed. At most two chunks are held at once.
-    let fans_out = config.job(&args.job).is_some_and(|j| j.shards.is_some() || j.broadcast);
+    let fans_out = config.job(args.job()).is_some_and(|j| j.shards.is_some() || j.broadcast);
     let started = Instant::now();
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Vec<Prepared>, Failure>>(1);
     let (path, owned_args, owned_source, cfg) =
@@ -629,4 +644,65 @@ async fn enqueue_batch(
             total - confirmed - spooled
         ))),
     }
+}
+
+/// `chime enqueue --workflow FILE`.
+async fn workflow(config: ValidConfig, args: &EnqueueArgs, file: &str) -> Result<(), Failure> {
+    let text = read_source(file, 4 << 20)?;
+    let parsed = if file.ends_with(".json") {
+        serde_json::from_str::<chime_producer::WorkflowRequest>(&text).map_err(|e| e.to_string())
+    } else {
+        toml::from_str::<chime_producer::WorkflowRequest>(&text).map_err(|e| e.to_string())
+    };
+    let wf = parsed.map_err(|e| usage(anyhow::anyhow!("{file}: {e}")))?;
+    // Asked before publishing (a worker may settle these very copies a moment later).
+    let settled = if wf.key.is_some() {
+        let key = wf.workflow_key();
+        let keys: Vec<String> =
+            wf.steps.iter().map(|s| chime_shared::envelope::step_key(key, &s.name).to_string()).collect();
+        settled_keys(&config, &keys).await
+    } else {
+        Vec::new()
+    };
+    let client = EnqueueClient::connect(config.clone()).await.map_err(from_enqueue)?;
+    let done = client.workflow(&wf).await.map_err(|e| {
+        let failed = from_enqueue(e);
+        Failure { code: failed.code, error: failed.error.context(format!("workflow {file}")) }
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string(&done).unwrap_or_default());
+    } else {
+        let how = if done.spooled > 0 {
+            format!("{} confirmed, {} spooled", done.confirmed, done.spooled)
+        } else {
+            "confirmed".to_string()
+        };
+        println!("enqueued workflow {} ({} steps, {how})", done.key, done.steps.len());
+        let width = done.steps.iter().map(|s| s.step.len()).max().unwrap_or(0);
+        for s in &done.steps {
+            let when = if s.after.is_empty() {
+                "starts now".to_string()
+            } else {
+                format!("after {}", s.after.join(", "))
+            };
+            println!("  {:width$}  {}  job {} on {}  {when}", s.step, s.key, s.job, s.queue);
+        }
+        println!("see it: chime inspect {}", done.key);
+    }
+    if !settled.is_empty() {
+        eprintln!(
+            "chime: note: {} of the workflow's {} steps were already settled (done, dead or cancelled) under key {:?}: \
+             their copies are absorbed, not run again",
+            settled.len(),
+            done.steps.len(),
+            wf.key.as_deref().unwrap_or_default()
+        );
+    }
+    if done.spooled > 0 && !args.allow_spool {
+        return Err(runtime(anyhow::anyhow!(
+            "{} of the workflow's steps went to the spool (the broker did not confirm them); a flush publishes them",
+            done.spooled
+        )));
+    }
+    Ok(())
 }

@@ -262,6 +262,9 @@ pub async fn inspect(config: ValidConfig, args: InspectArgs) -> Result<(), Failu
     if let Some(group) = &view.group {
         return print_group(&reader, group).await;
     }
+    if let Some(wf) = &view.workflow {
+        return print_workflow(&reader, wf).await;
+    }
     let (record, dead, queues) = (&view.record, &view.dead, &view.queues);
     print_record(&key, record);
     if dead.is_empty() {
@@ -291,6 +294,8 @@ pub struct KeyView {
     pub record: KeyRecord,
     /// A fanned-out run: the key names its group; each member has a record of its own.
     pub group: Option<chime_shared::group::GroupRecord>,
+    /// A workflow: the key names it; each step has a record of its own.
+    pub workflow: Option<chime_shared::workflow::WorkflowRecord>,
     /// The DLQs searched (those the key's runs name, or every queue when none ran here).
     pub queues: Vec<String>,
     pub dead: Vec<crate::dlq::DeadLetter>,
@@ -308,6 +313,16 @@ impl KeyView {
         let record = reader.record(&key.to_string()).await?;
         let group =
             chime_shared::group::read(&mut reader.connection(), &Names::new(&config.prefix), key).await?;
+        let workflow = if group.is_none() && record.state.is_none() {
+            chime_shared::workflow::WorkflowRecord::read(
+                &mut reader.connection(),
+                &Names::new(&config.prefix),
+                key,
+            )
+            .await?
+        } else {
+            None
+        };
         let mut queues: Vec<String> = record.runs.iter().map(|r| r.queue.clone()).collect();
         queues.sort();
         queues.dedup();
@@ -315,7 +330,7 @@ impl KeyView {
             queues = config.all_queues();
         }
         let mut dead = Vec::new();
-        if group.is_none() && (search_dlq || record.state == Some(KeyState::Dead)) {
+        if group.is_none() && workflow.is_none() && (search_dlq || record.state == Some(KeyState::Dead)) {
             let dlq = DlqClient::connect(config.clone()).await?.named("chime inspect");
             let filter = Filter { keys: vec![key], ..Filter::default() };
             for q in &queues {
@@ -323,7 +338,7 @@ impl KeyView {
             }
             dlq.close().await;
         }
-        Ok(Self { key, record, group, queues, dead })
+        Ok(Self { key, record, group, workflow, queues, dead })
     }
 
     /// What `chime inspect --json` prints.
@@ -338,6 +353,17 @@ impl KeyView {
                 .collect();
             return Ok(serde_json::json!({"key": group.base, "group": group, "members": rows,
                 "complete": view.done == view.members.len()}));
+        }
+        if let Some(wf) = &self.workflow {
+            let view = WorkflowView::read(reader, wf).await?;
+            let steps: Vec<serde_json::Value> = wf
+                .steps
+                .iter()
+                .zip(&view.records)
+                .map(|(s, r)| serde_json::json!({"step": s, "state": WorkflowView::state(r), "record": r}))
+                .collect();
+            return Ok(serde_json::json!({"key": wf.key, "workflow": wf, "steps": steps,
+                "complete": view.done == wf.steps.len()}));
         }
         let dead: Vec<_> = self
             .dead
@@ -408,6 +434,75 @@ impl GroupView {
     }
 }
 
+/// A workflow's steps, each with its record (shared by `chime inspect` and the dashboard).
+pub struct WorkflowView {
+    pub records: Vec<KeyRecord>,
+    pub done: usize,
+}
+
+impl WorkflowView {
+    pub async fn read(
+        reader: &HistoryReader,
+        wf: &chime_shared::workflow::WorkflowRecord,
+    ) -> redis::RedisResult<Self> {
+        let mut records = Vec::with_capacity(wf.steps.len());
+        for s in &wf.steps {
+            records.push(reader.record(&s.key.to_string()).await?);
+        }
+        let done = records.iter().filter(|r| r.state == Some(KeyState::Done)).count();
+        Ok(Self { records, done })
+    }
+
+    /// A step's state: its record's, else what it waits for (or what blocks it), else
+    /// `pending` (published, not looked at by a worker yet).
+    pub fn state(r: &KeyRecord) -> String {
+        match (&r.state, &r.waiting) {
+            (Some(s), _) => s.to_string(),
+            (None, Some(w)) if w.starts_with("blocked") => "blocked".into(),
+            (None, Some(_)) => "waiting".into(),
+            (None, None) => "pending".into(),
+        }
+    }
+}
+
+/// A workflow: its steps, each with its state, what it waits for and its result.
+async fn print_workflow(
+    reader: &HistoryReader,
+    wf: &chime_shared::workflow::WorkflowRecord,
+) -> Result<(), Failure> {
+    let view = WorkflowView::read(reader, wf).await.map_err(runtime)?;
+    println!("key       {} (a workflow: each step has a key of its own)", wf.key);
+    match wf.slot {
+        Some(slot) => println!("slot      {} UTC (a scheduled chain)", at(slot)),
+        None => println!("enqueued  {} UTC", at(wf.created)),
+    }
+    let n = wf.steps.len();
+    let state = if view.done == n {
+        "complete: every step is done".to_string()
+    } else {
+        format!("{} of {n} steps done", view.done)
+    };
+    println!("state     {state}");
+    let mut t = crate::cli::table::new(["STEP", "JOB", "KEY", "AFTER", "STATE", "RESULT / WAITING FOR"], &[]);
+    for (s, r) in wf.steps.iter().zip(&view.records) {
+        let state = WorkflowView::state(r);
+        let detail = match (&r.state, &r.result, &r.waiting) {
+            (Some(KeyState::Done), Some(res), _) => res
+                .value()
+                .map(|v| cut(&v.to_string(), 60))
+                .unwrap_or_else(|| cut(res.missing().unwrap_or(""), 60)),
+            (Some(KeyState::Done | KeyState::Dead | KeyState::Cancelled), _, _) => String::new(),
+            (_, _, Some(w)) => cut(w, 80),
+            _ => String::new(),
+        };
+        let after = if s.after.is_empty() { "-".to_string() } else { s.after.join(",") };
+        t.add_row([s.step.clone(), s.job.clone(), s.key.to_string(), after, state, detail]);
+    }
+    crate::cli::table::print(&t);
+    println!("a step's own runs: chime inspect <its KEY>");
+    Ok(())
+}
+
 /// A fanned-out run: its members, each with its state (a member without a record has not
 /// started: queued, or lost).
 async fn print_group(
@@ -438,6 +533,9 @@ async fn print_group(
 
 fn print_record(key: &Uuid, r: &KeyRecord) {
     println!("key       {key}");
+    if let (Some(w), None | Some(KeyState::Free)) = (&r.waiting, &r.state) {
+        println!("step      {} (a workflow step)", escape_control(w));
+    }
     let Some(state) = &r.state else {
         println!("record    none: never claimed, or expired after redis.done_retention (or Redis lost it)");
         return print_key_runs(r);

@@ -70,6 +70,10 @@ pub struct TickerJob {
     pub overlap: chime_shared::config::Overlap,
     /// Its slots are not published while its queue sheds (`criticality = "sheddable"`).
     pub sheddable: bool,
+    /// The scheduled chain (`after`) it belongs to, upstream first; empty when none.
+    pub chain: Arc<Vec<chime_shared::workflow::StepRecord>>,
+    /// The job that runs when every member of a fanned-out slot has ended (`on_complete`).
+    pub on_complete: Option<Arc<chime_shared::workflow::Completion>>,
 }
 
 impl TickerJob {
@@ -111,6 +115,8 @@ pub fn scheduled_jobs(config: &Config) -> Result<Vec<TickerJob>, ConfigError> {
             broadcast: job.broadcast,
             overlap: job.overlap,
             sheddable: job.criticality == chime_shared::config::Criticality::Sheddable,
+            chain: Arc::new(chime_shared::workflow::chain_of(&config.jobs, &job.name)),
+            on_complete: chime_shared::workflow::Completion::of(&config.jobs, job).map(Arc::new),
         });
     }
     Ok(out)
@@ -500,6 +506,8 @@ mod tests {
             broadcast: false,
             overlap: chime_shared::config::Overlap::Allow,
             sheddable: false,
+            chain: Arc::default(),
+            on_complete: None,
         }
     }
 

@@ -265,6 +265,18 @@ impl Ticker {
                 Source::Schedule,
             );
             env.priority = job.priority;
+            if !job.chain.is_empty() {
+                // A step of the slot's chain: its record says what waits for what.
+                let chain = chime_shared::workflow::scheduled_chain(&job.chain, run.slot);
+                env.step = chain.step_of(&job.name);
+                if let Err(e) = chain.write(&mut conn, names, config.redis.done_retention).await {
+                    warn!(job = %job.name, slot = %run.slot, error = %e, "cannot write the chain's workflow record; will retry");
+                    if run.why == Why::Due {
+                        retry(plan, run.i, run.slot);
+                    }
+                    continue;
+                }
+            }
             if trace::enabled() {
                 // A span for the slot, which the run's span on the worker continues.
                 let span = tracing::info_span!("slot", otel.kind = "producer", job = %job.name,
@@ -292,7 +304,13 @@ impl Ticker {
                     Err(e) => Err(e),
                 };
                 match fan {
-                    Ok(fan) => run.envs = fan.envelopes(&env),
+                    Ok(fan) => {
+                        run.envs = fan.envelopes(&env);
+                        if let Some(c) = &job.on_complete {
+                            let done = c.attach(&env, &mut run.envs);
+                            run.envs.push(done);
+                        }
+                    }
                     Err(e) => {
                         warn!(job = %job.name, slot = %run.slot, error = %e, "cannot fix the slot's shards or workers; will retry");
                         if run.why == Why::Due {

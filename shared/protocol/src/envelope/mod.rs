@@ -98,9 +98,71 @@ pub struct Envelope {
     /// `enqueued_at` (the backfill), not from the slot, which is past on purpose.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub backfill: bool,
+    /// A step of a workflow (a scheduled chain, an ad-hoc DAG, a fanned-out run's members and
+    /// its `on_complete` job): what it waits for, and whether its end releases other steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<Step>,
     /// Fields of newer releases, passed through unchanged.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// A workflow step (the envelope's `step`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Step {
+    /// The workflow's key: names its record (`<prefix>:workflow:<key>`), or, for a
+    /// fanned-out run, its group.
+    pub workflow: Uuid,
+    /// This step's name within the workflow.
+    pub name: String,
+    /// The steps it waits for (none: it starts at once).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub after: Vec<Upstream>,
+    /// What they must have come to: every one `done` (a chain), or merely ended (`on_complete`).
+    #[serde(default, skip_serializing_if = "Wait::is_done")]
+    pub wait: Wait,
+    /// Whether some step waits for this one: its `done` or `dead` releases them at once.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub releases: bool,
+}
+
+/// A step another waits for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Upstream {
+    /// Its name within the workflow.
+    pub step: String,
+    /// Its job.
+    pub job: String,
+    /// Its idempotency key.
+    pub key: Uuid,
+}
+
+/// What a step waits for its upstream steps to come to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Wait {
+    /// Every one `done`: a dead or cancelled one blocks the step (`after`).
+    #[default]
+    Done,
+    /// Every one ended: `done`, `dead` or `cancelled` (`on_complete`).
+    Ended,
+}
+
+impl Wait {
+    fn is_done(&self) -> bool {
+        *self == Wait::Done
+    }
+}
+
+/// Key of step `step` of the workflow keyed `workflow`: UUIDv5(ns, "{workflow}#step:{step}").
+pub fn step_key(workflow: Uuid, step: &str) -> Uuid {
+    Uuid::new_v5(&NAMESPACE, format!("{workflow}#step:{step}").as_bytes())
+}
+
+/// Key of the `on_complete` run of the fanned-out run keyed `base`: UUIDv5(ns,
+/// "{base}#complete").
+pub fn completion_key(base: Uuid) -> Uuid {
+    Uuid::new_v5(&NAMESPACE, format!("{base}#complete").as_bytes())
 }
 
 /// With `deserialize_with`, serde no longer treats a missing `Option` field as `None`: the
@@ -269,6 +331,7 @@ impl Envelope {
             target: None,
             priority: None,
             backfill: false,
+            step: None,
             extra: serde_json::Map::new(),
         }
     }

@@ -35,6 +35,17 @@ pub async fn key(
         Ok(None) => None,
         Err(e) => return failed(&web, "Key", e),
     };
+    let workflow =
+        match chime_shared::workflow::WorkflowRecord::read(&mut web.reader.connection(), &web.names, key)
+            .await
+        {
+            Ok(Some(wf)) => match workflow_html(&web, &wf).await {
+                Ok(html) => Some(html),
+                Err(e) => return failed(&web, "Key", e),
+            },
+            Ok(None) => None,
+            Err(e) => return failed(&web, "Key", e),
+        };
     let mut found = Vec::new();
     let mut notes = Vec::new();
     for (source, view) in dlq_views(&web).await {
@@ -58,6 +69,7 @@ pub async fn key(
     let key_text = key.to_string();
     let body = html! {
         @if let Some(group) = group { (group) }
+        @if let Some(workflow) = workflow { (workflow) }
         (record_html(&key, &record))
         @if cancellable {
             p #cancel { (button(&f, "/actions/cancel", "Cancel this run", &here, &[("op", "cancel"), ("key", &key_text)], true))
@@ -124,6 +136,54 @@ async fn group_html(web: &Web, group: &chime_shared::group::GroupRecord) -> redi
     })
 }
 
+/// A workflow: its steps, each with its state, what it waits for and its result.
+async fn workflow_html(web: &Web, wf: &chime_shared::workflow::WorkflowRecord) -> redis::RedisResult<Markup> {
+    use crate::cli::history::WorkflowView;
+    let view = WorkflowView::read(&web.reader, wf).await?;
+    let complete = view.done == wf.steps.len();
+    let rows: Vec<Vec<Markup>> = wf
+        .steps
+        .iter()
+        .zip(&view.records)
+        .map(|(s, r)| {
+            let state = WorkflowView::state(r);
+            let detail = match (&r.state, &r.waiting) {
+                (Some(KeyState::Done), _) => r
+                    .result
+                    .as_ref()
+                    .and_then(|v| v.value())
+                    .map(|v| cut(&v.to_string(), 60))
+                    .unwrap_or_default(),
+                (None | Some(KeyState::Free | KeyState::Running), Some(w)) => cut(w, 100),
+                _ => String::new(),
+            };
+            vec![
+                html! { (t(&s.step)) },
+                html! { (t(&s.job)) },
+                key_link(&s.key.to_string()),
+                html! { (t(&s.after.join(", "))) },
+                html! { @if state == "blocked" || state == "dead" { b.warn { (state) } } @else { (state) } },
+                html! { (t(&detail)) },
+            ]
+        })
+        .collect();
+    let summary = if complete {
+        "complete: every step is done".to_string()
+    } else {
+        format!("{} of {} steps done", view.done, wf.steps.len())
+    };
+    Ok(html! {
+        h2 { "Workflow" }
+        dl #workflow {
+            @if let Some(slot) = wf.slot { dt { "Slot" } dd { (at(slot)) " UTC (a scheduled chain)" } }
+            @else { dt { "Enqueued" } dd { (at(wf.created)) " UTC" } }
+            dt { "State" } dd { b #workflow-state class=(if complete { "ok" } else { "warn" }) { (t(&summary)) } }
+        }
+        (table("steps", &["Step", "Job", "Key", "After", "State", "Result / waiting for"], &[], &rows))
+        p.muted { "The key below is the workflow's: its steps have keys of their own." }
+    })
+}
+
 fn record_html(key: &Uuid, r: &KeyRecord) -> Markup {
     let expires = r.expires_in_ms.map(|ms| {
         chime_shared::duration::format(std::time::Duration::from_secs(u64::try_from(ms / 1000).unwrap_or(0)))
@@ -131,6 +191,7 @@ fn record_html(key: &Uuid, r: &KeyRecord) -> Markup {
     html! {
         dl #record {
             dt { "Key" } dd { code { (key) } }
+            @if let (Some(w), None | Some(KeyState::Free)) = (&r.waiting, &r.state) { dt { "Workflow step" } dd #waiting { (t(w)) } }
             @match &r.state {
                 None => {
                     dt { "Record" }
