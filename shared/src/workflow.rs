@@ -72,13 +72,16 @@ return out",
     )
 });
 
-/// KEYS[1] a waiting step's own record; ARGV what it waits for (JSON), retention_ms. Written
-/// so that `chime inspect` shows a step that has not run yet as waiting or blocked (and its
-/// history has a record to go to).
+/// KEYS[1] a waiting step's own record; ARGV what it waits for, retention_ms → 1 when that
+/// changed (0: the same as noted before). Written so that `chime inspect` shows a step that
+/// has not run yet as waiting or blocked (and its history has a record to go to), and so that
+/// its several copies record a wait once.
 static WAITING: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
-        r"redis.call('HSET', KEYS[1], 'wf', ARGV[1])
+        r"local old = redis.call('HGET', KEYS[1], 'wf')
+redis.call('HSET', KEYS[1], 'wf', ARGV[1])
 if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if old == ARGV[1] then return 0 end
 return 1",
     )
 });
@@ -147,24 +150,28 @@ impl Standing {
         }
     }
 
-    /// Says what it waits for, or what blocks it (for logs, the history and inspect).
+    /// Says what it waits for, or what blocks it (for logs, the history and inspect): the
+    /// steps by name and key, not their passing states, so that it changes only when the
+    /// steps it waits for do.
     pub fn describe(&self) -> String {
-        let names = |runs: &[UpstreamRun], pick: &dyn Fn(&UpstreamRun) -> bool| {
+        let names = |runs: &[UpstreamRun], pick: &dyn Fn(&UpstreamRun) -> bool, state: bool| {
             runs.iter()
                 .filter(|r| pick(r))
-                .map(|r| {
-                    let state = r.state.as_ref().map_or("pending", KeyState::as_str);
-                    format!("{} ({}, key {})", r.step, state, r.key)
+                .map(|r| match (&r.state, state) {
+                    (Some(s), true) => format!("{} ({s}, key {})", r.step, r.key),
+                    _ => format!("{} (key {})", r.step, r.key),
                 })
                 .collect::<Vec<_>>()
                 .join(", ")
         };
         match self {
             Standing::Ready(_) => "every upstream step has ended".into(),
-            Standing::Waiting(wait, runs) => format!("waiting for {}", names(runs, &|r| !r.ended(*wait))),
+            Standing::Waiting(wait, runs) => {
+                format!("waiting for {}", names(runs, &|r| !r.ended(*wait), false))
+            }
             Standing::Blocked(runs) => format!(
                 "blocked by {}: replaying it from the DLQ (or enqueueing it again) resumes this step",
-                names(runs, &|r| r.blocks(Wait::Done))
+                names(runs, &|r| r.blocks(Wait::Done), true)
             ),
         }
     }
@@ -213,12 +220,13 @@ impl IdemStore {
             .collect())
     }
 
-    /// Notes on waiting step `key`'s own record what it waits for (see [`WAITING`]).
-    pub async fn note_waiting(&self, key: &str, standing: &str) -> Result<(), IdemError> {
+    /// Notes on waiting step `key`'s own record what it waits for (see [`WAITING`]): `true`
+    /// when that changed.
+    pub async fn note_waiting(&self, key: &str, standing: &str) -> Result<bool, IdemError> {
         let mut cmd = evalsha(&WAITING, self.names().idem_key(key));
         cmd.arg(standing).arg(Self::ms(self.retention()));
-        let _: i64 = self.call(cmd).await?;
-        Ok(())
+        let n: i64 = self.call(cmd).await?;
+        Ok(n == 1)
     }
 }
 

@@ -69,6 +69,9 @@ pub(crate) enum Settled {
     Cancelled,
     /// An older copy of a key a newer enqueue replaced (debounce, replace).
     Superseded,
+    /// A copy of a workflow step an upstream's end released, which still has to wait (the
+    /// step's own copy is parked).
+    Released,
 }
 
 /// Why a copy is sent round again unchanged.

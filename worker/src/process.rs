@@ -46,8 +46,8 @@ pub(crate) const CIRCUIT_PARKS: &str = "x-chime-circuit-parks";
 pub(crate) const WORKFLOW_PARKS: &str = "x-chime-workflow-parks";
 /// Header carrying when a workflow step first waited (s since the epoch).
 pub(crate) const WAITING_SINCE: &str = "x-chime-waiting-since";
-/// Header marking a workflow step already recorded as blocked.
-pub(crate) const BLOCKED: &str = "x-chime-blocked";
+/// Header marking the copy of a workflow step an upstream step's end released.
+pub(crate) const RELEASED: &str = "x-chime-released";
 /// Header carrying the `traceparent` of the attempt a retry follows (its span is linked).
 pub(crate) const PREVIOUS_SPAN: &str = "x-chime-previous-span";
 
@@ -275,12 +275,18 @@ enum StepGate {
     Park(Duration, Park),
     /// It has waited longer than `redis.done_retention`: why.
     DeadLetter(String),
+    /// A copy an upstream's end released, which still has to wait: acked (the step's own
+    /// copy is parked).
+    Drop,
 }
 
-/// Reads a workflow step's upstream records (see `chime_shared::workflow`): it goes when
-/// they came to what it waits for, else it is parked (1 s, doubling with each park, at most
-/// 60 s; a blocked one at most 10 min), its first wait (and its first being blocked) noted on
-/// its own record and in the history.
+/// Reads a workflow step's upstream records (see `chime_shared::workflow`), 64 at a time in
+/// order, stopping at a batch with one that has not come to what the step waits for (a big
+/// fan-in's copy released by each member's end reads no further than the first still running).
+/// It goes when every one has; else it is parked (1 s, doubling with each park, at most 60 s;
+/// a blocked one at most 10 min), what it waits for noted on its own record and, when that
+/// changed, in the history. A copy an upstream's end released that still has to wait is
+/// dropped: the step's own copy is parked already.
 async fn step_gate<S: KeyStore>(
     core: &Core,
     store: &S,
@@ -292,16 +298,53 @@ async fn step_gate<S: KeyStore>(
         return Ok(StepGate::Go(Vec::new()));
     };
     let route = env.route();
-    let runs = futures_util::future::try_join_all(
-        step.after.iter().map(|u| store.wait_for(u, env, &route, step.wait)),
-    )
-    .await?;
+    let mut runs = Vec::with_capacity(step.after.len());
+    for batch in step.after.chunks(64) {
+        let read = futures_util::future::try_join_all(
+            batch.iter().map(|u| store.wait_for(u, env, &route, step.wait)),
+        )
+        .await?;
+        let stop = read.iter().any(|r| !r.ended(step.wait));
+        runs.extend(read);
+        if stop {
+            break;
+        }
+    }
+    // Those not read yet count as not ended.
+    let unread = step.after[runs.len()..].iter().map(|u| chime_shared::workflow::UpstreamRun {
+        step: u.step.clone(),
+        job: u.job.clone(),
+        key: u.key,
+        state: None,
+        result: None,
+    });
+    runs.extend(unread.collect::<Vec<_>>());
     let standing = Standing::of(step.wait, runs);
     let blocked = matches!(standing, Standing::Blocked(_));
     let runs = match standing {
         Standing::Ready(runs) => return Ok(StepGate::Go(runs)),
         _ => standing.describe(),
     };
+    let changed = match store.note_waiting(&env.key.to_string(), &runs).await {
+        Ok(changed) => changed,
+        Err(e) => {
+            warn!(error = %e, "cannot note the step's wait on its record");
+            false
+        }
+    };
+    if changed {
+        info!(step = %step.name, "{runs}");
+        if store.records_history() {
+            let (outcome, reason) =
+                if blocked { (Outcome::Blocked, "blocked") } else { (Outcome::Parked, "workflow") };
+            let e = run_event(core, incoming, Some(env), None, outcome, Some(reason), Some(&runs));
+            store.stream_run(&e);
+            store.log_run(&e);
+        }
+    }
+    if has_header(&incoming.properties, RELEASED) {
+        return Ok(StepGate::Drop);
+    }
     let header = |name| header_str(&incoming.properties, name);
     let parks: u32 = header(WORKFLOW_PARKS).and_then(|s| s.parse().ok()).unwrap_or(0);
     let now = Utc::now().timestamp();
@@ -313,20 +356,6 @@ async fn step_gate<S: KeyStore>(
             "waited {}s (redis.done_retention), {runs}",
             waited.as_secs()
         )));
-    }
-    let was_blocked = has_header(&incoming.properties, BLOCKED);
-    if parks == 0 || (blocked && !was_blocked) {
-        info!(step = %step.name, "{runs}");
-        if let Err(e) = store.note_waiting(&env.key.to_string(), &runs).await {
-            warn!(error = %e, "cannot note the step's wait on its record");
-        }
-        if store.records_history() {
-            let (outcome, reason) =
-                if blocked { (Outcome::Blocked, "blocked") } else { (Outcome::Parked, "workflow") };
-            let e = run_event(core, incoming, Some(env), None, outcome, Some(reason), Some(&runs));
-            store.stream_run(&e);
-            store.log_run(&e);
-        }
     }
     let cap = if blocked { MAX_BLOCKED_PARK } else { MAX_PARK };
     let delay = Duration::from_secs(1 << parks.min(10)).min(cap);
@@ -672,6 +701,10 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         Ok(StepGate::Go(runs)) => runs,
         Ok(StepGate::Park(delay, why)) => {
             return Verdict::unheld(Plan::Redelay { delay, why: Redelay::Parked(why) }, env, Some(spec));
+        }
+        Ok(StepGate::Drop) => {
+            debug!("a released copy of a step that still waits: dropped (its own copy is parked)");
+            return Verdict::unheld(Plan::Ack(Settled::Released), env, Some(spec));
         }
         Ok(StepGate::DeadLetter(why)) => {
             let dead = decision::dead_info(DeadReason::Blocked, &why, env.attempt);
@@ -1173,7 +1206,9 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
             }
         };
         for (route, copy) in waiting {
-            match self.outbox.delayed(&route, &copy, Duration::ZERO, FieldTable::default()).await {
+            let mut headers = FieldTable::default();
+            put_header(&mut headers, RELEASED, "1");
+            match self.outbox.delayed(&route, &copy, Duration::ZERO, headers).await {
                 Ok(()) => debug!(step = %copy.job, key = %copy.key, "waiting step released"),
                 Err(e) => {
                     warn!(error = %e, key = %copy.key, "cannot release a waiting step; its parked copy comes back on its own")
@@ -1201,6 +1236,7 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                 let why = "a copy of a cancelled key, dropped";
                 self.dropped(Outcome::Cancelled, outcome::CANCELLED, why, ticket).await;
             }
+            Plan::Ack(Settled::Released) => ticket.ack().await,
             Plan::Ack(Settled::Expired) => {
                 Stats::bump(&self.stats().expired);
                 self.completed(outcome::EXPIRED);
@@ -1224,12 +1260,9 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                     Redelay::Parked(Park::Circuit { parks }) => {
                         put_header(&mut headers, CIRCUIT_PARKS, &parks.to_string())
                     }
-                    Redelay::Parked(Park::Workflow { parks, since, blocked }) => {
+                    Redelay::Parked(Park::Workflow { parks, since, .. }) => {
                         put_header(&mut headers, WORKFLOW_PARKS, &parks.to_string());
                         put_header(&mut headers, WAITING_SINCE, &since.to_string());
-                        if blocked {
-                            put_header(&mut headers, BLOCKED, "1");
-                        }
                     }
                     Redelay::Parked(Park::PushedBack) | Redelay::Busy => {}
                 }

@@ -120,8 +120,9 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<UpstreamRun, IdemError>> + Send;
     /// Takes the copies registered as waiting for `key` off its record.
     fn release(&self, key: &str) -> impl Future<Output = Result<Vec<(String, Envelope)>, IdemError>> + Send;
-    /// Notes on waiting step `key`'s own record what it waits for.
-    fn note_waiting(&self, key: &str, standing: &str) -> impl Future<Output = Result<(), IdemError>> + Send;
+    /// Notes on waiting step `key`'s own record what it waits for: `true` when that changed.
+    fn note_waiting(&self, key: &str, standing: &str)
+    -> impl Future<Output = Result<bool, IdemError>> + Send;
 }
 
 impl KeyStore for IdemStore {
@@ -196,7 +197,11 @@ impl KeyStore for IdemStore {
     fn release(&self, key: &str) -> impl Future<Output = Result<Vec<(String, Envelope)>, IdemError>> + Send {
         IdemStore::release(self, key)
     }
-    fn note_waiting(&self, key: &str, standing: &str) -> impl Future<Output = Result<(), IdemError>> + Send {
+    fn note_waiting(
+        &self,
+        key: &str,
+        standing: &str,
+    ) -> impl Future<Output = Result<bool, IdemError>> + Send {
         IdemStore::note_waiting(self, key, standing)
     }
     fn lease(&self) -> Duration {

@@ -80,3 +80,84 @@ pub(super) fn validate(jobs: &[JobConfig]) -> Result<(), ConfigError> {
         .map(|_| ())
         .map_err(|e| ConfigError::invalid("jobs", e.replace("steps", "jobs").replace("step ", "job ")))
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn err(jobs: &str) -> String {
+        Config::from_toml_str(jobs).map(|_| ()).unwrap_err().to_string()
+    }
+
+    const EVERY: &str = "schedule = \"0 2 * * *\"\ntimezone = \"Europe/Berlin\"";
+
+    #[test]
+    fn chains_and_completions_are_checked_by_name() {
+        let ok = format!(
+            "[[jobs]]\nname = \"extract\"\nhandler = \"noop\"\n{EVERY}\n\
+             [[jobs]]\nname = \"load\"\nhandler = \"noop\"\n{EVERY}\nafter = [\"extract\"]\n\
+             [[jobs]]\nname = \"part\"\nhandler = \"noop\"\nshards = 4\non_complete = \"sum\"\n\
+             [[jobs]]\nname = \"sum\"\nhandler = \"noop\"\n"
+        );
+        Config::from_toml_str(&ok).unwrap();
+        let cases = [
+            (
+                ok.replace("after = [\"extract\"]", "after = [\"nope\"]"),
+                "jobs[1] (load).after: \"nope\" is not a job",
+            ),
+            (
+                ok.replacen(EVERY, "schedule = \"0 3 * * *\"", 1),
+                "must have the same schedule, timezone and calendar",
+            ),
+            (ok.replace("after = [\"extract\"]", "after = [\"load\"]"), "cannot wait for itself"),
+            (ok.replace("after = [\"extract\"]", "after = [\"part\"]"), "give it on_complete"),
+            (
+                ok.replace("on_complete = \"sum\"", "on_complete = \"nope\""),
+                "jobs[2] (part).on_complete: \"nope\"",
+            ),
+            (ok.replace("on_complete = \"sum\"", "on_complete = \"part\""), "another job"),
+            (
+                format!("{ok}[[jobs]]\nname = \"solo\"\nhandler = \"noop\"\non_complete = \"sum\"\n"),
+                "only a sharded or broadcast job",
+            ),
+            (
+                format!("{ok}[[jobs]]\nname = \"adhoc\"\nhandler = \"noop\"\nafter = [\"extract\"]\n"),
+                "only a scheduled job",
+            ),
+        ];
+        for (text, says) in cases {
+            let e = err(&text);
+            assert!(e.contains(says), "{says}: {e}");
+        }
+        let cycle = format!(
+            "[[jobs]]\nname = \"a\"\nhandler = \"noop\"\n{EVERY}\nafter = [\"b\"]\n\
+             [[jobs]]\nname = \"b\"\nhandler = \"noop\"\n{EVERY}\nafter = [\"a\"]\n"
+        );
+        assert!(err(&cycle).contains("the jobs a, b wait for each other in a cycle"), "{}", err(&cycle));
+    }
+
+    #[test]
+    fn a_chain_is_its_linked_jobs_upstream_first_and_its_keys_are_the_slots() {
+        let text = format!(
+            "[[jobs]]\nname = \"report\"\nhandler = \"noop\"\n{EVERY}\nafter = [\"load\"]\n\
+             [[jobs]]\nname = \"load\"\nhandler = \"noop\"\n{EVERY}\nafter = [\"extract\"]\n\
+             [[jobs]]\nname = \"extract\"\nhandler = \"noop\"\n{EVERY}\n\
+             [[jobs]]\nname = \"other\"\nhandler = \"noop\"\n{EVERY}\n"
+        );
+        let c = Config::from_toml_str(&text).unwrap();
+        let chain = crate::workflow::chain_of(&c.jobs, "load");
+        let names: Vec<&str> = chain.iter().map(|s| s.step.as_str()).collect();
+        assert_eq!(names, ["extract", "load", "report"]);
+        assert!(crate::workflow::chain_of(&c.jobs, "other").is_empty());
+        let slot = "2026-12-04T01:00:00Z".parse().unwrap();
+        let wf = crate::workflow::scheduled_chain(&chain, slot);
+        assert_eq!(wf.steps[1].key, crate::envelope::scheduled_key("load", slot));
+        assert_eq!(
+            wf.key,
+            crate::workflow::scheduled_chain(&crate::workflow::chain_of(&c.jobs, "report"), slot).key
+        );
+        let load = wf.step_of("load").unwrap();
+        assert_eq!(load.after[0].key, crate::envelope::scheduled_key("extract", slot));
+        assert!(load.releases && !wf.step_of("report").unwrap().releases);
+    }
+}

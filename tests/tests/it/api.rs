@@ -126,6 +126,37 @@ async fn jobs_enqueued_with_curl_run_and_every_bad_request_is_named() {
     let auth = format!("Authorization: Bearer {TOKEN}");
     assert_eq!(curl(&["-H", &auth, "-H", "Content-Type: text/plain", "--data-binary", "{}", &url]).0, 415);
     assert_eq!(field(&get(port, "/api/v1/keys/not-a-uuid", TOKEN)), named(400, "key"));
+    // A workflow: `second` runs after `first`, with its result; every step's job must be
+    // allowed to the token; a step naming no step is refused by name.
+    let wf_url = format!("http://127.0.0.1:{port}/api/v1/workflows");
+    let wf = r#"{"key": "wf-1", "steps": [{"name": "first", "job": "other", "payload": {"n": 1}},
+        {"name": "second", "job": "echo", "after": ["first"]}]}"#;
+    let post_wf = |auth: &str, body: &str| {
+        curl(&[
+            "-X",
+            "POST",
+            "-H",
+            auth,
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            body,
+            &wf_url,
+        ])
+    };
+    let limited_auth = format!("Authorization: Bearer {LIMITED}");
+    assert_eq!(field(&post_wf(&limited_auth, wf)), named(403, "steps"));
+    let (status, done_wf, _) = post_wf(&auth, wf);
+    assert_eq!(status, 202, "{done_wf}");
+    let second = done_wf["steps"][1]["key"].as_str().unwrap().to_string();
+    wait_until("the workflow's second step ran", Duration::from_secs(30), || async {
+        idem_state(&env, &second).await.as_deref() == Some("done")
+    })
+    .await;
+    let (status, view, _) = get(port, &format!("/api/v1/keys/{}", done_wf["key"].as_str().unwrap()), TOKEN);
+    assert_eq!((status, &view["complete"]), (200, &serde_json::json!(true)), "{view}");
+    let bad = r#"{"steps": [{"name": "a", "job": "echo", "after": ["b"]}]}"#;
+    assert_eq!(field(&post_wf(&auth, bad)), named(400, "steps"));
     // A key of a job the limited token may not read is not shown to it.
     let (status, other, _) = post(port, "other", Some(TOKEN), r#"{"key": "o-1"}"#);
     assert_eq!(status, 202, "{other}");

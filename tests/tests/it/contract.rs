@@ -43,6 +43,17 @@ fn the_envelope_schema_matches_the_rust_type() {
     full.target = Some("worker-1".into());
     full.priority = Some(Priority::High);
     full.backfill = true;
+    full.step = Some(chime_shared::envelope::Step {
+        workflow: minimal.key,
+        name: "load".into(),
+        after: vec![chime_shared::envelope::Upstream {
+            step: "extract".into(),
+            job: "extract".into(),
+            key: minimal.key,
+        }],
+        wait: chime_shared::envelope::Wait::Ended,
+        releases: true,
+    });
     let written = |e: &Envelope| keys(&serde_json::from_slice(&e.encode()).unwrap());
     assert_eq!(keys(props), written(&full), "schema `properties` against the fields a full envelope writes");
     assert_eq!(
@@ -59,6 +70,9 @@ fn the_envelope_schema_matches_the_rust_type() {
     assert_eq!(strings(&props["source"]["enum"]), sources);
     let levels: BTreeSet<String> = Priority::ALL.iter().map(|p| p.as_str().to_string()).collect();
     assert_eq!(strings(&props["priority"]["enum"]), levels);
+    let step: Value = serde_json::from_slice::<Value>(&full.encode()).unwrap()["step"].clone();
+    assert_eq!(keys(&props["step"]["properties"]), keys(&step), "the step's fields");
+    assert_eq!(keys(&props["step"]["properties"]["after"]["items"]["properties"]), keys(&step["after"][0]));
     assert_eq!(schema["additionalProperties"], json!(true), "unknown fields are passed through");
 
     // Every envelope the schema describes decodes; the documented example is one.

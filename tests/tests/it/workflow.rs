@@ -284,4 +284,57 @@ async fn a_worker_killed_between_a_steps_done_and_its_release_loses_nothing() {
     .await;
     let order: Vec<String> = runs(&ledger).into_iter().map(|r| r.0).collect();
     assert_eq!(order, ["extract", "load", "report"], "each step once, in order");
+
+    // Twelve more workflows, with a worker that dies at every release restarted as it dies
+    // (up to 20 times) beside the healthy one: every step runs once, after its upstream.
+    let mut doomed =
+        Child::worker_env(&env.dir, &path, "doomed-0", &[("CHIME_TEST_FAULT", "abort_before_release")]);
+    let queue = env.names().work_queue("default");
+    wait_until("both workers consume", Duration::from_secs(30), || {
+        let q = queue.clone();
+        async move {
+            let conn = connect_amqp().await;
+            let consumers = chime_shared::topology::depth(&conn, &q).await.map(|(_, c)| c).unwrap_or(0);
+            let _ = conn.close(200, "".into()).await;
+            consumers >= 2
+        }
+    })
+    .await;
+    let mut keys = Vec::new();
+    for _ in 0..12 {
+        let (code, out, err) =
+            chime(&path, &["enqueue", "--workflow", file.to_str().unwrap(), "--json"], None);
+        assert_eq!(code, 0, "{out}{err}");
+        keys.push(
+            serde_json::from_str::<serde_json::Value>(&out).unwrap()["key"].as_str().unwrap().to_string(),
+        );
+    }
+    let mut deaths = 0;
+    wait_until("every workflow complete across the deaths", Duration::from_secs(180), || {
+        if deaths < 20 && doomed.child.try_wait().ok().flatten().is_some() {
+            deaths += 1;
+            doomed = Child::worker_env(
+                &env.dir,
+                &path,
+                &format!("doomed-{deaths}"),
+                &[("CHIME_TEST_FAULT", "abort_before_release")],
+            );
+        }
+        let done = keys.iter().all(|k| inspect_json(&path, k)["complete"] == true);
+        async move { done }
+    })
+    .await;
+    assert!(deaths >= 1, "the doomed worker never hit the fault");
+    let lines = runs(&ledger);
+    let mut seen = std::collections::HashSet::new();
+    for (job, key, _) in &lines {
+        assert!(seen.insert(key.clone()), "{job} {key} ran twice: {lines:?}");
+    }
+    assert_eq!(lines.len(), 3 * 13, "every step of every workflow ran: {lines:?}");
+    for wf in &keys {
+        let step = |s: &str| chime_shared::envelope::step_key(wf.parse().unwrap(), s).to_string();
+        let at = |s: &str| lines.iter().position(|(_, k, _)| *k == step(s)).unwrap();
+        assert!(at("extract") < at("load") && at("load") < at("report"), "workflow {wf} out of order");
+    }
+    eprintln!("workflows complete across {deaths} deaths at the release");
 }

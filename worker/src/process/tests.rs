@@ -59,6 +59,8 @@ struct FakeStore {
     circuit_reports: Mutex<Vec<(chime_shared::circuit::Ended, Option<String>)>>,
     /// Copies registered as waiting, by the key they wait for: route and envelope.
     waiters: Mutex<HashMap<String, Vec<(String, Envelope)>>>,
+    /// What each waiting step noted on its record.
+    noted: Mutex<HashMap<String, String>>,
 }
 
 impl FakeStore {
@@ -121,8 +123,9 @@ impl KeyStore for FakeStore {
     async fn release(&self, key: &str) -> Result<Vec<(String, Envelope)>, IdemError> {
         Ok(self.waiters.lock().unwrap().remove(key).unwrap_or_default())
     }
-    async fn note_waiting(&self, _key: &str, _standing: &str) -> Result<(), IdemError> {
-        Ok(())
+    async fn note_waiting(&self, key: &str, standing: &str) -> Result<bool, IdemError> {
+        let mut noted = self.noted.lock().unwrap();
+        Ok(noted.insert(key.to_string(), standing.to_string()).as_deref() != Some(standing))
     }
     async fn take_slot(&self, job: &str, owner: &str, limit: usize) -> Result<SlotTake, IdemError> {
         self.slot_asks.fetch_add(1, Ordering::SeqCst);
@@ -518,6 +521,7 @@ fn harness() -> Harness {
                 [[jobs]]\nname = \"guarded\"\nhandler = \"job\"\ncircuit = \"dep\"\n\
                 [[jobs]]\nname = \"guarded_rated\"\nhandler = \"job\"\ncircuit = \"dep\"\nrate_limit = \"1/s\"\n\
                 [[jobs]]\nname = \"guarded_dl\"\nhandler = \"job\"\ncircuit = { failures = 2, on_open = \"dead_letter\" }\n\
+                [[jobs]]\nname = \"step\"\nhandler = \"step\"\n\
                 [[jobs]]\nname = \"optional\"\nhandler = \"job\"\ncriticality = \"sheddable\"\n\
                 [[circuits]]\nname = \"dep\"\nfailures = 3\nopen_for = \"10s\"\n\
                 [worker.shed.default]\nmax_depth = 100\n\
@@ -614,6 +618,14 @@ fn harness() -> Harness {
                 }
                 Ok(())
             }
+        }),
+    );
+    // A workflow step: keeps what its upstream steps left.
+    registry.register(
+        "step",
+        raw_handler_fn(move |ctx: JobContext, _| {
+            STEP_SAW.lock().unwrap().push(serde_json::to_value(ctx.upstream()).unwrap());
+            async { Ok(()) }
         }),
     );
     // The downstream always pushes back.
@@ -1253,4 +1265,93 @@ async fn runs_report_to_their_circuit_and_a_probe_that_does_not_run_is_given_bac
         [(Ended::Succeeded, None), (Ended::Failed, Some("77".into())), (Ended::Neither, Some("77".into()))]
     );
     assert_eq!(h.runs.load(Ordering::SeqCst), 2);
+}
+
+/// What the `step` handler saw of its upstream steps.
+static STEP_SAW: Mutex<Vec<serde_json::Value>> = Mutex::new(Vec::new());
+
+/// A workflow step waits (parked, registered on its upstream, recorded once), is released at
+/// once by its upstream's `done` and runs with the upstream's result; a step whose upstream
+/// is dead is recorded blocked, and a released copy that must still wait is dropped.
+#[tokio::test(start_paused = true)]
+async fn a_workflow_step_waits_for_its_upstream_and_runs_with_its_result() {
+    use chime_shared::envelope::{Step, Upstream, Wait};
+    let h = harness();
+    let wf = Uuid::now_v7();
+    let mut up = envelope("resumable", "", 1, 3);
+    up.payload = serde_json::json!({"to": 2});
+    up.key = chime_shared::envelope::step_key(wf, "extract");
+    up.step =
+        Some(Step { workflow: wf, name: "extract".into(), after: vec![], wait: Wait::Done, releases: true });
+    let upstream = Upstream { step: "extract".into(), job: "resumable".into(), key: up.key };
+    let mut down = envelope("step", "", 1, 3);
+    down.key = chime_shared::envelope::step_key(wf, "load");
+    down.step = Some(Step {
+        workflow: wf,
+        name: "load".into(),
+        after: vec![upstream],
+        wait: Wait::Done,
+        releases: false,
+    });
+
+    // Before its upstream: parked 1 s, then 2 s; the wait recorded once.
+    assert_eq!(h.deliver(incoming(&down)).await, ["ack"]);
+    let mut again = incoming(&down);
+    let mut headers = FieldTable::default();
+    put_header(&mut headers, WORKFLOW_PARKS, "1");
+    again.properties = again.properties.with_headers(headers);
+    assert_eq!(h.deliver(again).await, ["ack"]);
+    let delays: Vec<Duration> = h
+        .sent()
+        .iter()
+        .filter_map(|s| match s {
+            Sent::Delayed { delay, .. } => Some(*delay),
+            Sent::Dead { .. } => None,
+        })
+        .collect();
+    assert_eq!(delays, [Duration::from_secs(1), Duration::from_secs(2)]);
+    let events = h.store.events.lock().unwrap().clone();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!((events[0].outcome, events[0].reason.as_deref()), (Outcome::Parked, Some("workflow")));
+    assert!(events[0].error.as_deref().unwrap_or("").contains("waiting for extract"));
+    assert_eq!(h.runs.load(Ordering::SeqCst), 0);
+
+    // The upstream's `done` releases the waiting copy at once.
+    assert_eq!(h.deliver(incoming(&up)).await, ["ack"]);
+    assert_eq!(h.store.state(&up.key.to_string()), Some("done"));
+    assert!(
+        matches!(h.sent().last(), Some(Sent::Delayed { delay, .. }) if delay.is_zero()),
+        "{:?}",
+        h.sent()
+    );
+    assert!(h.store.waiters.lock().unwrap().is_empty());
+    let mut released = incoming(&down);
+    let mut headers = FieldTable::default();
+    put_header(&mut headers, RELEASED, "1");
+    released.properties = released.properties.with_headers(headers.clone());
+    assert_eq!(h.deliver(released).await, ["ack"]);
+    assert_eq!(h.store.state(&down.key.to_string()), Some("done"));
+    let saw = STEP_SAW.lock().unwrap().clone();
+    assert_eq!(saw.len(), 1);
+    assert_eq!(saw[0][0]["step"], "extract");
+    assert_eq!(saw[0][0]["state"], "done");
+    assert_eq!(saw[0][0]["result"], serde_json::json!({"rows": 2}));
+
+    // An upstream that is dead blocks the step (recorded); a released copy that still has to
+    // wait is dropped without a park.
+    let mut blocked = down.clone();
+    blocked.key = chime_shared::envelope::step_key(wf, "report");
+    let dead = chime_shared::envelope::step_key(wf, "broken");
+    h.store.set(&dead.to_string(), "dead", "x");
+    blocked.step.as_mut().unwrap().after[0].key = dead;
+    let sent_before = h.sent().len();
+    let mut copy = incoming(&blocked);
+    copy.properties = copy.properties.with_headers(headers);
+    assert_eq!(h.deliver(copy).await, ["ack"]);
+    assert_eq!(h.sent().len(), sent_before, "a released copy that must wait is not parked");
+    let events = h.store.events.lock().unwrap().clone();
+    let last = events.last().unwrap();
+    assert_eq!((last.outcome, last.reason.as_deref()), (Outcome::Blocked, Some("blocked")));
+    assert!(last.error.as_deref().unwrap_or("").contains("blocked by extract (dead"), "{last:?}");
+    assert_eq!(h.store.state(&blocked.key.to_string()), None, "not claimed");
 }

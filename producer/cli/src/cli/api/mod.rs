@@ -43,8 +43,13 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8091";
 pub const OPENAPI: &str = include_str!("openapi.json");
 
 /// The routes, as the OpenAPI document lists them.
-const ROUTES: [&str; 4] =
-    ["/api/v1/jobs/{job}", "/api/v1/keys/{key}", "/api/v1/openapi.json", "/api/v1/keys/{key}/cancel"];
+const ROUTES: [&str; 5] = [
+    "/api/v1/jobs/{job}",
+    "/api/v1/keys/{key}",
+    "/api/v1/openapi.json",
+    "/api/v1/keys/{key}/cancel",
+    "/api/v1/workflows",
+];
 
 const TRACEPARENT: header::HeaderName = header::HeaderName::from_static("traceparent");
 const TRACESTATE: header::HeaderName = header::HeaderName::from_static("tracestate");
@@ -268,26 +273,9 @@ async fn post_job(
             Some("job"),
         );
     }
-    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
-        let ct = ct.to_str().unwrap_or("");
-        if !ct.split(';').next().is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json")) {
-            return error(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                format!("Content-Type {ct:?}: the body is JSON (application/json)"),
-                None,
-            );
-        }
-    }
-    let max = api.config.api.max_body_bytes;
-    let bytes = match axum::body::to_bytes(body, max).await {
+    let bytes = match json_body(&api, &headers, body).await {
         Ok(b) => b,
-        Err(_) => {
-            return error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the body is larger than api.max_body_bytes ({max} bytes), or was cut off"),
-                None,
-            );
-        }
+        Err(r) => return *r,
     };
     let mut req = match body::request(&job, &bytes) {
         Ok(r) => r,
@@ -314,6 +302,80 @@ async fn post_job(
         Err(e) => {
             if matches!(e, EnqueueError::Amqp(_) | EnqueueError::Topology(_)) && e.is_broker() {
                 // The next request connects afresh.
+                api.client.lock().await.take();
+            }
+            enqueue_error(&e)
+        }
+    }
+}
+
+/// A request's JSON body, at most `api.max_body_bytes`; or the answer refusing it.
+async fn json_body(api: &Api, headers: &HeaderMap, body: Body) -> Result<axum::body::Bytes, Box<Response>> {
+    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+        let ct = ct.to_str().unwrap_or("");
+        if !ct.split(';').next().is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json")) {
+            return Err(Box::new(error(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!("Content-Type {ct:?}: the body is JSON (application/json)"),
+                None,
+            )));
+        }
+    }
+    let max = api.config.api.max_body_bytes;
+    axum::body::to_bytes(body, max).await.map_err(|_| {
+        Box::new(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the body is larger than api.max_body_bytes ({max} bytes), or was cut off"),
+            None,
+        ))
+    })
+}
+
+/// `POST /api/v1/workflows`: a workflow (`{"key": …, "steps": [{"name", "job", "payload",
+/// "after"}, …]}`), every step checked and published (see `EnqueueClient::workflow`). The
+/// token must allow every step's job.
+async fn post_workflow(
+    State(api): State<Arc<Api>>,
+    info: Option<axum::Extension<ConnectInfo<SocketAddr>>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let token = match api.admit(&headers, peer(info.as_ref().map(|i| &i.0))) {
+        Ok(t) => t,
+        Err(r) => return *r,
+    };
+    let bytes = match json_body(&api, &headers, body).await {
+        Ok(b) => b,
+        Err(r) => return *r,
+    };
+    let wf: chime_producer::WorkflowRequest = match serde_json::from_slice(&bytes) {
+        Ok(w) => w,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("the body is not a workflow: {e}"), None),
+    };
+    for s in &wf.steps {
+        let job = s.job.as_deref().unwrap_or(&s.name);
+        if !token.allows(job) {
+            return error(
+                StatusCode::FORBIDDEN,
+                format!("token {:?} may not enqueue job {job:?} (step {:?})", token.name, s.name),
+                Some("steps"),
+            );
+        }
+    }
+    let client = match api.client().await {
+        Ok(c) => c,
+        Err(e) => return enqueue_error(&e),
+    };
+    match client.workflow(&wf).await {
+        Ok(done) => {
+            tracing::info!(workflow = %done.key, steps = done.steps.len(), token = %token.name, "workflow enqueued over http");
+            match serde_json::to_value(&done) {
+                Ok(v) => json(StatusCode::ACCEPTED, &v),
+                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), None),
+            }
+        }
+        Err(e) => {
+            if matches!(e, EnqueueError::Amqp(_) | EnqueueError::Topology(_)) && e.is_broker() {
                 api.client.lock().await.take();
             }
             enqueue_error(&e)
@@ -472,6 +534,7 @@ pub fn router(api: Arc<Api>) -> Router {
         .route(ROUTES[1], get(get_key))
         .route(ROUTES[2], get(openapi))
         .route(ROUTES[3], post(cancel_key))
+        .route(ROUTES[4], post(post_workflow))
         .route("/livez", get(|| async { "ok\n" }))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route (see /api/v1/openapi.json)", None) })
         .with_state(api)
