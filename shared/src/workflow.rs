@@ -72,17 +72,18 @@ return out",
     )
 });
 
-/// KEYS[1] a waiting step's own record; ARGV what it waits for, retention_ms → 1 when that
-/// changed (0: the same as noted before). Written so that `chime inspect` shows a step that
+/// KEYS[1] a waiting step's own record; ARGV what it waits for, retention_ms → `{1 when that
+/// changed (0: the same as noted before), the step's own state}`. Written so that `chime inspect` shows a step that
 /// has not run yet as waiting or blocked (and its history has a record to go to), and so that
 /// its several copies record a wait once.
 static WAITING: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
-        r"local old = redis.call('HGET', KEYS[1], 'wf')
+        r"local h = redis.call('HMGET', KEYS[1], 'wf', 's')
 redis.call('HSET', KEYS[1], 'wf', ARGV[1])
 if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if old == ARGV[1] then return 0 end
-return 1",
+local changed = 1
+if h[1] == ARGV[1] then changed = 0 end
+return {changed, h[2] or ''}",
     )
 });
 
@@ -220,13 +221,17 @@ impl IdemStore {
             .collect())
     }
 
-    /// Notes on waiting step `key`'s own record what it waits for (see [`WAITING`]): `true`
-    /// when that changed.
-    pub async fn note_waiting(&self, key: &str, standing: &str) -> Result<bool, IdemError> {
+    /// Notes on waiting step `key`'s own record what it waits for (see [`WAITING`]): whether
+    /// that changed, and the step's own state (a step cancelled while it waits need not wait).
+    pub async fn note_waiting(
+        &self,
+        key: &str,
+        standing: &str,
+    ) -> Result<(bool, Option<KeyState>), IdemError> {
         let mut cmd = evalsha(&WAITING, self.names().idem_key(key));
         cmd.arg(standing).arg(Self::ms(self.retention()));
-        let n: i64 = self.call(cmd).await?;
-        Ok(n == 1)
+        let (n, s): (i64, String) = self.call(cmd).await?;
+        Ok((n == 1, (!s.is_empty()).then(|| KeyState::parse(&s))))
     }
 }
 

@@ -326,7 +326,9 @@ async fn step_gate<S: KeyStore>(
         _ => standing.describe(),
     };
     let changed = match store.note_waiting(&env.key.to_string(), &runs).await {
-        Ok(changed) => changed,
+        // Settled while it waited (cancelled, say): the claim settles this copy.
+        Ok((_, Some(own))) if own.settled() => return Ok(StepGate::Go(Vec::new())),
+        Ok((changed, _)) => changed,
         Err(e) => {
             warn!(error = %e, "cannot note the step's wait on its record");
             false

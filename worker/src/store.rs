@@ -11,6 +11,7 @@ use chime_shared::envelope::{Envelope, Upstream, Wait};
 use chime_shared::history::RunEvent;
 use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, IdemStore, Recorded, Renewal};
 use chime_shared::limit::{RateTake, SlotTake};
+use chime_shared::record::KeyState;
 use chime_shared::topology::Names;
 use chime_shared::workflow::UpstreamRun;
 use lapin::BasicProperties;
@@ -120,9 +121,13 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<UpstreamRun, IdemError>> + Send;
     /// Takes the copies registered as waiting for `key` off its record.
     fn release(&self, key: &str) -> impl Future<Output = Result<Vec<(String, Envelope)>, IdemError>> + Send;
-    /// Notes on waiting step `key`'s own record what it waits for: `true` when that changed.
-    fn note_waiting(&self, key: &str, standing: &str)
-    -> impl Future<Output = Result<bool, IdemError>> + Send;
+    /// Notes on waiting step `key`'s own record what it waits for: whether that changed, and
+    /// the step's own state.
+    fn note_waiting(
+        &self,
+        key: &str,
+        standing: &str,
+    ) -> impl Future<Output = Result<(bool, Option<KeyState>), IdemError>> + Send;
 }
 
 impl KeyStore for IdemStore {
@@ -201,7 +206,7 @@ impl KeyStore for IdemStore {
         &self,
         key: &str,
         standing: &str,
-    ) -> impl Future<Output = Result<bool, IdemError>> + Send {
+    ) -> impl Future<Output = Result<(bool, Option<KeyState>), IdemError>> + Send {
         IdemStore::note_waiting(self, key, standing)
     }
     fn lease(&self) -> Duration {

@@ -174,6 +174,28 @@ async fn an_adhoc_workflow_runs_in_order_and_a_dead_step_blocks_until_replayed()
     wait_depth(&env.names().work_queue("default"), 0, Duration::from_secs(30)).await;
     let again: Vec<String> = runs(&ledger).into_iter().map(|r| r.0).collect();
     assert_eq!(again.len(), 4, "nothing ran again: {again:?}");
+
+    // A step cancelled while it waits (blocked here) stops waiting: its copy is dropped.
+    std::fs::write(env.dir.join("fail-extract"), "").unwrap();
+    std::fs::write(&bad, "key = \"doomed\"\n[[steps]]\nname = \"extract\"\n[[steps]]\nname = \"load\"\nafter = [\"extract\"]\n").unwrap();
+    let (code, out, err) = chime(&path, &["enqueue", "--workflow", bad.to_str().unwrap(), "--json"], None);
+    assert_eq!(code, 0, "{out}{err}");
+    let doomed =
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["key"].as_str().unwrap().to_string();
+    wait_until("the step blocked", Duration::from_secs(60), || async {
+        step_states(&path, &doomed).get(1).is_some_and(|s| s.1 == "blocked")
+    })
+    .await;
+    let load = chime_shared::envelope::step_key(doomed.parse().unwrap(), "load").to_string();
+    let (code, out, err) = chime(&path, &["cancel", &load], None);
+    assert_eq!(code, 0, "{out}{err}");
+    wait_until("the blocked step's copy dropped as cancelled", Duration::from_secs(60), || async {
+        let (_, out, _) =
+            chime(&path, &["history", "--key", &load, "--outcome", "cancelled", "--json"], None);
+        out.contains("a copy of a cancelled key, dropped")
+    })
+    .await;
+    assert_eq!(step_states(&path, &doomed)[1].1, "cancelled");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -123,9 +123,14 @@ impl KeyStore for FakeStore {
     async fn release(&self, key: &str) -> Result<Vec<(String, Envelope)>, IdemError> {
         Ok(self.waiters.lock().unwrap().remove(key).unwrap_or_default())
     }
-    async fn note_waiting(&self, key: &str, standing: &str) -> Result<bool, IdemError> {
-        let mut noted = self.noted.lock().unwrap();
-        Ok(noted.insert(key.to_string(), standing.to_string()).as_deref() != Some(standing))
+    async fn note_waiting(
+        &self,
+        key: &str,
+        standing: &str,
+    ) -> Result<(bool, Option<chime_shared::record::KeyState>), IdemError> {
+        let changed = self.noted.lock().unwrap().insert(key.to_string(), standing.to_string()).as_deref()
+            != Some(standing);
+        Ok((changed, self.state(key).map(chime_shared::record::KeyState::parse)))
     }
     async fn take_slot(&self, job: &str, owner: &str, limit: usize) -> Result<SlotTake, IdemError> {
         self.slot_asks.fetch_add(1, Ordering::SeqCst);
