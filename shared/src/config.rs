@@ -37,6 +37,7 @@ mod producer;
 mod store;
 mod workers;
 mod workflows;
+pub use workflows::order as step_order;
 
 pub use amqp::{AmqpConfig, Urls};
 pub use calendars::{CalendarConfig, ResolvedCalendar};

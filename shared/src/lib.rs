@@ -41,7 +41,7 @@ pub mod idempotency;
 pub mod job;
 pub mod minutes;
 pub use chime_protocol::names;
-pub use idempotency::{circuit, limit};
+pub use idempotency::{circuit, limit, workflow};
 pub mod record;
 pub mod redact;
 pub mod redis_conn;
@@ -52,7 +52,6 @@ pub mod telemetry;
 pub mod tls;
 pub mod topology;
 pub mod trace;
-pub mod workflow;
 
 pub use config::{Config, ConfigError, ValidConfig};
 pub use envelope::{Envelope, Source};

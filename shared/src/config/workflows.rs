@@ -76,9 +76,59 @@ pub(super) fn validate(jobs: &[JobConfig]) -> Result<(), ConfigError> {
             }
         }
     }
-    crate::workflow::order(jobs, |j| j.name.as_str(), |j| j.after.as_slice())
+    order(jobs, |j| j.name.as_str(), |j| j.after.as_slice())
         .map(|_| ())
         .map_err(|e| ConfigError::invalid("jobs", e.replace("steps", "jobs").replace("step ", "job ")))
+}
+
+/// Checks a workflow's steps: names unique and valid, every `after` names another step, no
+/// cycle. Returns the steps in an order where each comes after those it waits for.
+pub fn order<T>(
+    steps: &[T],
+    name: impl Fn(&T) -> &str,
+    after: impl Fn(&T) -> &[String],
+) -> Result<Vec<&T>, String> {
+    let mut seen = std::collections::HashSet::new();
+    for s in steps {
+        if !chime_job::valid_name(name(s)) {
+            return Err(format!(
+                "step {:?}: not a valid name (1-100 letters, digits, '-', '_' or '.')",
+                name(s)
+            ));
+        }
+        if !seen.insert(name(s)) {
+            return Err(format!("step {:?} is named twice", name(s)));
+        }
+    }
+    for s in steps {
+        for a in after(s) {
+            if !seen.contains(a.as_str()) {
+                return Err(format!(
+                    "step {:?}: after names {a:?}, which is not a step of the workflow",
+                    name(s)
+                ));
+            }
+            if a == name(s) {
+                return Err(format!("step {:?} waits for itself", name(s)));
+            }
+        }
+    }
+    let mut done: Vec<&T> = Vec::with_capacity(steps.len());
+    while done.len() < steps.len() {
+        let before = done.len();
+        for s in steps {
+            let placed = |n: &str| done.iter().any(|d| name(d) == n);
+            if !placed(name(s)) && after(s).iter().all(|a| placed(a)) {
+                done.push(s);
+            }
+        }
+        if done.len() == before {
+            let stuck: Vec<&str> =
+                steps.iter().map(&name).filter(|n| !done.iter().any(|d| name(d) == *n)).collect();
+            return Err(format!("the steps {} wait for each other in a cycle", stuck.join(", ")));
+        }
+    }
+    Ok(done)
 }
 
 #[cfg(test)]
@@ -134,30 +184,5 @@ mod tests {
              [[jobs]]\nname = \"b\"\nhandler = \"noop\"\n{EVERY}\nafter = [\"a\"]\n"
         );
         assert!(err(&cycle).contains("the jobs a, b wait for each other in a cycle"), "{}", err(&cycle));
-    }
-
-    #[test]
-    fn a_chain_is_its_linked_jobs_upstream_first_and_its_keys_are_the_slots() {
-        let text = format!(
-            "[[jobs]]\nname = \"report\"\nhandler = \"noop\"\n{EVERY}\nafter = [\"load\"]\n\
-             [[jobs]]\nname = \"load\"\nhandler = \"noop\"\n{EVERY}\nafter = [\"extract\"]\n\
-             [[jobs]]\nname = \"extract\"\nhandler = \"noop\"\n{EVERY}\n\
-             [[jobs]]\nname = \"other\"\nhandler = \"noop\"\n{EVERY}\n"
-        );
-        let c = Config::from_toml_str(&text).unwrap();
-        let chain = crate::workflow::chain_of(&c.jobs, "load");
-        let names: Vec<&str> = chain.iter().map(|s| s.step.as_str()).collect();
-        assert_eq!(names, ["extract", "load", "report"]);
-        assert!(crate::workflow::chain_of(&c.jobs, "other").is_empty());
-        let slot = "2026-12-04T01:00:00Z".parse().unwrap();
-        let wf = crate::workflow::scheduled_chain(&chain, slot);
-        assert_eq!(wf.steps[1].key, crate::envelope::scheduled_key("load", slot));
-        assert_eq!(
-            wf.key,
-            crate::workflow::scheduled_chain(&crate::workflow::chain_of(&c.jobs, "report"), slot).key
-        );
-        let load = wf.step_of("load").unwrap();
-        assert_eq!(load.after[0].key, crate::envelope::scheduled_key("extract", slot));
-        assert!(load.releases && !wf.step_of("report").unwrap().releases);
     }
 }

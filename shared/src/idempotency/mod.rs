@@ -35,6 +35,7 @@
 
 pub mod circuit;
 pub mod limit;
+pub mod workflow;
 
 use redis::aio::ConnectionLike;
 use redis::{Cmd, Pipeline, Script, Value};
@@ -955,11 +956,8 @@ async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
             return;
         }
         let ours = [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*RUNLOG, &*XADDS, &*CHECKPOINT];
-        for script in ours
-            .into_iter()
-            .chain(limit::scripts())
-            .chain(circuit::scripts())
-            .chain(crate::workflow::scripts())
+        for script in
+            ours.into_iter().chain(limit::scripts()).chain(circuit::scripts()).chain(workflow::scripts())
         {
             if let Err(e) = script.prepare_invoke().load_async(conn).await {
                 return fail_all(again_replies, || IdemError::Redis(e.clone()));

@@ -93,13 +93,31 @@ fn parse_retry_after(v: &str) -> Option<std::time::Duration> {
     Some(wait.min(std::time::Duration::from_secs(86_400)))
 }
 
+/// `X-Chime-Upstream`: a workflow step's upstream runs, JSON, with their results when that
+/// fits in 4 KiB, else without them (the key API has them); absent for a job that waited for
+/// nothing, or past 4 KiB even without results.
+fn upstream_header(ctx: &JobContext) -> Option<String> {
+    const MAX: usize = 4096;
+    let runs = ctx.upstream();
+    if runs.is_empty() {
+        return None;
+    }
+    let full = serde_json::to_string(runs).ok()?;
+    if full.len() <= MAX {
+        return Some(full);
+    }
+    let bare: Vec<_> =
+        runs.iter().map(|r| chime_shared::workflow::UpstreamRun { result: None, ..r.clone() }).collect();
+    serde_json::to_string(&bare).ok().filter(|s| s.len() <= MAX)
+}
+
 impl Handler for HttpHandler {
     fn call<'a>(
         &'a self,
         ctx: JobContext,
         payload: serde_json::Value,
     ) -> BoxFuture<'a, Result<(), JobError>> {
-        let req = self
+        let mut req = self
             .client
             .post(&self.url)
             .timeout(ctx.timeout())
@@ -110,6 +128,9 @@ impl Handler for HttpHandler {
             .header("x-chime-attempt", ctx.attempt().to_string())
             .header("x-chime-fence", ctx.fence().to_string())
             .body(serde_json::to_vec(&payload).unwrap_or_default());
+        if let Some(up) = upstream_header(&ctx) {
+            req = req.header("x-chime-upstream", up);
+        }
         let shown = redact(&self.url);
         Box::pin(async move {
             let resp = req

@@ -528,6 +528,13 @@ async fn print_group(
         t.add_row([GroupView::label(m), m.key.to_string(), state, finished, result]);
     }
     crate::cli::table::print(&t);
+    let done = chime_shared::envelope::completion_key(group.base);
+    let record = reader.record(&done.to_string()).await.map_err(runtime)?;
+    if record.state.is_some() || record.waiting.is_some() {
+        let state = WorkflowView::state(&record);
+        let waiting = record.waiting.as_deref().filter(|_| record.state.is_none());
+        println!("on_complete {done}: {state}{}", waiting.map(|w| format!(" ({w})")).unwrap_or_default());
+    }
     Ok(())
 }
 

@@ -313,55 +313,8 @@ impl WorkflowRecord {
     }
 }
 
-/// Checks a workflow's steps: names unique and valid, every `after` names another step, no
-/// cycle. Returns the steps in an order where each comes after those it waits for.
-pub fn order<T>(
-    steps: &[T],
-    name: impl Fn(&T) -> &str,
-    after: impl Fn(&T) -> &[String],
-) -> Result<Vec<&T>, String> {
-    let mut seen = std::collections::HashSet::new();
-    for s in steps {
-        if !chime_job::valid_name(name(s)) {
-            return Err(format!(
-                "step {:?}: not a valid name (1-100 letters, digits, '-', '_' or '.')",
-                name(s)
-            ));
-        }
-        if !seen.insert(name(s)) {
-            return Err(format!("step {:?} is named twice", name(s)));
-        }
-    }
-    for s in steps {
-        for a in after(s) {
-            if !seen.contains(a.as_str()) {
-                return Err(format!(
-                    "step {:?}: after names {a:?}, which is not a step of the workflow",
-                    name(s)
-                ));
-            }
-            if a == name(s) {
-                return Err(format!("step {:?} waits for itself", name(s)));
-            }
-        }
-    }
-    let mut done: Vec<&T> = Vec::with_capacity(steps.len());
-    while done.len() < steps.len() {
-        let before = done.len();
-        for s in steps {
-            let placed = |n: &str| done.iter().any(|d| name(d) == n);
-            if !placed(name(s)) && after(s).iter().all(|a| placed(a)) {
-                done.push(s);
-            }
-        }
-        if done.len() == before {
-            let stuck: Vec<&str> =
-                steps.iter().map(&name).filter(|n| !done.iter().any(|d| name(d) == *n)).collect();
-            return Err(format!("the steps {} wait for each other in a cycle", stuck.join(", ")));
-        }
-    }
-    Ok(done)
-}
+/// Checks a workflow's steps and orders them (see [`crate::config::step_order`]).
+pub use crate::config::step_order as order;
 
 #[cfg(test)]
 mod tests {
@@ -410,6 +363,29 @@ mod tests {
                 .describe()
                 .contains("blocked by x")
         );
+    }
+
+    #[test]
+    fn a_chain_is_its_linked_jobs_upstream_first_and_its_keys_are_the_slots() {
+        let every = "schedule = \"0 2 * * *\"\ntimezone = \"Europe/Berlin\"";
+        let text = format!(
+            "[[jobs]]\nname = \"report\"\nhandler = \"noop\"\n{every}\nafter = [\"load\"]\n\
+             [[jobs]]\nname = \"load\"\nhandler = \"noop\"\n{every}\nafter = [\"extract\"]\n\
+             [[jobs]]\nname = \"extract\"\nhandler = \"noop\"\n{every}\n\
+             [[jobs]]\nname = \"other\"\nhandler = \"noop\"\n{every}\n"
+        );
+        let c = crate::config::Config::from_toml_str(&text).unwrap();
+        let chain = chain_of(&c.jobs, "load");
+        let names: Vec<&str> = chain.iter().map(|s| s.step.as_str()).collect();
+        assert_eq!(names, ["extract", "load", "report"]);
+        assert!(chain_of(&c.jobs, "other").is_empty());
+        let slot = "2026-12-04T01:00:00Z".parse().unwrap();
+        let wf = scheduled_chain(&chain, slot);
+        assert_eq!(wf.steps[1].key, crate::envelope::scheduled_key("load", slot));
+        assert_eq!(wf.key, scheduled_chain(&chain_of(&c.jobs, "report"), slot).key);
+        let load = wf.step_of("load").unwrap();
+        assert_eq!(load.after[0].key, crate::envelope::scheduled_key("extract", slot));
+        assert!(load.releases && !wf.step_of("report").unwrap().releases);
     }
 }
 
