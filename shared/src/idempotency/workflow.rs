@@ -221,7 +221,7 @@ impl IdemStore {
             .collect())
     }
 
-    /// Notes on waiting step `key`'s own record what it waits for (see [`WAITING`]): whether
+    /// Notes on waiting step `key`'s own record what it waits for (the `WAITING` script): whether
     /// that changed, and the step's own state (a step cancelled while it waits need not wait).
     pub async fn note_waiting(
         &self,

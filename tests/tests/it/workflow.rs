@@ -126,6 +126,18 @@ async fn an_adhoc_workflow_runs_in_order_and_a_dead_step_blocks_until_replayed()
     let (code, text_view, _) = chime(&path, &["inspect", &wf], None);
     assert_eq!(code, 0);
     assert!(text_view.contains("a workflow") && text_view.contains("blocked by load"), "{text_view}");
+    // The dashboard's page of the workflow's key shows the same steps.
+    let (_web, base) = crate::web::start_web(&env, &path, &[], &[]).await;
+    let page = reqwest::get(format!("{base}/keys/{wf}")).await.unwrap().text().await.unwrap();
+    assert!(
+        page.contains("<h2>Workflow</h2>")
+            && page.contains("2 of 4 steps done")
+            && !page.contains("Cancel this run"),
+        "{page}"
+    );
+    for needle in ["extract", "audit", "blocked by load", "{&quot;from&quot;:&quot;extract&quot;}"] {
+        assert!(page.contains(needle), "{needle} on the page: {page}");
+    }
 
     // Fixed and replayed from the DLQ: load runs, and report right after it.
     std::fs::remove_file(env.dir.join("fail-load")).unwrap();

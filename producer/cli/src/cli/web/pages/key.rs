@@ -67,9 +67,13 @@ pub async fn key(
     let f = super::frame(&web, &Notice::default());
     let here = format!("/keys/{key}");
     let key_text = key.to_string();
+    // A workflow's own key has no record: its steps are the page.
+    if let (Some(workflow), None) = (&workflow, &record.state) {
+        let body = html! { (workflow) };
+        return ok_page(&web, &notice, &format!("Workflow {key}"), "", None, body);
+    }
     let body = html! {
         @if let Some(group) = group { (group) }
-        @if let Some(workflow) = workflow { (workflow) }
         (record_html(&key, &record))
         @if cancellable {
             p #cancel { (button(&f, "/actions/cancel", "Cancel this run", &here, &[("op", "cancel"), ("key", &key_text)], true))
@@ -180,7 +184,7 @@ async fn workflow_html(web: &Web, wf: &chime_shared::workflow::WorkflowRecord) -
             dt { "State" } dd { b #workflow-state class=(if complete { "ok" } else { "warn" }) { (t(&summary)) } }
         }
         (table("steps", &["Step", "Job", "Key", "After", "State", "Result / waiting for"], &[], &rows))
-        p.muted { "The key below is the workflow's: its steps have keys of their own." }
+        p.muted { "This is the workflow's key: each step has a key of its own (follow it for its runs)." }
     })
 }
 
