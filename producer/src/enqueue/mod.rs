@@ -633,6 +633,9 @@ impl EnqueueClient {
                     Ok(()) => done.members.push(m.envelope.key),
                     Err(EnqueueError::Amqp(e)) if matches!(*e, AmqpError::Returned { .. }) => {
                         tracing::info!(worker = ?m.envelope.target, "broadcast: that worker is gone; its copy is dropped");
+                        if m.envelope.step.as_ref().is_some_and(|s| s.releases) {
+                            self.member_gone(m.envelope.key).await;
+                        }
                     }
                     Err(e) => return Err(e),
                 }
@@ -649,6 +652,20 @@ impl EnqueueClient {
         }
         done.id = members.first().map_or(done.id, |m| m.envelope.id);
         Ok(done)
+    }
+
+    /// Marks a broadcast member whose copy was dropped (its worker is gone) as ended
+    /// (`cancelled`), so that the run's `on_complete` job does not wait for it.
+    async fn member_gone(&self, key: Uuid) {
+        let Some(reader) = self.redis.get() else { return };
+        let mut conn = reader.connection();
+        let why = "broadcast copy dropped: its worker is gone";
+        let retention = self.config.redis.done_retention;
+        if let Err(e) =
+            chime_shared::idempotency::cancel(&mut conn, &self.names, &key.to_string(), retention, why).await
+        {
+            tracing::warn!(%key, error = %e, "cannot mark the dropped broadcast copy ended; its on_complete job waits for it");
+        }
     }
 
     /// Every prepared job as the messages it is published as: itself, or, for a sharded or

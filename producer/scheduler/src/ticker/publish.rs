@@ -378,6 +378,21 @@ impl Ticker {
                 // A broadcast copy for a worker whose queue is gone: the worker is gone too.
                 if route.starts_with('@') && matches!(e, Some(amqp::AmqpError::Returned { .. })) {
                     info!(job = %jobs[ready[*r].i].name, slot = %ready[*r].slot, route = %route, "broadcast: that worker is gone; its copy is dropped");
+                    if jobs[ready[*r].i].on_complete.is_some() {
+                        // Its `on_complete` job waits for members that end: this one never starts.
+                        let key = Envelope::decode(body).map(|e| e.key.to_string()).unwrap_or_default();
+                        let why = "broadcast copy dropped: its worker is gone";
+                        let gone = chime_shared::idempotency::cancel(
+                            &mut conn,
+                            names,
+                            &key,
+                            config.redis.done_retention,
+                            why,
+                        );
+                        if let Err(e) = gone.await {
+                            warn!(key = %key, error = %e, "cannot mark the dropped broadcast copy ended; its on_complete job waits for it");
+                        }
+                    }
                     continue;
                 }
                 if let Some(e) = e {
