@@ -548,14 +548,10 @@ impl EnqueueClient {
     /// Debounce and replace: makes `env` the newest version of its key (its `enqueued_at`), so
     /// that workers drop the older copies when they arrive (`chime_shared::idempotency::supersede`).
     async fn supersede(&self, env: &Envelope) -> Result<(), EnqueueError> {
-        let reader = self
-            .redis
-            .get_or_try_init(|| {
-                chime_shared::history::HistoryReader::connect(&self.config.redis, self.names.clone())
-            })
+        let mut conn = self
+            .redis_conn()
             .await
             .map_err(|e| EnqueueError::Redis(format!("recording the newest copy of key {}: {e}", env.key)))?;
-        let mut conn = reader.connection();
         let version = chime_shared::idempotency::version_of(env);
         let retention = self.config.redis.done_retention;
         chime_shared::idempotency::supersede(&mut conn, &self.names, &env.key.to_string(), version, retention)
@@ -654,6 +650,18 @@ impl EnqueueClient {
         Ok(done)
     }
 
+    /// The client's Redis connection (made on first use: only debounce, replace, fanned-out
+    /// jobs and workflows need Redis).
+    pub(crate) async fn redis_conn(&self) -> Result<chime_shared::redis_conn::RedisConn, redis::RedisError> {
+        let reader = self
+            .redis
+            .get_or_try_init(|| {
+                chime_shared::history::HistoryReader::connect(&self.config.redis, self.names.clone())
+            })
+            .await?;
+        Ok(reader.connection())
+    }
+
     /// Marks a broadcast member whose copy was dropped (its worker is gone) as ended
     /// (`cancelled`), so that the run's `on_complete` job does not wait for it.
     async fn member_gone(&self, key: Uuid) {
@@ -682,14 +690,7 @@ impl EnqueueClient {
             let redis_err = |e: redis::RedisError| {
                 EnqueueError::Redis(format!("a sharded or broadcast job's group record: {e}"))
             };
-            let reader = self
-                .redis
-                .get_or_try_init(|| {
-                    chime_shared::history::HistoryReader::connect(&self.config.redis, self.names.clone())
-                })
-                .await
-                .map_err(redis_err)?;
-            let mut conn = reader.connection();
+            let mut conn = self.redis_conn().await.map_err(redis_err)?;
             let fan = match chime_shared::group::propose(&mut conn, &self.names, job, None)
                 .await
                 .map_err(redis_err)?

@@ -169,14 +169,7 @@ impl EnqueueClient {
     async fn write_workflow(&self, record: &WorkflowRecord) -> Result<(), EnqueueError> {
         let redis_err =
             |e: redis::RedisError| EnqueueError::Redis(format!("writing the workflow's record: {e}"));
-        let reader = self
-            .redis
-            .get_or_try_init(|| {
-                chime_shared::history::HistoryReader::connect(&self.config.redis, self.names.clone())
-            })
-            .await
-            .map_err(redis_err)?;
-        let mut conn = reader.connection();
+        let mut conn = self.redis_conn().await.map_err(redis_err)?;
         record.write(&mut conn, &self.names, self.config.redis.done_retention).await.map_err(redis_err)
     }
 }

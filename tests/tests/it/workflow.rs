@@ -221,6 +221,7 @@ async fn a_scheduled_chain_and_a_sharded_runs_on_complete_wait_for_their_upstrea
         job("summary", &env.dir, ""),
     ]
     .concat();
+    let jobs = format!("[ticker]\nlease = \"2s\"\n{jobs}");
     let text = env.config_text("quorum", "", "", &jobs);
     let path = env.write_config(&text);
     let ledger = env.dir.join("ledger");
@@ -254,13 +255,20 @@ async fn a_scheduled_chain_and_a_sharded_runs_on_complete_wait_for_their_upstrea
         }
     }
 
-    // The chain: a ticker publishes both jobs' slots; each load runs after its slot's extract.
-    let ticker = Child::ticker(&env.dir, &path, &[], "t");
+    // The chain: two tickers publish both jobs' slots (one SIGKILLed after three slots, the
+    // other takes over); each load runs after its slot's extract, no slot twice.
+    let first = Child::ticker(&env.dir, &path, &[], "t1");
+    let second = Child::ticker(&env.dir, &path, &[], "t2");
     wait_until("three slots of load", Duration::from_secs(60), || async {
         jobs_of(&ledger, "load").len() >= 3
     })
     .await;
-    drop(ticker);
+    drop(first);
+    wait_until("three more slots of load after the kill", Duration::from_secs(60), || async {
+        jobs_of(&ledger, "load").len() >= 6
+    })
+    .await;
+    drop(second);
     let lines = runs(&ledger);
     for (i, (job, key, up)) in lines.iter().enumerate() {
         if job != "load" {
