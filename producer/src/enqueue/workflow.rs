@@ -134,9 +134,8 @@ impl EnqueueClient {
             prepared.push(p);
         }
         let record = WorkflowRecord { key, created: chrono::Utc::now(), slot: None, steps };
-        for p in &mut prepared {
-            let name = record.steps.iter().find(|s| s.key == p.envelope.key).map(|s| s.step.clone());
-            p.envelope.step = name.and_then(|n| record.step_of(&n));
+        for (p, s) in prepared.iter_mut().zip(&record.steps) {
+            p.envelope.step = record.step_of(&s.step);
             let size = p.envelope.encode().len();
             if size > self.config.amqp.max_message_bytes {
                 return Err(EnqueueError::TooLarge {

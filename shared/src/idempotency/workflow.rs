@@ -128,6 +128,17 @@ impl UpstreamRun {
     }
 }
 
+/// Upstream runs as JSON of at most `max` bytes, for a handler's environment or header: with
+/// their results when that fits, else without them; `None` when even that does not fit.
+pub fn upstream_json(runs: &[UpstreamRun], max: usize) -> Option<String> {
+    let full = serde_json::to_string(runs).ok()?;
+    if full.len() <= max {
+        return Some(full);
+    }
+    let bare: Vec<UpstreamRun> = runs.iter().map(|r| UpstreamRun { result: None, ..r.clone() }).collect();
+    serde_json::to_string(&bare).ok().filter(|s| s.len() <= max)
+}
+
 /// Where a step stands, from its upstream steps' records.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Standing {
@@ -340,6 +351,23 @@ mod tests {
         assert!(ord(&twice).unwrap_err().contains("named twice"));
         let me = vec![S("a", vec!["a".into()])];
         assert!(ord(&me).unwrap_err().contains("waits for itself"));
+    }
+
+    #[test]
+    fn upstream_json_drops_results_then_gives_up_past_its_limit() {
+        let run = |n: usize| UpstreamRun {
+            step: format!("shard-{n}"),
+            job: "j".into(),
+            key: Uuid::nil(),
+            state: Some(KeyState::Done),
+            result: Some(StoredResult::Value(serde_json::json!("x".repeat(100)))),
+        };
+        let runs: Vec<UpstreamRun> = (0..10).map(run).collect();
+        let full = upstream_json(&runs, usize::MAX).unwrap();
+        assert!(full.contains("xxxx") && full.contains("\"state\":\"done\""));
+        let bare = upstream_json(&runs, full.len() - 1).unwrap();
+        assert!(!bare.contains("xxxx") && bare.contains("shard-9"));
+        assert_eq!(upstream_json(&runs, bare.len() - 1), None);
     }
 
     #[test]

@@ -35,12 +35,14 @@ fn jobs_of(ledger: &Path, job: &str) -> Vec<(String, serde_json::Value)> {
 }
 
 /// An exec job that logs itself and its upstream runs, leaves `{"from": JOB}` as its result,
-/// and fails for good while the file `<dir>/fail-<JOB>` (or `<dir>/fail-<KEY>`) exists.
+/// and fails for good while the file `<dir>/fail-<JOB>` (or `<dir>/fail-<KEY>`) exists (or
+/// when `CHIME_UPSTREAM` and `CHIME_UPSTREAM_FILE` disagree).
 fn job(name: &str, dir: &Path, extra: &str) -> String {
     let d = dir.display();
     format!(
         "[[jobs]]\nname = \"{name}\"\nhandler = \"exec\"\nmax_attempts = 1\n{extra}\ncommand = [\"sh\", \"-c\", \
-         \"if test -e {d}/fail-$CHIME_JOB || test -e {d}/fail-$CHIME_KEY; then exit 100; fi; echo \\\"$CHIME_JOB $CHIME_KEY $CHIME_UPSTREAM\\\" >> {d}/ledger; \
+         \"if test -e {d}/fail-$CHIME_JOB || test -e {d}/fail-$CHIME_KEY; then exit 100; fi; \
+         test \\\"$CHIME_UPSTREAM\\\" = \\\"$(cat $CHIME_UPSTREAM_FILE)\\\" || exit 7; echo \\\"$CHIME_JOB $CHIME_KEY $CHIME_UPSTREAM\\\" >> {d}/ledger; \
          echo '{{\\\"from\\\": \\\"'$CHIME_JOB'\\\"}}' > $CHIME_RESULT_FILE\"]\n"
     )
 }

@@ -77,7 +77,7 @@ impl ExecHandler {
     }
 }
 
-/// Removes the run files (`chime-<pid>-<key>-….checkpoint` and `.result`) that workers which
+/// Removes the run files (`chime-<pid>-<key>-….checkpoint`, `.result` and `.upstream`) that workers which
 /// died mid-run left in `dir`: a SIGKILLed worker never drops its [`RunFiles`]. A file is
 /// left when its pid is alive (or when this system has no `/proc` to tell); returns how many
 /// were removed. Runs once per process, when the first `exec` handler is built.
@@ -90,7 +90,7 @@ pub(crate) fn sweep_orphaned_run_files(dir: &std::path::Path) -> usize {
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        if !(name.ends_with(".checkpoint") || name.ends_with(".result")) {
+        if ![".checkpoint", ".result", ".upstream"].iter().any(|ext| name.ends_with(ext)) {
             continue;
         }
         let Some(pid) = name.strip_prefix("chime-").and_then(|rest| rest.split('-').next()) else { continue };
@@ -156,6 +156,9 @@ fn write_private(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
 struct RunFiles {
     checkpoint: std::path::PathBuf,
     result: std::path::PathBuf,
+    /// A workflow step's upstream runs, all of them, as JSON (`[]` for a job that waited for
+    /// nothing).
+    upstream: std::path::PathBuf,
     /// What the checkpoint file held when last read (or written).
     seen: std::sync::Mutex<Option<Vec<u8>>>,
 }
@@ -179,7 +182,9 @@ impl RunFiles {
         let start = text.unwrap_or_default().into_bytes();
         write_private(&checkpoint, &start)?;
         write_private(&result, b"")?;
-        Ok(Self { checkpoint, result, seen: std::sync::Mutex::new(Some(start)) })
+        let upstream = base.with_extension("upstream");
+        write_private(&upstream, &serde_json::to_vec(ctx.upstream()).unwrap_or_else(|_| b"[]".to_vec()))?;
+        Ok(Self { checkpoint, result, upstream, seen: std::sync::Mutex::new(Some(start)) })
     }
 
     /// Reads at most `max + 1` bytes of `path`.
@@ -229,24 +234,14 @@ impl Drop for RunFiles {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.checkpoint);
         let _ = std::fs::remove_file(&self.result);
+        let _ = std::fs::remove_file(&self.upstream);
     }
 }
 
 /// Largest `CHIME_UPSTREAM` passed with the upstream results (Linux caps one environment
-/// string at 128 KiB); past it, the runs go without their results.
+/// string at 128 KiB, and a spawn past it fails); past it, the runs go without their results,
+/// and past it even so, the variable is empty: `CHIME_UPSTREAM_FILE` always holds them all.
 const UPSTREAM_ENV_BYTES: usize = 100_000;
-
-/// `CHIME_UPSTREAM`: a workflow step's upstream runs as a JSON array (empty: `[]`).
-fn upstream_json(ctx: &JobContext) -> String {
-    let runs = ctx.upstream();
-    let full = serde_json::to_string(runs).unwrap_or_else(|_| "[]".into());
-    if full.len() <= UPSTREAM_ENV_BYTES {
-        return full;
-    }
-    let bare: Vec<_> =
-        runs.iter().map(|r| chime_shared::workflow::UpstreamRun { result: None, ..r.clone() }).collect();
-    serde_json::to_string(&bare).unwrap_or_else(|_| "[]".into())
-}
 
 async fn run(exec: &ExecHandler, ctx: JobContext, payload: serde_json::Value) -> Result<(), JobError> {
     let (command, permanent, env) = (&exec.command, &exec.permanent, &exec.env);
@@ -264,7 +259,10 @@ async fn run(exec: &ExecHandler, ctx: JobContext, payload: serde_json::Value) ->
         .env("CHIME_SHARD", ctx.shard.map(|(s, _)| s.to_string()).unwrap_or_default())
         .env("CHIME_SHARDS", ctx.shard.map(|(_, n)| n.to_string()).unwrap_or_default())
         .env("CHIME_GROUP", ctx.group.map(|g| g.to_string()).unwrap_or_default())
-        .env("CHIME_UPSTREAM", upstream_json(&ctx))
+        .env(
+            "CHIME_UPSTREAM",
+            chime_shared::workflow::upstream_json(ctx.upstream(), UPSTREAM_ENV_BYTES).unwrap_or_default(),
+        )
         .stdin(Stdio::piped())
         .stdout(Stdio::inherit())
         .stderr(Stdio::piped())
@@ -284,7 +282,9 @@ async fn run(exec: &ExecHandler, ctx: JobContext, payload: serde_json::Value) ->
     }
     let files = RunFiles::create(&ctx)
         .map_err(|e| JobError::transient(format!("cannot create the run's files: {e}")))?;
-    cmd.env("CHIME_CHECKPOINT_FILE", &files.checkpoint).env("CHIME_RESULT_FILE", &files.result);
+    cmd.env("CHIME_CHECKPOINT_FILE", &files.checkpoint)
+        .env("CHIME_RESULT_FILE", &files.result)
+        .env("CHIME_UPSTREAM_FILE", &files.upstream);
     let mut child =
         cmd.spawn().map_err(|e| JobError::transient(format!("cannot start {:?}: {e}", command.first())))?;
     let guard = GroupGuard(child.id().and_then(|id| i32::try_from(id).ok()));

@@ -97,18 +97,8 @@ fn parse_retry_after(v: &str) -> Option<std::time::Duration> {
 /// fits in 4 KiB, else without them (the key API has them); absent for a job that waited for
 /// nothing, or past 4 KiB even without results.
 fn upstream_header(ctx: &JobContext) -> Option<String> {
-    const MAX: usize = 4096;
     let runs = ctx.upstream();
-    if runs.is_empty() {
-        return None;
-    }
-    let full = serde_json::to_string(runs).ok()?;
-    if full.len() <= MAX {
-        return Some(full);
-    }
-    let bare: Vec<_> =
-        runs.iter().map(|r| chime_shared::workflow::UpstreamRun { result: None, ..r.clone() }).collect();
-    serde_json::to_string(&bare).ok().filter(|s| s.len() <= MAX)
+    if runs.is_empty() { None } else { chime_shared::workflow::upstream_json(runs, 4096) }
 }
 
 impl Handler for HttpHandler {
