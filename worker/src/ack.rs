@@ -260,7 +260,7 @@ impl<A: AckSink> AckBatcher<A> {
     /// settles it.
     pub fn delivered(&self, tag: u64) -> Ticket<A> {
         self.book.lock().unwrap_or_else(|p| p.into_inner()).ledger.delivered(tag);
-        Ticket { tag, open: true, batcher: self.clone() }
+        Ticket { tag, open: true, to: Settles::Delivery(self.clone()) }
     }
 
     /// Sends every pending ack; returns once they are written.
@@ -294,23 +294,75 @@ async fn hold_timer<A: AckSink>(book: Weak<Mutex<Book<A>>>, held: Arc<Notify>) {
 
 /// One delivery's right to be settled, exactly once. Dropped unsettled (a panic in the
 /// delivery's task, an aborted task), it requeues the delivery.
+///
+/// A job of a pack has a ticket of its own on the pack ([`Ticket::unpack`]): the pack's
+/// delivery is settled when the last of its jobs is, acked if every one was acked, else
+/// requeued whole (its jobs already done are then absorbed by their keys).
 pub(crate) struct Ticket<A: AckSink = Arc<lapin::Channel>> {
     tag: u64,
     open: bool,
-    batcher: AckBatcher<A>,
+    to: Settles<A>,
+}
+
+/// What a ticket settles: a delivery of the channel, or one job of a pack.
+enum Settles<A: AckSink> {
+    Delivery(AckBatcher<A>),
+    Packed(Arc<Pack<A>>),
+}
+
+/// A pack's delivery, settled by its last job.
+struct Pack<A: AckSink> {
+    state: Mutex<PackState<A>>,
+}
+
+struct PackState<A: AckSink> {
+    delivery: Option<Ticket<A>>,
+    left: usize,
+    requeue: bool,
+}
+
+impl<A: AckSink> Pack<A> {
+    /// One job is settled (`requeue`: it could not be decided); the pack's ticket and how to
+    /// settle it when that was the last one.
+    fn settled(&self, requeue: bool) -> Option<(Ticket<A>, bool)> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.left = s.left.saturating_sub(1);
+        s.requeue |= requeue;
+        if s.left > 0 {
+            return None;
+        }
+        let requeue = s.requeue;
+        s.delivery.take().map(|t| (t, requeue))
+    }
 }
 
 impl<A: AckSink> Ticket<A> {
+    /// Splits the ticket of a pack's delivery into one ticket per job (`jobs` ≥ 1).
+    pub fn unpack(self, jobs: usize) -> Vec<Ticket<A>> {
+        let tag = self.tag;
+        let pack = Arc::new(Pack {
+            state: Mutex::new(PackState { delivery: Some(self), left: jobs, requeue: false }),
+        });
+        (0..jobs).map(|_| Ticket { tag, open: true, to: Settles::Packed(pack.clone()) }).collect()
+    }
+
     /// The outcome is durable: ack (batched). Returns once the frames this ack released are
     /// written; a held ack goes out with a later one, or after [`HOLD`].
     pub async fn ack(mut self) {
         self.open = false;
         let tag = self.tag;
-        let sending = self.batcher.settle(|l| l.ack(tag, Instant::now()));
-        written(sending).await;
+        match &self.to {
+            Settles::Delivery(batcher) => written(batcher.settle(|l| l.ack(tag, Instant::now()))).await,
+            Settles::Packed(pack) => match pack.settled(false) {
+                Some((delivery, false)) => Box::pin(delivery.ack()).await,
+                Some((delivery, true)) => Box::pin(delivery.requeue()).await,
+                None => {}
+            },
+        }
     }
 
-    /// Nothing was decided: back to the queue (sent at once).
+    /// Nothing was decided: back to the queue (sent at once; a job of a pack: the pack, once
+    /// its other jobs are settled).
     pub async fn requeue(mut self) {
         let sending = self.requeue_now();
         written(sending).await;
@@ -319,7 +371,13 @@ impl<A: AckSink> Ticket<A> {
     fn requeue_now(&mut self) -> Vec<Sending> {
         self.open = false;
         let tag = self.tag;
-        self.batcher.settle(|l| l.requeue(tag))
+        match &self.to {
+            Settles::Delivery(batcher) => batcher.settle(|l| l.requeue(tag)),
+            Settles::Packed(pack) => match pack.settled(true) {
+                Some((mut delivery, _)) => delivery.requeue_now(),
+                None => Vec::new(),
+            },
+        }
     }
 }
 

@@ -187,6 +187,7 @@ pub(crate) fn on_claim(claim: Result<Claim, &IdemError>) -> AfterClaim {
         Ok(Claim::Done { .. } | Claim::Dead { .. }) => AfterClaim::Settle(Plan::Ack(Settled::Duplicate)),
         Ok(Claim::Cancelled { .. }) => AfterClaim::Settle(Plan::Ack(Settled::Cancelled)),
         Ok(Claim::Superseded { .. }) => AfterClaim::Settle(Plan::Ack(Settled::Superseded)),
+        Ok(Claim::Stale { .. }) => AfterClaim::Settle(Plan::Ack(Settled::Duplicate)),
         // Never drop a busy copy (its owner may die): send it round after the remaining lease.
         Ok(Claim::Busy { remaining, .. }) => AfterClaim::Settle(Plan::Redelay {
             delay: remaining.max(Duration::from_secs(1)),
@@ -324,6 +325,7 @@ mod tests {
         assert_eq!(on_claim(Ok(Claim::Dead { fence: 7 })), settle(Plan::Ack(Settled::Duplicate)));
         assert_eq!(on_claim(Ok(Claim::Cancelled { fence: 7 })), settle(Plan::Ack(Settled::Cancelled)));
         assert_eq!(on_claim(Ok(Claim::Superseded { fence: 7 })), settle(Plan::Ack(Settled::Superseded)));
+        assert_eq!(on_claim(Ok(Claim::Stale { fence: 7 })), settle(Plan::Ack(Settled::Duplicate)));
         let busy = Claim::Busy { fence: 1, remaining: Duration::from_millis(300) };
         assert_eq!(
             on_claim(Ok(busy)),

@@ -9,7 +9,7 @@
 //! then is its future dropped (an `exec` child's process group is killed on drop).
 
 use backon::Retryable;
-use chime_shared::envelope::{Envelope, header_str, put_header};
+use chime_shared::envelope::{Envelope, header_str, pack, put_header};
 use chime_shared::history::{self, Outcome, RunEvent};
 use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, Recorded, Renewal};
 use chime_shared::limit::SlotTake;
@@ -69,6 +69,8 @@ pub(crate) struct Incoming {
     /// The worker-wide slot (`worker.concurrency`) the delivery holds until it is settled;
     /// given back while it waits for its job's own limit (`jobs[].concurrency`).
     pub slot: WorkerSlot,
+    /// One job of a pack: `properties` are the pack's until the envelope is decoded.
+    pub packed: bool,
 }
 
 /// A permit of the worker-wide semaphore, if the delivery holds one.
@@ -604,9 +606,23 @@ pub(crate) async fn handle<S: KeyStore, O: Outbox, A: AckSink>(
         warn!(queue = %incoming.queue, size = incoming.data.len(), max, "message too large");
         let error = format!("{} bytes, above amqp.max_message_bytes ({max})", incoming.data.len());
         (unknown(), Verdict::Rejected(decision::rejected(DeadReason::TooLarge, &error)), Span::none())
+    } else if !incoming.packed
+        && pack::is_pack(&incoming.properties)
+        && let Err(e) = pack::split(&incoming.data)
+    {
+        // A pack the intake could not unpack: dead-lettered whole.
+        warn!(queue = %incoming.queue, route = %incoming.route, error = %e, "malformed pack");
+        (
+            unknown(),
+            Verdict::Rejected(decision::rejected(DeadReason::Malformed, &e.to_string())),
+            Span::none(),
+        )
     } else {
         match Envelope::decode(&incoming.data) {
             Err(e) => {
+                if incoming.packed {
+                    incoming.properties = pack::unmarked(&incoming.properties);
+                }
                 warn!(queue = %incoming.queue, route = %incoming.route, error = %e, "malformed message");
                 (
                     unknown(),
@@ -615,6 +631,11 @@ pub(crate) async fn handle<S: KeyStore, O: Outbox, A: AckSink>(
                 )
             }
             Ok(mut env) => {
+                if incoming.packed {
+                    // From here on the job is a message of its own: retried, parked and
+                    // dead-lettered with its own properties.
+                    incoming.properties = pack::member_properties(&env, &incoming.properties);
+                }
                 // With traces off, the span the logs have always had, and nothing more.
                 let span = if trace::enabled() {
                     let span = info_span!("job", otel.kind = "consumer", job = %env.job, key = %env.key,
@@ -687,7 +708,9 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     if spec.sheddable && core.shedding(&incoming.queue).is_some() {
         let (key, owner) = (env.key.to_string(), core.owner_token());
         let version = chime_shared::idempotency::version_of(&env);
-        return match decision::on_claim(claim(core, store, &key, &owner, version).await.as_ref().cloned()) {
+        return match decision::on_claim(
+            claim(core, store, &key, &owner, (version, env.attempt)).await.as_ref().cloned(),
+        ) {
             AfterClaim::Run(fence) => {
                 let held = Held { key, owner, fence, result: None };
                 Verdict::Held { env, spec, held, plan: HeldPlan::Shed, run: None }
@@ -767,7 +790,8 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         None => None,
     };
     let key = env.key.to_string();
-    let claim = claim(core, store, &key, &owner, chime_shared::idempotency::version_of(&env)).await;
+    let claim =
+        claim(core, store, &key, &owner, (chime_shared::idempotency::version_of(&env), env.attempt)).await;
     let checkpoint = match &claim {
         Ok(Claim::Claimed { checkpoint, .. }) => checkpoint.clone(),
         _ => None,
@@ -828,9 +852,9 @@ async fn claim<S: KeyStore>(
     store: &S,
     key: &str,
     owner: &str,
-    version: u64,
+    (version, attempt): (u64, u32),
 ) -> Result<Claim, IdemError> {
-    let claim = store.claim(key, owner, version).await;
+    let claim = store.claim(key, owner, version, attempt).await;
     match &claim {
         Err(e) if e.is_bad_record() => {
             warn!(error = %e, "the key's record is unreadable; dead-lettering this delivery")
@@ -1329,9 +1353,12 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                 let sent = self.outbox.delayed(&next.route(), &next, delay, headers).await;
                 let retried =
                     if sent.is_ok() { self.streamed(Outcome::Retried, None, self.run_error()) } else { None };
-                // Free the key either way: the retry (or the requeued copy) must be able to claim it.
+                // Free the key either way: the retry (or the requeued copy) must be able to claim
+                // it. A published retry also marks its attempt as the key's next: this copy,
+                // should it come back (its ack lost), is then stale and does not run again.
+                let state = if sent.is_ok() { Final::Retry(next.attempt) } else { Final::Free };
                 let freed = best_effort(core, "free the key", || {
-                    store.finish(&h.key, &h.owner, h.fence, Final::Free, None, retried.as_ref())
+                    store.finish(&h.key, &h.owner, h.fence, state, None, retried.as_ref())
                 })
                 .await;
                 match sent {

@@ -13,6 +13,7 @@
 use chime_shared::amqp;
 use chime_shared::config::{Config, ConfigError, Priority, ValidConfig};
 use chime_shared::control::{self, Target, WorkerBeat};
+use chime_shared::envelope::pack;
 use chime_shared::health::Health;
 use chime_shared::idempotency::IdemStore;
 use chime_shared::topology::{self, TopologyError};
@@ -30,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
 
-use crate::ack::AckBatcher;
+use crate::ack::{AckBatcher, Ticket};
 use crate::handler::Registry;
 use crate::process::{self, Incoming};
 pub use crate::state::Stats;
@@ -496,12 +497,29 @@ impl Worker {
                     Some((queue, route, acks, Ok(delivery))) => {
                         let ticket = acks.delivered(delivery.delivery_tag);
                         let (core, store, outbox) = (self.core.clone(), self.store.clone(), outbox.clone());
+                        let max = self.core.config.amqp.max_message_bytes + pack::OVERHEAD;
+                        if pack::is_pack(&delivery.properties)
+                            && delivery.data.len() <= max
+                            && let Ok(jobs) = pack::split(&delivery.data)
+                        {
+                            let jobs: Vec<Vec<u8>> = jobs.into_iter().map(<[u8]>::to_vec).collect();
+                            let unpacked = Unpacked { queue, route, properties: delivery.properties, jobs };
+                            let (tracker, semaphore, shutdown) =
+                                (tracker.clone(), semaphore.clone(), shutdown.clone());
+                            tracker.clone().spawn(Box::pin(async move {
+                                unpacked
+                                    .run(core, store, outbox, ticket, permit, (tracker, semaphore, shutdown))
+                                    .await;
+                            }));
+                            continue;
+                        }
                         let incoming = Incoming {
                             queue,
                             route,
                             data: delivery.data,
                             properties: delivery.properties,
                             slot: process::WorkerSlot::new(permit),
+                            packed: false,
                         };
                         // Boxed: the delivery's future is large, and a task moves what it
                         // holds (into its cell, and again to drop it) once per job.
@@ -989,5 +1007,63 @@ impl Reloader {
         info!(jobs = jobs.len(), "job definitions reloaded");
         self.core.set_jobs(jobs);
         Ok(())
+    }
+}
+
+/// The jobs of a pack delivery, each run as a delivery of its own.
+struct Unpacked {
+    queue: String,
+    route: String,
+    properties: lapin::BasicProperties,
+    jobs: Vec<Vec<u8>>,
+}
+
+impl Unpacked {
+    /// Starts each job in a worker slot of its own (the first in the slot the pack came
+    /// with), as slots free up: a pack never runs more jobs at once than `worker.concurrency`.
+    /// On shutdown the jobs not started are handed back: the pack is requeued once the
+    /// started ones are settled.
+    async fn run(
+        self,
+        core: Arc<Core>,
+        store: IdemStore,
+        outbox: BrokerOutbox,
+        ticket: Ticket,
+        first: tokio::sync::OwnedSemaphorePermit,
+        (tracker, semaphore, shutdown): (TaskTracker, Arc<Semaphore>, CancellationToken),
+    ) {
+        let tickets = ticket.unpack(self.jobs.len());
+        let mut first = Some(first);
+        for (data, ticket) in self.jobs.into_iter().zip(tickets) {
+            let permit = match first.take() {
+                Some(p) => p,
+                None => tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => {
+                        ticket.requeue().await;
+                        continue;
+                    }
+                    p = semaphore.clone().acquire_owned() => match p {
+                        Ok(p) => p,
+                        Err(_) => {
+                            ticket.requeue().await;
+                            continue;
+                        }
+                    },
+                },
+            };
+            let incoming = Incoming {
+                queue: self.queue.clone(),
+                route: self.route.clone(),
+                data,
+                properties: self.properties.clone(),
+                slot: process::WorkerSlot::new(permit),
+                packed: true,
+            };
+            let (core, store, outbox) = (core.clone(), store.clone(), outbox.clone());
+            tracker.spawn(Box::pin(async move {
+                process::handle(&core, &store, &outbox, incoming, ticket).await;
+            }));
+        }
     }
 }

@@ -24,13 +24,15 @@ use tokio_util::sync::CancellationToken;
 /// A key's record: claim, renew, finish, and the `dying` mark of a dead letter in flight.
 pub(crate) trait KeyStore: Send + Sync + 'static {
     fn lease(&self) -> Duration;
-    /// Claims `key` for `owner`, for the copy of `version` (its `enqueued_at`, µs): an older
-    /// copy of a key a newer enqueue replaced is superseded.
+    /// Claims `key` for `owner`, for the copy of `version` (its `enqueued_at`, µs) and
+    /// `attempt`: an older copy of a key a newer enqueue replaced is superseded, an earlier
+    /// attempt of a key whose retry is published is stale.
     fn claim(
         &self,
         key: &str,
         owner: &str,
         version: u64,
+        attempt: u32,
     ) -> impl Future<Output = Result<Claim, IdemError>> + Send;
     fn renew(&self, key: &str, owner: &str) -> impl Future<Output = Result<Renewal, IdemError>> + Send;
     /// Records the final state (with the encoded result of a `done` run, see
@@ -217,8 +219,9 @@ impl KeyStore for IdemStore {
         key: &str,
         owner: &str,
         version: u64,
+        attempt: u32,
     ) -> impl Future<Output = Result<Claim, IdemError>> + Send {
-        IdemStore::claim_copy(self, key, owner, Some(version))
+        IdemStore::claim_copy(self, key, owner, Some(version), Some(attempt))
     }
     fn renew(&self, key: &str, owner: &str) -> impl Future<Output = Result<Renewal, IdemError>> + Send {
         IdemStore::renew(self, key, owner)

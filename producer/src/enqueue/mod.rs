@@ -17,7 +17,7 @@ use chime_shared::telemetry;
 use chime_shared::topology::{self, Names, TopologyError};
 use chime_shared::trace::{self, TraceContext};
 use chrono::{DateTime, Utc};
-use lapin::{Channel, Connection};
+use lapin::{BasicProperties, Channel, Connection};
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -367,6 +367,9 @@ struct Session {
     conn: Arc<Connection>,
     channels: amqp::ChannelPool,
 }
+
+/// How a batch makes each item a message: exchange, routing key, body, properties.
+type Wire<'a, T> = dyn Fn(&T) -> (String, String, Vec<u8>, BasicProperties) + Sync + 'a;
 
 /// Confirm channels a client opens at most: concurrent publishes and batches beyond it wait.
 const CHANNELS: usize = 64;
@@ -787,6 +790,14 @@ impl EnqueueClient {
     /// Validates every request first (nothing is published if one is invalid), then
     /// publishes with up to 4096 confirms outstanding, stopping at the first failure.
     pub async fn enqueue_batch(&self, reqs: &[EnqueueRequest]) -> Result<BatchReport, EnqueueError> {
+        let envs = self.checked(reqs).await?;
+        let envs = self.fan_out(&envs).await?;
+        Ok(self.send_batch(&envs).await)
+    }
+
+    /// Every request prepared (errors name the line, from 1), and each queue no config
+    /// declares checked once, before anything is published.
+    async fn checked(&self, reqs: &[EnqueueRequest]) -> Result<Vec<Prepared>, EnqueueError> {
         let envs = reqs
             .iter()
             .enumerate()
@@ -822,8 +833,7 @@ impl EnqueueClient {
                 }
             }
         }
-        let envs = self.fan_out(&envs).await?;
-        Ok(self.send_batch(&envs).await)
+        Ok(envs)
     }
 
     /// [`Self::publish_batch`], and with a spool, what the broker did not confirm goes to the
@@ -838,6 +848,70 @@ impl EnqueueClient {
         match report.error {
             Some(e) if e.is_broker() => self.spool_rest(spooler, envs, report.confirmed, e.to_string()).await,
             _ => report,
+        }
+    }
+
+    /// [`Self::enqueue_batch`], packed: up to `pack` jobs per AMQP message (and no message
+    /// above `amqp.max_message_bytes`), each job with its own key, id, payload and attempts.
+    /// Workers unpack them and settle every job on its own (a job that fails is retried or
+    /// dead-lettered alone); the message is acked when all its jobs are settled. Broadcast
+    /// jobs cannot be packed ([`EnqueueError::Invalid`]); a sharded job's members are packed.
+    pub async fn enqueue_packed(
+        &self,
+        reqs: &[EnqueueRequest],
+        pack: usize,
+    ) -> Result<BatchReport, EnqueueError> {
+        check_pack(pack)?;
+        for (i, r) in reqs.iter().enumerate() {
+            if self.config.job(&r.job).is_some_and(|j| j.broadcast) {
+                return Err(EnqueueError::Invalid {
+                    field: format!("line {}: job", i + 1),
+                    message: format!("{:?} is a broadcast job: one copy per worker cannot be packed", r.job),
+                });
+            }
+            if r.supersedes() {
+                return Err(EnqueueError::Invalid {
+                    field: format!("line {}: debounce", i + 1),
+                    message: "debounce and replace cannot be packed".into(),
+                });
+            }
+        }
+        let envs = self.checked(reqs).await?;
+        let envs = self.fan_out(&envs).await?;
+        Ok(self.send_packed(&envs, pack).await)
+    }
+
+    /// [`Self::send_batch`], packed (see [`Self::enqueue_packed`]): up to `pack` jobs per
+    /// message. With a spool, the jobs of packs the broker did not confirm are spooled one by
+    /// one (a flush publishes them unpacked).
+    pub async fn send_packed(&self, envs: &[Prepared], pack: usize) -> BatchReport {
+        if let Err(e) = check_pack(pack) {
+            return BatchReport { total: envs.len(), confirmed: 0, spooled: 0, error: Some(e) };
+        }
+        if let Some(spooler) = &self.spooler
+            && spooler.backlog()
+        {
+            let why = "earlier jobs of this producer are still in the spool".to_string();
+            return self.spool_rest(spooler, envs, 0, why).await;
+        }
+        let qt = self.config.amqp.queue_type;
+        let packs = match packs(&self.names, qt, envs, pack, self.config.amqp.max_message_bytes) {
+            Ok(p) => p,
+            Err(e) => return BatchReport { total: envs.len(), confirmed: 0, spooled: 0, error: Some(e) },
+        };
+        let wire = |p: &Pack| (p.exchange.clone(), p.routing_key.clone(), p.body.clone(), p.props.clone());
+        let (sent, error) = self.publish_all(&packs, &wire).await;
+        let confirmed = if sent == 0 { 0 } else { packs[sent - 1].jobs.end };
+        if let Some(first) = envs.first() {
+            metrics::counter!(telemetry::JOBS_PUBLISHED, "job" => first.envelope.job.clone(), "source" => "adhoc")
+                .increment(confirmed as u64);
+        }
+        let report = BatchReport { total: envs.len(), confirmed, spooled: 0, error };
+        match (&self.spooler, report.error) {
+            (Some(spooler), Some(e)) if e.is_broker() => {
+                self.spool_rest(spooler, envs, confirmed, e.to_string()).await
+            }
+            (_, error) => BatchReport { error, ..report },
         }
     }
 
@@ -866,14 +940,31 @@ impl EnqueueClient {
     /// connection breaks, a new one is made and publishing resumes from the first envelope not
     /// yet confirmed (copies the broker did receive are absorbed by their keys).
     pub async fn publish_batch(&self, envs: &[Prepared]) -> BatchReport {
+        let qt = self.config.amqp.queue_type;
+        let wire = |p: &Prepared| {
+            let (exchange, rk) = delay::target(&self.names, qt, &p.envelope.route(), p.delay);
+            (exchange, rk, p.envelope.encode(), p.envelope.properties())
+        };
+        let (confirmed, error) = self.publish_all(envs, &wire).await;
+        if let Some(first) = envs.first() {
+            metrics::counter!(telemetry::JOBS_PUBLISHED, "job" => first.envelope.job.clone(), "source" => "adhoc")
+                .increment(confirmed as u64);
+        }
+        BatchReport { total: envs.len(), confirmed, spooled: 0, error }
+    }
+
+    /// Publishes `items` (each made a message by `wire`) pipelined, and resumes on a new
+    /// connection from the first one not confirmed when the connection breaks: how many were
+    /// confirmed, and the failure that stopped it.
+    async fn publish_all<T>(&self, items: &[T], wire: &Wire<'_, T>) -> (usize, Option<EnqueueError>) {
         let mut session = match self.session().await {
             Ok(s) => s,
-            Err(e) => return BatchReport { total: envs.len(), confirmed: 0, spooled: 0, error: Some(e) },
+            Err(e) => return (0, Some(e)),
         };
         let mut confirmed = 0usize;
         let mut reconnects = 0;
         let error = loop {
-            let (upto, failed) = self.publish_from(&session, envs, confirmed).await;
+            let (upto, failed) = self.publish_from(&session, items, wire, confirmed).await;
             confirmed = upto;
             let Some(e) = failed else { break None };
             if reconnects >= MAX_RECONNECTS || !needs_new_connection(&e, &session) {
@@ -886,20 +977,17 @@ impl EnqueueClient {
                 Err(e) => break Some(e),
             }
         };
-        if let Some(first) = envs.first() {
-            metrics::counter!(telemetry::JOBS_PUBLISHED, "job" => first.envelope.job.clone(), "source" => "adhoc")
-                .increment(confirmed as u64);
-        }
-        BatchReport { total: envs.len(), confirmed, spooled: 0, error }
+        (confirmed, error)
     }
 
     /// Publishes `envs[start..]` on a channel of the session lent to this batch,
     /// [`amqp::PUBLISH_GROUP`] at a time; returns how many from the start of `envs` are confirmed
     /// (confirms are awaited in order) and the first failure.
-    async fn publish_from(
+    async fn publish_from<T>(
         &self,
         session: &Session,
-        envs: &[Prepared],
+        items: &[T],
+        wire: &Wire<'_, T>,
         start: usize,
     ) -> (usize, Option<AmqpError>) {
         let lent = match session.channels.lend().await {
@@ -907,16 +995,15 @@ impl EnqueueClient {
             Err(e) => return (start, Some(e)),
         };
         let mut returns = amqp::Returns::default();
-        let (confirmed, failed) = self.publish_on(lent.channel(), &mut returns, envs, start).await;
+        let (confirmed, failed) = self.publish_on(lent.channel(), &mut returns, items, wire, start).await;
         if failed.is_none() {
             lent.settled();
         }
         // A message the broker returned counts as the first failure, wherever it was.
         if !returns.is_empty() {
-            let qt = self.config.amqp.queue_type;
-            for (i, p) in envs.iter().enumerate().take(confirmed).skip(start) {
-                let (exchange, rk) = delay::target(&self.names, qt, &p.envelope.route(), p.delay);
-                if let Some(e) = returns.take(&exchange, &rk, &p.envelope.encode()) {
+            for (i, item) in items.iter().enumerate().take(confirmed).skip(start) {
+                let (exchange, rk, body, _) = wire(item);
+                if let Some(e) = returns.take(&exchange, &rk, &body) {
                     return (i, Some(e));
                 }
             }
@@ -926,19 +1013,19 @@ impl EnqueueClient {
 
     /// [`Self::publish_from`] on `channel`, with the returned messages its confirms carried
     /// left in `returns`.
-    async fn publish_on(
+    async fn publish_on<T>(
         &self,
         channel: &Channel,
         returns: &mut amqp::Returns,
-        envs: &[Prepared],
+        items: &[T],
+        wire: &Wire<'_, T>,
         start: usize,
     ) -> (usize, Option<AmqpError>) {
         let timeout = self.config.amqp.publish_timeout;
-        let qt = self.config.amqp.queue_type;
         let mut pending: VecDeque<(lapin::PublisherConfirm, String, String)> =
             VecDeque::with_capacity(BATCH_WINDOW);
         let mut confirmed = start;
-        for group in envs[start..].chunks(amqp::PUBLISH_GROUP) {
+        for group in items[start..].chunks(amqp::PUBLISH_GROUP) {
             while pending.len() + group.len() > BATCH_WINDOW
                 && let Some((p, exchange, rk)) = pending.pop_front()
             {
@@ -947,21 +1034,16 @@ impl EnqueueClient {
                 }
                 confirmed += 1;
             }
-            let encoded: Vec<(String, String, Vec<u8>)> = group
-                .iter()
-                .map(|p| {
-                    let (exchange, rk) = delay::target(&self.names, qt, &p.envelope.route(), p.delay);
-                    (exchange, rk, p.envelope.encode())
-                })
-                .collect();
-            let outgoing = encoded.iter().zip(group).map(|((exchange, rk, body), p)| amqp::Outgoing {
+            let mut encoded: Vec<(String, String, Vec<u8>, BasicProperties)> =
+                group.iter().map(wire).collect();
+            let outgoing = encoded.iter_mut().map(|(exchange, rk, body, props)| amqp::Outgoing {
                 exchange,
                 routing_key: rk,
                 body,
-                props: p.envelope.properties(),
+                props: std::mem::take(props),
             });
             let sent = amqp::publish_group(channel, outgoing).await;
-            for (sent, (exchange, rk, _)) in sent.into_iter().zip(encoded) {
+            for (sent, (exchange, rk, _, _)) in sent.into_iter().zip(encoded) {
                 match sent {
                     Ok(p) => pending.push_back((p, exchange, rk)),
                     Err(e) => return (confirmed, Some(e)),
@@ -976,6 +1058,83 @@ impl EnqueueClient {
         }
         (confirmed, None)
     }
+}
+
+/// One packed message: jobs `jobs` of the batch, where they go, and the body.
+#[derive(Debug)]
+pub struct Pack {
+    /// The batch's jobs it holds (indices).
+    pub jobs: std::ops::Range<usize>,
+    /// Exchange it is published to.
+    pub exchange: String,
+    /// Its routing key.
+    pub routing_key: String,
+    /// `{"v":1,"pack":[…]}`.
+    pub body: Vec<u8>,
+    /// The pack's properties (`x-chime-pack` = jobs in it).
+    pub props: BasicProperties,
+}
+
+/// A pack size is 1 to [`envelope::pack::MAX_PACK`].
+fn check_pack(pack: usize) -> Result<(), EnqueueError> {
+    if (1..=envelope::pack::MAX_PACK).contains(&pack) {
+        return Ok(());
+    }
+    Err(EnqueueError::Invalid {
+        field: "pack".into(),
+        message: format!("{pack}: a pack holds 1 to {} jobs", envelope::pack::MAX_PACK),
+    })
+}
+
+/// `envs` packed in order: consecutive jobs for the same destination (route and delay), up
+/// to `n` per pack and `max_bytes` per body. A broadcast copy cannot be packed.
+pub fn packs(
+    names: &Names,
+    queue_type: chime_shared::config::QueueType,
+    envs: &[Prepared],
+    n: usize,
+    max_bytes: usize,
+) -> Result<Vec<Pack>, EnqueueError> {
+    let mut out: Vec<Pack> = Vec::new();
+    let mut bodies: Vec<Vec<u8>> = Vec::new();
+    let mut size = envelope::pack::OVERHEAD;
+    let mut start = 0;
+    let mut target: Option<(String, String)> = None;
+    let close = |out: &mut Vec<Pack>,
+                 bodies: &mut Vec<Vec<u8>>,
+                 start: usize,
+                 end: usize,
+                 target: (String, String)| {
+        let body = envelope::pack::encode(bodies);
+        let props = envelope::pack::properties(&envs[start].envelope, end - start);
+        bodies.clear();
+        out.push(Pack { jobs: start..end, exchange: target.0, routing_key: target.1, body, props });
+    };
+    for (i, p) in envs.iter().enumerate() {
+        if p.envelope.target.is_some() {
+            return Err(EnqueueError::Invalid {
+                field: format!("line {}: job", i + 1),
+                message: format!("{:?} is a broadcast copy: it cannot be packed", p.envelope.job),
+            });
+        }
+        let here = delay::target(names, queue_type, &p.envelope.route(), p.delay);
+        let body = p.envelope.encode();
+        let full = !bodies.is_empty() && (bodies.len() >= n || size + body.len() + 1 > max_bytes);
+        if let Some(t) = target.take_if(|t| *t != here || full) {
+            close(&mut out, &mut bodies, start, i, t);
+            size = envelope::pack::OVERHEAD;
+            start = i;
+        }
+        if target.is_none() {
+            target = Some(here);
+        }
+        size += body.len() + 1;
+        bodies.push(body);
+    }
+    if let Some(t) = target {
+        close(&mut out, &mut bodies, start, envs.len(), t);
+    }
+    Ok(out)
 }
 
 /// Builds the envelope of `req` under `config`: the job must exist (a `[[jobs]]` entry, or a

@@ -54,18 +54,22 @@ const PRELUDE: &str = "local t = redis.call('TIME') local now = tonumber(t[1]) *
 local now_ms = math.floor(now / 1000) local function int(x) return string.format('%.0f', x) end";
 
 /// KEYS[1] idem key; ARGV owner, lease_ms, retention_ms, version (µs: the copy's
-/// [`version_of`]). A copy older than the key's newest version (`v`, set by debounce and
-/// replace) is `superseded`. Claiming again with the same owner
+/// [`version_of`], or empty), attempt (the copy's, or empty). A copy older than the key's
+/// newest version (`v`, set by debounce and replace) is `superseded`. A copy whose attempt is
+/// below the key's next attempt (`na`, written when a retry was published) is `stale`: a
+/// redelivered earlier attempt of a key whose retry is already on its way (its ack was lost:
+/// a worker died, a pack was requeued) does not run again beside the retry. Claiming again with the same owner
 /// token returns the same fence (a command resent after a connection drop is harmless). A
 /// claim returns the key's last checkpoint (7th element), if any.
 /// A `dying` key is handed to the caller (it becomes the owner) with the dead letter's facts.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{PRELUDE}
-local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'f', 'r', 'e', 'a', 'cp', 'v')
+local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'f', 'r', 'e', 'a', 'cp', 'v', 'na')
 local s, fence = h[1], tonumber(h[4]) or 0
+local version, attempt = tonumber(ARGV[4] or ''), tonumber(ARGV[5] or '')
 if s == 'cancelled' then return {{s, fence, 0}} end
-if h[9] and ARGV[4] and tonumber(ARGV[4]) < tonumber(h[9]) then return {{'superseded', fence, 0}} end
+if h[9] and version and version < tonumber(h[9]) then return {{'superseded', fence, 0}} end
 if s == 'done' or s == 'dead' then return {{s, fence, 0}} end
 if s == 'dying' then
   redis.call('HSET', KEYS[1], 'o', ARGV[1])
@@ -74,6 +78,7 @@ if s == 'dying' then
 end
 if s == 'run' and h[2] == ARGV[1] then return {{'claimed', fence, 0, '', '', 0, h[8]}} end
 if s == 'run' and (tonumber(h[3]) or 0) > now_ms then return {{'busy', fence, tonumber(h[3]) - now_ms}} end
+if attempt and h[10] and attempt < tonumber(h[10]) then return {{'stale', fence, 0}} end
 fence = math.max(fence + 1, now)
 redis.call('HSET', KEYS[1], 's', 'run', 'o', ARGV[1], 'u', int(now_ms + tonumber(ARGV[2])), 'f', int(fence), 'c', int(now_ms))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -140,6 +145,7 @@ local finished_anyway = h[1] == 'cancelled' and ARGV[3] == 'done'
 if (h[1] ~= 'run' and h[1] ~= 'dying' and not finished_anyway) or h[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 's', ARGV[3], 'u', 0, 't', int(now_ms))
 redis.call('HDEL', KEYS[1], 'r', 'e', 'a')
+if ARGV[3] == 'free' and ARGV[5] and ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'na', ARGV[5]) end
 result()
 if ARGV[7] then log_run(7) end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -213,6 +219,7 @@ static SUPERSEDE: LazyLock<Script> = LazyLock::new(|| {
 local s = h[1]
 if s == 'done' or s == 'dead' or s == 'dying' or s == 'cancelled' then return s end
 if not h[2] or tonumber(h[2]) < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'v', ARGV[1]) end
+redis.call('HDEL', KEYS[1], 'na')
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return s or 'none'",
     )
@@ -355,7 +362,7 @@ static REVIVE: LazyLock<Script> = LazyLock::new(|| {
         r"local s = redis.call('HGET', KEYS[1], 's')
 if s ~= 'dead' and s ~= 'dying' then return 0 end
 redis.call('HSET', KEYS[1], 's', 'free', 'u', 0)
-redis.call('HDEL', KEYS[1], 'r', 'e', 'a')
+redis.call('HDEL', KEYS[1], 'r', 'e', 'a', 'na')
 return 1",
     )
 });
@@ -394,6 +401,12 @@ pub enum Claim {
     /// An older copy of a key a newer enqueue replaced (debounce, replace): dropped.
     Superseded {
         /// Fence token of the record (increases with every claim of the key).
+        fence: u64,
+    },
+    /// An earlier attempt of a key whose retry is already published (this copy's ack was
+    /// lost): dropped as a duplicate, the retry runs.
+    Stale {
+        /// Fence token of the record.
         fence: u64,
     },
     /// Cancelled (`chime cancel`): this copy is dropped as cancelled.
@@ -474,8 +487,11 @@ pub enum Final {
     Done,
     /// Dead-lettered (the dead letter is confirmed); duplicates are acked without running.
     Dead,
-    /// Give the key back (retry later, or shutdown before finishing).
+    /// Give the key back (parked, or shutdown before finishing): the same copy comes back.
     Free,
+    /// Give the key back for a retry already published as attempt `.0`: a copy of an earlier
+    /// attempt that arrives later (redelivered) is stale ([`Claim::Stale`]).
+    Retry(u32),
 }
 
 impl Final {
@@ -483,7 +499,7 @@ impl Final {
         match self {
             Final::Done => "done",
             Final::Dead => "dead",
-            Final::Free => "free",
+            Final::Free | Final::Retry(_) => "free",
         }
     }
 }
@@ -686,17 +702,23 @@ impl IdemStore {
 
     /// Claims `key` for `owner` (a token unique to this attempt). One round trip.
     pub async fn claim(&self, key: &str, owner: &str) -> Result<Claim, IdemError> {
-        self.claim_copy(key, owner, None).await
+        self.claim_copy(key, owner, None, None).await
     }
 
-    /// [`IdemStore::claim`] for the copy of `version` ([`version_of`]): an older copy of a key
-    /// a newer enqueue replaced is [`Claim::Superseded`].
-    pub async fn claim_copy(&self, key: &str, owner: &str, version: Option<u64>) -> Result<Claim, IdemError> {
+    /// [`IdemStore::claim`] for the copy of `version` ([`version_of`]) and `attempt`: an older
+    /// copy of a key a newer enqueue replaced is [`Claim::Superseded`], an earlier attempt of
+    /// a key whose retry is published [`Claim::Stale`].
+    pub async fn claim_copy(
+        &self,
+        key: &str,
+        owner: &str,
+        version: Option<u64>,
+        attempt: Option<u32>,
+    ) -> Result<Claim, IdemError> {
         let mut cmd = evalsha(&CLAIM, self.names.idem_key(key));
         cmd.arg(owner).arg(Self::ms(self.lease)).arg(Self::ms(self.retention));
-        if let Some(v) = version {
-            cmd.arg(v);
-        }
+        cmd.arg(version.map(|v| v.to_string()).unwrap_or_default());
+        cmd.arg(attempt.map(|a| a.to_string()).unwrap_or_default());
         let reply: Vec<Value> = self.call(cmd).await?;
         // A missing field is Nil: no conversion (a failed one formats an error message).
         let text = |i: usize| match reply.get(i) {
@@ -712,6 +734,7 @@ impl IdemStore {
             Some("dead") => Claim::Dead { fence },
             Some("cancelled") => Claim::Cancelled { fence },
             Some("superseded") => Claim::Superseded { fence },
+            Some("stale") => Claim::Stale { fence },
             Some("busy") => Claim::Busy { fence, remaining: Duration::from_millis(third) },
             Some("dying") => Claim::Dying {
                 fence,
@@ -776,7 +799,10 @@ impl IdemStore {
         };
         let mut cmd = evalsha(&FINISH, self.names.idem_key(key));
         cmd.arg(owner).arg(fence).arg(state.as_str()).arg(Self::ms(retention));
-        cmd.arg(result.unwrap_or("")).arg(until);
+        match state {
+            Final::Retry(next) => cmd.arg(next.to_string()).arg(until),
+            _ => cmd.arg(result.unwrap_or("")).arg(until),
+        };
         if let (Some(h), Some(run)) = (&self.history, run) {
             cmd.arg(run.record_line()).arg(h.runs_per_key).arg(&run.job).arg(&run.queue);
         }

@@ -76,6 +76,25 @@ async fn claim_branches() {
     let f = t.claimed("c", "o1").await;
     t.store.finish("c", "o1", f, Final::Free).await.unwrap();
     assert!(t.claimed("c", "o2").await > f);
+    // A published retry: an earlier attempt's copy that comes back (its ack was lost) is
+    // stale; the retry's attempt and later ones claim; a copy without an attempt is not judged.
+    let f = t.claimed("r", "o1").await;
+    t.store.finish("r", "o1", f, Final::Retry(3)).await.unwrap();
+    assert_eq!(t.field("r", "na").await.as_deref(), Some("3"));
+    assert!(matches!(t.store.claim_copy("r", "o2", None, Some(2)).await.unwrap(), Claim::Stale { .. }));
+    let Claim::Claimed { fence: f, .. } = t.store.claim_copy("r", "o2", None, Some(3)).await.unwrap() else {
+        panic!("attempt 3 claims")
+    };
+    // Parked (free again), attempt 3 comes back; attempt 2 still does not.
+    t.store.finish("r", "o2", f, Final::Free).await.unwrap();
+    assert!(matches!(t.store.claim_copy("r", "o4", None, Some(2)).await.unwrap(), Claim::Stale { .. }));
+    let Claim::Claimed { fence: f, .. } = t.store.claim_copy("r", "o4", None, Some(3)).await.unwrap() else {
+        panic!("the parked attempt 3 claims")
+    };
+    // Dead, then replayed from the DLQ: the replay's attempt 1 runs.
+    t.store.finish("r", "o4", f, Final::Dead).await.unwrap();
+    assert!(t.store.revive("r").await.unwrap());
+    assert!(matches!(t.store.claim_copy("r", "o5", None, Some(1)).await.unwrap(), Claim::Claimed { .. }));
     // A record Redis lost: claimed again with a fence still above every earlier one.
     t.forget("c").await;
     let after_loss = t.claimed("c", "o3").await;

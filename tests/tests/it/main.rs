@@ -25,6 +25,7 @@ mod layout;
 mod limits;
 mod loss_windows;
 mod overlap;
+mod packs;
 mod pipeline;
 mod priorities;
 mod processes;

@@ -30,6 +30,8 @@ struct Rec {
     cp: Option<String>,
     /// The result a `done` run left.
     res: Option<String>,
+    /// The attempt a published retry carries (`na`): earlier copies are stale.
+    next_attempt: Option<u32>,
 }
 
 /// The Lua scripts' semantics over a map.
@@ -86,6 +88,7 @@ impl FakeStore {
             }),
             cp: None,
             res: None,
+            next_attempt: None,
         };
         self.recs.lock().unwrap().insert(key.into(), rec);
     }
@@ -218,7 +221,7 @@ impl KeyStore for FakeStore {
     fn lease(&self) -> Duration {
         Duration::from_millis(self.lease_ms)
     }
-    async fn claim(&self, key: &str, owner: &str, _version: u64) -> Result<Claim, IdemError> {
+    async fn claim(&self, key: &str, owner: &str, _version: u64, attempt: u32) -> Result<Claim, IdemError> {
         if self.down.load(Ordering::SeqCst) {
             return Err(Self::err());
         }
@@ -245,15 +248,28 @@ impl KeyStore for FakeStore {
                 "run" if r.until > now => {
                     return Ok(Claim::Busy { fence: r.fence, remaining: r.until - now });
                 }
+                _ if r.next_attempt.is_some_and(|n| attempt < n) => {
+                    return Ok(Claim::Stale { fence: r.fence });
+                }
                 _ => {}
             }
         }
         let fence = recs.get(key).map_or(0, |r| r.fence) + 1;
         let cp = recs.get(key).and_then(|r| r.cp.clone());
+        let next_attempt = recs.get(key).and_then(|r| r.next_attempt);
         let until = now + self.lease();
         recs.insert(
             key.into(),
-            Rec { state: "run", owner: owner.into(), fence, until, dead: None, cp: cp.clone(), res: None },
+            Rec {
+                state: "run",
+                owner: owner.into(),
+                fence,
+                until,
+                dead: None,
+                cp: cp.clone(),
+                res: None,
+                next_attempt,
+            },
         );
         Ok(Claim::Claimed { fence, checkpoint: cp })
     }
@@ -275,6 +291,7 @@ impl KeyStore for FakeStore {
                         dead: None,
                         cp: None,
                         res: None,
+                        next_attempt: None,
                     },
                 );
                 Ok(Renewal::Recreated { fence: 1000 })
@@ -344,6 +361,7 @@ impl KeyStore for FakeStore {
                         dead: Some(dead.clone()),
                         cp: None,
                         res: None,
+                        next_attempt: None,
                     },
                 );
                 Ok(if existed { Recorded::Yes } else { Recorded::Recreated })
@@ -373,13 +391,13 @@ impl FakeStore {
         let name = match state {
             Final::Done => "done",
             Final::Dead => "dead",
-            Final::Free => "free",
+            Final::Free | Final::Retry(_) => "free",
         };
         let mut recs = self.recs.lock().unwrap();
         let now = tokio::time::Instant::now();
         match recs.get_mut(key) {
             None => {
-                if state != Final::Free {
+                if !matches!(state, Final::Free | Final::Retry(_)) {
                     let res = result.filter(|_| state == Final::Done).map(str::to_string);
                     recs.insert(
                         key.into(),
@@ -391,6 +409,7 @@ impl FakeStore {
                             dead: None,
                             cp: None,
                             res,
+                            next_attempt: None,
                         },
                     );
                 }
@@ -399,6 +418,9 @@ impl FakeStore {
             Some(r) if (r.state == "run" || r.state == "dying") && r.owner == owner => {
                 r.state = name;
                 r.dead = None;
+                if let Final::Retry(next) = state {
+                    r.next_attempt = Some(next);
+                }
                 if state == Final::Done {
                     r.cp = None;
                     r.res = result.map(str::to_string);
@@ -661,6 +683,7 @@ fn incoming(env: &Envelope) -> Incoming {
         data: env.encode(),
         properties: env.properties(),
         slot: Default::default(),
+        packed: false,
     }
 }
 
@@ -927,6 +950,7 @@ async fn malformed_and_too_large_bodies_are_dead_lettered_with_their_reason() {
         data: b"not json".to_vec(),
         properties: BasicProperties::default(),
         slot: Default::default(),
+        packed: false,
     };
     assert_eq!(h.deliver(garbage).await, ["ack"]);
     let huge = Incoming {
@@ -935,6 +959,7 @@ async fn malformed_and_too_large_bodies_are_dead_lettered_with_their_reason() {
         data: vec![b' '; 2 << 20],
         properties: BasicProperties::default(),
         slot: Default::default(),
+        packed: false,
     };
     assert_eq!(h.deliver(huge).await, ["ack"]);
     let reasons: Vec<_> = h
@@ -953,6 +978,7 @@ async fn malformed_and_too_large_bodies_are_dead_lettered_with_their_reason() {
         data: b"{".to_vec(),
         properties: BasicProperties::default(),
         slot: Default::default(),
+        packed: false,
     };
     assert_eq!(h.deliver(garbage).await, ["requeue"], "a dead letter that was not confirmed is not acked");
 }
@@ -1359,4 +1385,75 @@ async fn a_workflow_step_waits_for_its_upstream_and_runs_with_its_result() {
     assert_eq!((last.outcome, last.reason.as_deref()), (Outcome::Blocked, Some("blocked")));
     assert!(last.error.as_deref().unwrap_or("").contains("blocked by extract (dead"), "{last:?}");
     assert_eq!(h.store.state(&blocked.key.to_string()), None, "not claimed");
+}
+
+/// Delivers the jobs of a pack (one delivery) one after another; returns how the pack's
+/// delivery was settled.
+async fn deliver_pack(h: &Harness, jobs: &[Vec<u8>]) -> Vec<&'static str> {
+    let settles = Settles::default();
+    let batcher = AckBatcher::spawn(settles.clone());
+    let tickets = batcher.delivered(1).unpack(jobs.len());
+    let envs: Vec<Envelope> = jobs.iter().filter_map(|j| Envelope::decode(j).ok()).collect();
+    let props = chime_shared::envelope::pack::properties(&envs[0], jobs.len());
+    for (i, (data, ticket)) in jobs.iter().zip(tickets).enumerate() {
+        let incoming = Incoming {
+            queue: "default".into(),
+            route: "default".into(),
+            data: data.clone(),
+            properties: props.clone(),
+            slot: Default::default(),
+            packed: true,
+        };
+        handle(&h.core, &h.store, &h.outbox, incoming, ticket).await;
+        batcher.flush().await;
+        if i + 1 < jobs.len() {
+            assert!(settles.0.lock().unwrap().is_empty(), "the pack is settled only after its last job");
+        }
+    }
+    settles.0.lock().unwrap().clone()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pack_is_acked_once_every_job_in_it_is_settled_and_each_job_fails_alone() {
+    let h = harness();
+    let mut jobs = Vec::new();
+    for (i, payload) in ["ok", "transient", "permanent", "ok"].iter().enumerate() {
+        let mut env = envelope("job", payload, 1, 3);
+        env.key = adhoc_key("job", &format!("pack-{i}"));
+        jobs.push(env.encode());
+    }
+    jobs.insert(2, b"{\"not\":\"an envelope\"}".to_vec());
+    assert_eq!(deliver_pack(&h, &jobs).await, ["ack"]);
+    assert_eq!(h.runs.load(Ordering::SeqCst), 4, "every job ran once");
+    let sent = h.sent();
+    assert_eq!(sent.len(), 3, "{sent:?}");
+    assert!(
+        matches!(sent[0], Sent::Delayed { attempt: 2, .. }),
+        "the transient job alone is retried: {sent:?}"
+    );
+    assert!(matches!(&sent[1], Sent::Dead { reason, .. } if reason == "malformed"), "{sent:?}");
+    assert!(matches!(&sent[2], Sent::Dead { reason, .. } if reason == "permanent"), "{sent:?}");
+    // The same pack again (redelivered: its ack was lost): the jobs that ended are absorbed,
+    // and so is the retried one's first attempt (its retry is on its way: stale).
+    let before = h.runs.load(Ordering::SeqCst);
+    assert_eq!(deliver_pack(&h, &jobs).await, ["ack"]);
+    assert_eq!(h.runs.load(Ordering::SeqCst), before, "nothing runs again");
+    let sent = h.sent();
+    assert_eq!(sent.len(), 4, "{sent:?}");
+    assert!(
+        matches!(&sent[3], Sent::Dead { reason, .. } if reason == "malformed"),
+        "only the malformed job, which has no key to absorb it, is dead-lettered again: {sent:?}"
+    );
+    // The retry itself (attempt 2) runs.
+    let mut retry = Envelope::decode(&jobs[1]).unwrap();
+    retry.attempt = 2;
+    assert_eq!(h.deliver(incoming(&retry)).await, ["ack"]);
+    assert_eq!(h.runs.load(Ordering::SeqCst), before + 1, "the retry runs");
+    // A job that cannot be settled (the DLQ does not confirm) requeues the whole pack.
+    h.outbox.fail.store(true, Ordering::SeqCst);
+    let mut env = envelope("job", "permanent", 1, 3);
+    env.key = adhoc_key("job", "pack-fresh");
+    let mut ok = envelope("job", "ok", 1, 3);
+    ok.key = adhoc_key("job", "pack-fresh-ok");
+    assert_eq!(deliver_pack(&h, &[env.encode(), ok.encode()]).await, ["requeue"]);
 }

@@ -57,6 +57,10 @@ pub struct EnqueueArgs {
     /// JSON lines, one job each ({"payload":…,"key":…} or a bare payload); `-` = stdin
     #[arg(long, value_name = "PATH|-")]
     pub batch: Option<String>,
+    /// With --batch: up to N jobs per AMQP message (1-1000; each job keeps its own key,
+    /// payload and attempts, and is retried or dead-lettered on its own). For many short jobs
+    #[arg(long, value_name = "N", requires = "batch")]
+    pub pack: Option<usize>,
     /// Wait until the job is done or dead and print its result (exit 1 if it was
     /// dead-lettered or did not finish in time)
     #[arg(long, conflicts_with = "batch")]
@@ -509,6 +513,20 @@ async fn enqueue_batch(
     at: Option<chrono::DateTime<chrono::Utc>>,
 ) -> Result<(), Failure> {
     let limit = config.amqp.max_message_bytes;
+    if let Some(n) = args.pack {
+        if !(1..=chime_shared::envelope::pack::MAX_PACK).contains(&n) {
+            return Err(usage(anyhow::anyhow!(
+                "--pack {n}: a pack holds 1 to {} jobs",
+                chime_shared::envelope::pack::MAX_PACK
+            )));
+        }
+        if config.job(args.job()).is_some_and(|j| j.broadcast) {
+            return Err(usage(anyhow::anyhow!(
+                "--pack: {:?} is a broadcast job (one copy per worker), which cannot be packed",
+                args.job()
+            )));
+        }
+    }
     let file = if source == "-" {
         let name = format!(
             "chime-batch-{}-{}.jsonl",
@@ -614,7 +632,10 @@ async fn enqueue_batch(
         } else {
             std::borrow::Cow::Borrowed(&chunk)
         };
-        let report = client.send_batch(&messages).await;
+        let report = match args.pack {
+            Some(n) => client.send_packed(&messages, n).await,
+            None => client.send_batch(&messages).await,
+        };
         confirmed += report.confirmed;
         spooled += report.spooled;
         if report.error.is_some() {

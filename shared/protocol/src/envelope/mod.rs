@@ -409,6 +409,8 @@ pub fn put_header(table: &mut FieldTable, name: &str, value: &str) {
     table.insert(ShortString::from(name), AMQPValue::LongString(LongString::from(value)));
 }
 
+pub mod pack;
+
 #[cfg(test)]
 mod fuzz;
 

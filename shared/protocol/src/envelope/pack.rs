@@ -1,0 +1,174 @@
+//! Packed messages: several jobs in one AMQP message.
+//!
+//! A pack's body is `{"v":1,"pack":[<envelope>,…]}`, each element a whole [`Envelope`] with
+//! its own key, id, payload, attempts and options; its AMQP properties carry the header
+//! [`PACK_HEADER`] (the number of jobs), `type` [`PACK_TYPE`] and a `message_id` of its own.
+//! Every job of a pack goes to the same route. A worker unpacks it and settles each job on its
+//! own: a job that must retry, park or be dead-lettered is published again *individually*, and
+//! the pack is acked once every job in it is settled (requeued whole if any job could not be
+//! decided; its done jobs are then absorbed by their keys).
+//!
+//! A worker older than packs reads a pack as a malformed envelope and dead-letters it: upgrade
+//! the workers before producers pack.
+
+use super::{Envelope, VERSION};
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+/// AMQP header marking a pack; its value is the number of jobs in it.
+pub const PACK_HEADER: &str = "x-chime-pack";
+
+/// The AMQP `type` of a pack (a job's message has its job's name there).
+pub const PACK_TYPE: &str = "chime.pack";
+
+/// Most jobs one pack may carry.
+pub const MAX_PACK: usize = 1000;
+
+/// Bytes a pack adds around its jobs: `{"v":1,"pack":[` and `]}`.
+pub const OVERHEAD: usize = 18;
+
+/// The body of a pack of `members` (each an encoded envelope, as [`Envelope::encode`] makes).
+pub fn encode<B: AsRef<[u8]>>(members: &[B]) -> Vec<u8> {
+    let len: usize = members.iter().map(|m| m.as_ref().len() + 1).sum();
+    let mut body = Vec::with_capacity(len + OVERHEAD);
+    body.extend_from_slice(format!("{{\"v\":{VERSION},\"pack\":[").as_bytes());
+    for (i, m) in members.iter().enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(m.as_ref());
+    }
+    body.extend_from_slice(b"]}");
+    body
+}
+
+/// The AMQP properties of a pack of `jobs` jobs: persistent JSON, `type` [`PACK_TYPE`], its
+/// own `message_id`, the header [`PACK_HEADER`], and the first job's `timestamp`.
+pub fn properties(first: &Envelope, jobs: usize) -> BasicProperties {
+    let ts = u64::try_from(first.enqueued_at.timestamp()).unwrap_or(0);
+    let mut headers = FieldTable::default();
+    headers.insert(ShortString::from(PACK_HEADER), AMQPValue::LongLongInt(jobs as i64));
+    BasicProperties::default()
+        .with_content_type(ShortString::from("application/json"))
+        .with_delivery_mode(2)
+        .with_message_id(ShortString::from(uuid::Uuid::now_v7().to_string()))
+        .with_type(ShortString::from(PACK_TYPE))
+        .with_timestamp(ts)
+        .with_headers(headers)
+}
+
+/// Whether a message with these properties is a pack.
+pub fn is_pack(props: &BasicProperties) -> bool {
+    props.headers().as_ref().is_some_and(|h| h.inner().contains_key(PACK_HEADER))
+}
+
+#[derive(Deserialize)]
+struct Body<'a> {
+    v: u32,
+    #[serde(borrow)]
+    pack: Vec<&'a RawValue>,
+}
+
+/// Why a body marked as a pack is not one (the message is dead-lettered whole, as
+/// `malformed`).
+#[derive(Debug, thiserror::Error)]
+pub enum PackError {
+    /// Not `{"v":1,"pack":[…]}`.
+    #[error("body is not a chime pack: {}", crate::escape_control(&.0.to_string()))]
+    Json(#[from] serde_json::Error),
+    /// `v` is not the version this release reads.
+    #[error("unsupported pack version {0} (this release reads v{VERSION})")]
+    Version(u32),
+    /// No jobs, or more than [`MAX_PACK`].
+    #[error("a pack holds 1 to {MAX_PACK} jobs, this one {0}")]
+    Size(usize),
+}
+
+/// The jobs of a pack body, each as the bytes of its envelope (decoded one by one with
+/// [`Envelope::decode`]: a malformed job is dead-lettered alone).
+pub fn split(body: &[u8]) -> Result<Vec<&[u8]>, PackError> {
+    let body: Body<'_> = serde_json::from_slice(body)?;
+    if body.v != VERSION {
+        return Err(PackError::Version(body.v));
+    }
+    if body.pack.is_empty() || body.pack.len() > MAX_PACK {
+        return Err(PackError::Size(body.pack.len()));
+    }
+    Ok(body.pack.into_iter().map(|m| m.get().as_bytes()).collect())
+}
+
+/// The properties a job of a pack is handled (and dead-lettered, and retried) with: its own
+/// (`message_id` its key, `type` its job), with the pack's headers but the pack marker.
+pub fn member_properties(env: &Envelope, pack: &BasicProperties) -> BasicProperties {
+    env.properties().with_headers(unmarked_headers(pack))
+}
+
+/// The pack's properties without the pack marker: those of a job of it that is not an
+/// envelope (dead-lettered alone, as `malformed`).
+pub fn unmarked(pack: &BasicProperties) -> BasicProperties {
+    pack.clone().with_headers(unmarked_headers(pack))
+}
+
+fn unmarked_headers(pack: &BasicProperties) -> FieldTable {
+    let mut headers = FieldTable::default();
+    if let Some(h) = pack.headers() {
+        for (k, v) in h.inner() {
+            if k.as_str() != PACK_HEADER {
+                headers.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    headers
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::{Source, adhoc_key};
+
+    fn job(i: u32) -> Envelope {
+        Envelope::new(
+            "j",
+            "default",
+            adhoc_key("j", &i.to_string()),
+            serde_json::json!({"i": i, "s": "a]},{\"v\":2"}),
+            None,
+            3,
+            Source::Adhoc,
+        )
+    }
+
+    #[test]
+    fn a_pack_splits_into_its_jobs_byte_for_byte() {
+        let jobs: Vec<Envelope> = (0..5).map(job).collect();
+        let encoded: Vec<Vec<u8>> = jobs.iter().map(Envelope::encode).collect();
+        let body = encode(&encoded);
+        let parts = split(&body).unwrap();
+        assert_eq!(parts.len(), 5);
+        for ((part, bytes), env) in parts.iter().zip(&encoded).zip(&jobs) {
+            assert_eq!(*part, bytes.as_slice());
+            assert_eq!(&Envelope::decode(part).unwrap(), env);
+        }
+        let props = properties(&jobs[0], 5);
+        assert!(is_pack(&props));
+        let member = member_properties(&jobs[2], &props);
+        assert!(!is_pack(&member));
+        assert_eq!(member.message_id().as_ref().unwrap().as_str(), jobs[2].key.to_string());
+        assert!(!is_pack(&jobs[0].properties()));
+    }
+
+    #[test]
+    fn bad_packs_are_refused_by_name() {
+        assert!(matches!(split(b"{\"v\":1,\"pack\":[]}"), Err(PackError::Size(0))));
+        assert!(matches!(split(b"{\"v\":2,\"pack\":[{}]}"), Err(PackError::Version(2))));
+        let e = split(b"{\"v\":1}").unwrap_err().to_string();
+        assert!(e.contains("pack"), "{e}");
+        assert!(split(&job(1).encode()).is_err(), "an envelope is not a pack");
+        // A member that is not an envelope still splits: it is dead-lettered alone.
+        let parts = split(b"{\"v\":1,\"pack\":[{\"x\":1},2]}").unwrap();
+        assert_eq!(parts, vec![&b"{\"x\":1}"[..], &b"2"[..]]);
+        assert!(Envelope::decode(parts[1]).is_err());
+    }
+}
