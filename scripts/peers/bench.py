@@ -1,13 +1,16 @@
-"""chime against Celery and Dramatiq on the same broker and Redis, in one run.
+"""chime against Celery, Dramatiq, Sidekiq and BullMQ, in one run.
 
-Each system drains the same number of pre-published no-op jobs from RabbitMQ, in rounds whose
-order rotates; medians are printed with chime's ratio to each. Everything runs in a virtual
-host of its own (deleted at the end) and under Redis keys of its own (deleted at the end).
-Run through scripts/bench-peers, which makes the Python venv.
+Each system drains the same number of pre-published no-op jobs, in rounds whose order rotates;
+medians are printed with chime's ratio to each. chime, Celery and Dramatiq use the shared
+RabbitMQ (a virtual host of their own, deleted at the end) and Redis (keys of their own,
+deleted at the end); Sidekiq and BullMQ, whose queues live in Redis, a private redis-server
+without persistence on a spare port (stopped at the end). Run through scripts/bench-peers,
+which installs the peers.
 """
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -144,10 +147,50 @@ class Run:
         self.r.delete(key, key + ":t0", key + ":t1")
         return published, (n - 1) / (t1 - t0), costs
 
-    def chime(self, queue_type, rnd):
-        """chime enqueue --batch, then one chime-worker with the default [worker] settings."""
+    def redis_peer(self, system, procs, concurrency, rnd):
+        """Sidekiq or BullMQ: publishes N jobs in bulk (push_bulk, addBulk; 1,000 per call)
+        to the private Redis, then drains them with `procs` worker processes of `concurrency`
+        each (under one shell, so that the CPU figure covers them all)."""
         n = self.args.jobs
-        prefix = f"{self.vhost}-chime-{queue_type}-{rnd}"
+        queue = f"peers-{system}-{procs}x{concurrency}-{rnd}"
+        key = f"{self.vhost}:{system}:{procs}x{concurrency}:{rnd}"
+        env = self.env(queue, key)
+        env["PEERS_REDIS"] = self.private_redis
+        if system == "sidekiq":
+            app = os.path.join(HERE, "sidekiq_app.rb")
+            publish = ["ruby", app, "publish"]
+            one = f"sidekiq -r {app} -q {queue} -c {concurrency} >/dev/null 2>&1"
+        else:
+            app = os.path.join(HERE, "bullmq_app.js")
+            env["NODE_PATH"] = os.path.join(os.environ.get("CHIME_PEERS_NODE", ""), "node_modules")
+            publish = ["node", app, "publish"]
+            one = f"node {app} work {concurrency} >/dev/null 2>&1"
+        t = time.time()
+        subprocess.run(publish, check=True, env=env, cwd=HERE)
+        published = n / (time.time() - t)
+        r = redis.Redis.from_url(self.private_redis)
+        w = subprocess.Popen(["sh", "-c", " & ".join([one] * procs) + " & wait"], env=env, cwd=HERE,
+                             start_new_session=True)
+        try:
+            wait(lambda: r.exists(key + ":t0"), 120, f"{system}'s first job")
+            cpu = Cpu(w.pid)
+            wait(lambda: r.exists(key + ":t1"), 1200, f"{system} to drain {n} jobs")
+            costs = cpu.per_job(n)
+        finally:
+            os.killpg(w.pid, 15)
+            try:
+                w.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(w.pid, 9)
+        t0, t1 = float(r.get(key + ":t0")), float(r.get(key + ":t1"))
+        r.flushall()
+        return published, (n - 1) / (t1 - t0), costs
+
+    def chime(self, queue_type, rnd, pack=None):
+        """chime enqueue --batch (--pack N), then one chime-worker with the default [worker]
+        settings. The enqueue rate is the whole `chime enqueue` process, as a user times it."""
+        n = self.args.jobs
+        prefix = f"{self.vhost}-chime-{queue_type}-{pack or 1}-{rnd}"
         cfg = os.path.join(self.tmp, f"{prefix}.toml")
         with open(cfg, "w") as f:
             f.write(f'prefix = "{prefix}"\n[amqp]\nurl = "{self.amqp}"\nqueue_type = "{queue_type}"\n'
@@ -156,9 +199,13 @@ class Run:
         with open(lines, "w") as f:
             for i in range(n):
                 f.write('{"payload":{"i":%d}}\n' % i)
-        out = sh(os.path.join(self.bin, "chime"), "--config", cfg, "enqueue", "noop", "--batch", lines, "--json")
+        packing = ["--pack", str(pack)] if pack else []
+        t = time.time()
+        out = sh(os.path.join(self.bin, "chime"), "--config", cfg, "enqueue", "noop", "--batch", lines, "--json",
+                 *packing)
+        elapsed = time.time() - t
         report = json.loads(out)
-        published = report["confirmed"] / report["seconds"]
+        published = report["confirmed"] / elapsed
         port = 20000 + os.getpid() % 20000
         w = subprocess.Popen([os.path.join(self.bin, "chime-worker"), "--config", cfg, "--listen",
                               f"127.0.0.1:{port}"], env=dict(os.environ, RUST_LOG="warn"),
@@ -194,11 +241,35 @@ class Run:
 SYSTEMS = [
     ("chime, quorum queue (its default), default [worker]", lambda run, r: run.chime("quorum", r)),
     ("chime, classic queue, default [worker]", lambda run, r: run.chime("classic", r)),
+    ("chime, quorum queue, --pack 100, default [worker]", lambda run, r: run.chime("quorum", r, 100)),
     ("Celery, defaults (prefork, 1 process per core)", lambda run, r: run.python_peer("celery", "default", r)),
     ("Celery, threads pool, concurrency 32", lambda run, r: run.python_peer("celery", "threads", r)),
     ("Dramatiq, defaults (1 process per core, 8 threads each)", lambda run, r: run.python_peer("dramatiq", "default", r)),
     ("Dramatiq, 32 threads per process", lambda run, r: run.python_peer("dramatiq", "threads", r)),
+    ("Sidekiq 6.4, defaults (1 process, concurrency 10)", lambda run, r: run.redis_peer("sidekiq", 1, 10, r)),
+    ("Sidekiq 6.4, tuned (2 processes x 25)", lambda run, r: run.redis_peer("sidekiq", 2, 25, r)),
+    ("BullMQ 6.7, defaults (1 process, concurrency 1)", lambda run, r: run.redis_peer("bullmq", 1, 1, r)),
+    ("BullMQ 6.7, tuned (2 processes x 50)", lambda run, r: run.redis_peer("bullmq", 2, 50, r)),
 ]
+
+
+def start_private_redis():
+    """A redis-server without persistence on a spare port: (process, URL)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                          "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    r = redis.Redis(port=port)
+
+    def up():
+        try:
+            return r.ping()
+        except redis.exceptions.ConnectionError:
+            return False
+
+    wait(up, 30, "the private redis-server")
+    return p, f"redis://127.0.0.1:{port}/0"
 
 
 def main():
@@ -206,18 +277,23 @@ def main():
     p.add_argument("--jobs", type=int, default=20000)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--redis", default=os.environ.get("CHIME_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--only", default="", help="comma-separated words: systems whose name has one (chime is always run)")
     args = p.parse_args()
+    words = [w.strip().lower() for w in args.only.split(",") if w.strip()]
+    systems = [s for s in SYSTEMS if s[0].startswith("chime") or not words or any(w in s[0].lower() for w in words)]
     vhost = f"chime-peers-{os.getpid()}"
     ctl("add_vhost", vhost)
     ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
-    rates = {name: [] for name, _ in SYSTEMS}
-    pubs = {name: [] for name, _ in SYSTEMS}
-    costs = {name: [] for name, _ in SYSTEMS}
+    rates = {name: [] for name, _ in systems}
+    pubs = {name: [] for name, _ in systems}
+    costs = {name: [] for name, _ in systems}
+    private, private_url = start_private_redis()
     try:
         run = Run(args, vhost)
+        run.private_redis = private_url
         for rnd in range(args.runs):
-            for k in range(len(SYSTEMS)):
-                name, f = SYSTEMS[(k + rnd) % len(SYSTEMS)]
+            for k in range(len(systems)):
+                name, f = systems[(k + rnd) % len(systems)]
                 print(f"  round {rnd + 1}/{args.runs}: {name} ...", file=sys.stderr, flush=True)
                 published, drained, cost = f(run, rnd)
                 pubs[name].append(published)
@@ -225,18 +301,21 @@ def main():
                 costs[name].append(cost)
     finally:
         ctl("delete_vhost", vhost)
+        private.terminate()
+        private.wait(timeout=30)
     versions = sh(sys.executable, "-m", "pip", "list", "--format=freeze")
     wanted = [v for v in versions.split() if v.split("==")[0].lower() in ("celery", "kombu", "dramatiq", "pika")]
     print(f"peers    {args.jobs} no-op jobs per drain, {args.runs} rounds, medians ({', '.join(wanted)})")
-    chime_q = statistics.median(rates[SYSTEMS[0][0]])
-    chime_c = statistics.median(rates[SYSTEMS[1][0]])
-    for name, _ in SYSTEMS:
-        drained = statistics.median(rates[name])
-        c = [statistics.median(x[i] for x in costs[name]) for i in range(3)]
+    med = {name: (statistics.median(rates[name]), statistics.median(pubs[name])) for name, _ in systems}
+    (q, qe), (c, _), (pk, pke) = (med[systems[i][0]] for i in range(3))
+    for name, _ in systems:
+        drained, enqueued = med[name]
+        cpu = [statistics.median(x[i] for x in costs[name]) for i in range(3)]
         ratio = "" if name.startswith("chime") else \
-            f"   chime is {chime_q / drained:.1f}x (quorum), {chime_c / drained:.1f}x (classic)"
-        print(f"peers    {name:<58} drain {drained:>7.0f} jobs/s   enqueue {statistics.median(pubs[name]):>7.0f}/s"
-              f"   CPU/job: broker {c[0]:.0f} µs, redis {c[1]:.0f} µs, workers {c[2]:.0f} µs{ratio}")
+            (f"   chime drains {q / drained:.2f}x (quorum), {c / drained:.2f}x (classic), {pk / drained:.2f}x (packed);"
+             f" enqueues {qe / enqueued:.2f}x, packed {pke / enqueued:.2f}x")
+        print(f"peers    {name:<52} drain {drained:>7.0f} jobs/s   enqueue {enqueued:>7.0f}/s"
+              f"   CPU/job: broker {cpu[0]:.0f} µs, redis {cpu[1]:.0f} µs, workers {cpu[2]:.0f} µs{ratio}")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@
 //! limits (a rate limit's accuracy across 4 workers, tenant isolation, the cost of limits and
 //! circuits, a circuit over a failing downstream), traces (a worker's drain with traces off,
 //! on, and before trace support), spool (enqueue with the spool on and off, spooling and
-//! flushing rates, a producer's memory while it spools 1 GiB).
+//! flushing rates, a producer's memory while it spools 1 GiB), allocs (allocations per job of
+//! the enqueue client and of an in-process worker, unpacked and packed).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod allocs;
 mod consume;
 mod fixtures;
 mod latency;
@@ -34,6 +36,45 @@ mod web;
 
 use chime_tests::connect_amqp;
 use lapin::Connection;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The system allocator, counting allocations (and reallocations) for the `allocs` scenario.
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: every call is passed to the system allocator unchanged; the counter is an atomic.
+#[allow(unsafe_code)]
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract is the system allocator's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as above.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Allocations (and reallocations) made by this process so far.
+pub fn allocations() -> u64 {
+    ALLOCATIONS.load(Ordering::Relaxed)
+}
 
 /// Throughput and latency of chime against raw lapin + redis (see the file header).
 #[derive(clap::Parser)]
@@ -149,6 +190,9 @@ pub async fn main() {
     }
     if c.opted("traces") {
         traces::scenario(&c).await;
+    }
+    if c.opted("allocs") {
+        allocs::scenario(&c).await;
     }
     if c.opted("priority") {
         latency::priority(&c).await;
