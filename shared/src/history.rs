@@ -196,15 +196,25 @@ impl RunEvent {
     /// succeeded fits Redis's compact hash encoding (values up to 64 bytes) with a worker id
     /// of up to ~35 characters.
     pub fn record_line(&self) -> String {
-        let duration = self.duration_ms.map(|d| d.to_string()).unwrap_or_else(|| "-".into());
-        let mut line = format!(
-            "{} {} {} {} {duration} {}",
+        use std::fmt::Write as _;
+        let extra = self.reason.as_deref().map_or(0, str::len) + self.error.as_deref().map_or(0, str::len);
+        let mut line = String::with_capacity(64 + self.worker.len() + extra);
+        let _ = write!(
+            line,
+            "{} {} {} {} ",
             self.outcome.code(),
             self.attempt,
             self.max_attempts,
-            self.finished_at.timestamp_millis(),
-            self.worker
+            self.finished_at.timestamp_millis()
         );
+        match self.duration_ms {
+            Some(d) => {
+                let _ = write!(line, "{d}");
+            }
+            None => line.push('-'),
+        }
+        line.push(' ');
+        line.push_str(&self.worker);
         if self.reason.is_some() || self.error.is_some() {
             line.push('\n');
             line.push_str(self.reason.as_deref().unwrap_or(""));

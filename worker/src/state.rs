@@ -554,8 +554,11 @@ impl Core {
 
     /// A token unique to one attempt: worker id, a per-process nonce and a counter.
     pub fn owner_token(&self) -> String {
+        use std::fmt::Write as _;
         let n = self.owners.fetch_add(1, Ordering::Relaxed);
-        format!("{}/{}/{n}", self.worker_id, self.nonce)
+        let mut token = String::with_capacity(self.worker_id.len() + self.nonce.len() + 22);
+        let _ = write!(token, "{}/{}/{n}", self.worker_id, self.nonce);
+        token
     }
 
     /// Called on any Redis error: pauses intake until the monitor sees Redis again.

@@ -99,7 +99,7 @@ impl Names {
     }
     /// Redis key of the idempotency record of `key`.
     pub fn idem_key(&self, key: &str) -> String {
-        format!("{}:idem:{key}", self.prefix)
+        joined(&[&self.prefix, ":idem:", key])
     }
     /// Redis stream of the keys `chime cancel` cancelled: workers read it twice a second and
     /// stop the runs of those keys they hold.
@@ -108,7 +108,7 @@ impl Names {
     }
     /// Redis stream of the run history of `queue`.
     pub fn history(&self, queue: &str) -> String {
-        format!("{}:history:{queue}", self.prefix)
+        joined(&[&self.prefix, ":history:", queue])
     }
     /// Redis key of a live worker's heartbeat.
     pub fn worker(&self, id: &str) -> String {
@@ -260,4 +260,14 @@ mod tests {
         assert_eq!(delay_level(QueueType::Quorum, 27), "chime-delay.quorum.27");
         assert_eq!(word("my.app"), "my~app");
     }
+}
+
+/// The parts one after another, in one allocation (the names on a job's path are built per
+/// job).
+fn joined(parts: &[&str]) -> String {
+    let mut s = String::with_capacity(parts.iter().map(|p| p.len()).sum());
+    for p in parts {
+        s.push_str(p);
+    }
+    s
 }

@@ -717,8 +717,14 @@ impl IdemStore {
     ) -> Result<Claim, IdemError> {
         let mut cmd = evalsha(&CLAIM, self.names.idem_key(key));
         cmd.arg(owner).arg(Self::ms(self.lease)).arg(Self::ms(self.retention));
-        cmd.arg(version.map(|v| v.to_string()).unwrap_or_default());
-        cmd.arg(attempt.map(|a| a.to_string()).unwrap_or_default());
+        match version {
+            Some(v) => cmd.arg(v),
+            None => cmd.arg(""),
+        };
+        match attempt {
+            Some(a) => cmd.arg(a),
+            None => cmd.arg(""),
+        };
         let reply: Vec<Value> = self.call(cmd).await?;
         // A missing field is Nil: no conversion (a failed one formats an error message).
         let text = |i: usize| match reply.get(i) {
@@ -865,9 +871,11 @@ impl IdemStore {
     }
 }
 
-/// `EVALSHA <script> 1 <key>`; the caller adds the arguments.
+/// `EVALSHA <script> 1 <key>`; the caller adds the arguments. Sized for the largest call
+/// (a finish with its run line: 14 arguments), so that building it does not reallocate.
 pub(crate) fn evalsha(script: &Script, key: String) -> Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
+    let mut cmd = Cmd::with_capacity(14, 384);
+    cmd.arg("EVALSHA");
     cmd.arg(script.get_hash()).arg(1).arg(key);
     cmd
 }
