@@ -240,6 +240,16 @@ pub fn process_name() -> String {
     format!("{}:{}", if host.is_empty() { "host" } else { &host }, std::process::id())
 }
 
+/// The parts one after another, in one allocation (the names on a job's path are built per
+/// job).
+fn joined(parts: &[&str]) -> String {
+    let mut s = String::with_capacity(parts.iter().map(|p| p.len()).sum());
+    for p in parts {
+        s.push_str(p);
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -260,14 +270,4 @@ mod tests {
         assert_eq!(delay_level(QueueType::Quorum, 27), "chime-delay.quorum.27");
         assert_eq!(word("my.app"), "my~app");
     }
-}
-
-/// The parts one after another, in one allocation (the names on a job's path are built per
-/// job).
-fn joined(parts: &[&str]) -> String {
-    let mut s = String::with_capacity(parts.iter().map(|p| p.len()).sum());
-    for p in parts {
-        s.push_str(p);
-    }
-    s
 }
