@@ -58,12 +58,17 @@ async fn jobs_enqueued_while_the_broker_is_down_are_spooled_then_published_in_or
         "50 enqueues with the broker down: {:?} in all, the slowest {slowest:?} (the first waits for the reconnects)",
         started.elapsed()
     );
+    // A packed batch meanwhile: its jobs are spooled one by one, behind the others.
+    let packed: Vec<EnqueueRequest> = (100..110).map(job).collect();
+    let report = client.enqueue_packed(&packed, 4).await.unwrap();
+    assert!(report.error.is_none(), "{:?}", report.error);
+    assert_eq!((report.confirmed, report.spooled), (0, 10));
     let spool = client.spool().unwrap();
     let status = spool.status().unwrap();
-    assert_eq!(status.records, 50, "{status:?}");
+    assert_eq!(status.records, 60, "{status:?}");
     let listed: Vec<String> = spool.list().unwrap().iter().map(|r| r.envelope.key.to_string()).collect();
     let want: Vec<String> =
-        (10..60).map(|n| client.prepare(&job(n)).unwrap().envelope.key.to_string()).collect();
+        (10..60).chain(100..110).map(|n| client.prepare(&job(n)).unwrap().envelope.key.to_string()).collect();
     assert_eq!(listed, want, "spooled in the order enqueued, under their own keys");
     rabbit.restart().await;
     // Behind the spooled ones until the flusher has published them all.
@@ -81,13 +86,13 @@ async fn jobs_enqueued_while_the_broker_is_down_are_spooled_then_published_in_or
     let order = Arc::new(Mutex::new(Vec::new()));
     let worker = Running::start(config.clone(), recorder(&order), 1).await;
     let keys: Vec<String> =
-        (0..71).map(|n| client.prepare(&job(n)).unwrap().envelope.key.to_string()).collect();
+        (0..71).chain(100..110).map(|n| client.prepare(&job(n)).unwrap().envelope.key.to_string()).collect();
     crate::limits::wait_all_done(&config, &env, &keys, Duration::from_secs(60)).await;
     worker.stop().await;
     let ran = order.lock().unwrap().clone();
     let mut sorted = ran.clone();
     sorted.sort();
-    assert_eq!(sorted, (0..71).collect::<Vec<_>>(), "each job ran once");
+    assert_eq!(sorted, (0..71).chain(100..110).collect::<Vec<_>>(), "each job ran once");
     // One consumer running one at a time takes them in the order the queue holds them.
     let spooled: Vec<u64> = ran.iter().copied().filter(|n| (10..60).contains(n)).collect();
     assert_eq!(spooled, (10..60).collect::<Vec<_>>(), "spooled jobs published in order");
