@@ -356,13 +356,17 @@ return 2",
 
 /// KEYS[1]. A dead key becomes free again (DLQ replay); so does a `dying` one (its worker
 /// died between the dead letter's confirm and recording `dead`: the replay is what the
-/// operator wants, not a second dead letter). 1 = revived, 0 = neither.
+/// operator wants, not a second dead letter). 1 = revived, 0 = neither. Either way the key's
+/// next attempt (`na`) is cleared: the replay's copy starts at attempt 1, and a letter
+/// dead-lettered without a claim (an open circuit, an unknown job) after a retry left the key
+/// `free` with `na` set — its replay must not be taken for a stale copy.
 static REVIVE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
-        r"local s = redis.call('HGET', KEYS[1], 's')
+        r"redis.call('HDEL', KEYS[1], 'na')
+local s = redis.call('HGET', KEYS[1], 's')
 if s ~= 'dead' and s ~= 'dying' then return 0 end
 redis.call('HSET', KEYS[1], 's', 'free', 'u', 0)
-redis.call('HDEL', KEYS[1], 'r', 'e', 'a', 'na')
+redis.call('HDEL', KEYS[1], 'r', 'e', 'a')
 return 1",
     )
 });

@@ -91,6 +91,12 @@ async fn claim_branches() {
     let Claim::Claimed { fence: f, .. } = t.store.claim_copy("r", "o4", None, Some(3)).await.unwrap() else {
         panic!("the parked attempt 3 claims")
     };
+    // Dead-lettered without a claim after a retry (an open circuit, an unknown job): the key
+    // stays `free`; its replay (attempt 1) is not stale.
+    let f2 = t.claimed("r2", "o1").await;
+    t.store.finish("r2", "o1", f2, Final::Retry(2)).await.unwrap();
+    assert!(!t.store.revive("r2").await.unwrap(), "not dead: nothing to revive");
+    assert!(matches!(t.store.claim_copy("r2", "o2", None, Some(1)).await.unwrap(), Claim::Claimed { .. }));
     // Dead, then replayed from the DLQ: the replay's attempt 1 runs.
     t.store.finish("r", "o4", f, Final::Dead).await.unwrap();
     assert!(t.store.revive("r").await.unwrap());
