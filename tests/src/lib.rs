@@ -48,6 +48,31 @@ where
     }
 }
 
+/// Waits until `check` answers `Ok`, polling every 20 ms; after `timeout` panics with `what`
+/// and the last state `check` described in its `Err`, so a timeout says what was missing.
+pub async fn wait_for_state<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), String>>,
+{
+    let deadline = Instant::now() + timeout;
+    let mut last = None;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        match tokio::time::timeout(left, check()).await {
+            Ok(Ok(())) => return,
+            Ok(Err(state)) => last = Some(state),
+            // Keep the state the last complete check described.
+            Err(_) => {}
+        }
+        if Instant::now() >= deadline {
+            let last = last.unwrap_or_else(|| "no check completed".into());
+            panic!("timed out after {timeout:?} waiting for: {what}; last state: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Connects to the shared broker, failing the test with a clear message if it is down.
 pub async fn connect_amqp() -> Connection {
     match Connection::connect(&amqp_url(), ConnectionProperties::default()).await {

@@ -1481,7 +1481,11 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                 ticket.ack().await;
             }
             Err(e) => {
-                // The key stays `dying` (or unrecorded): the redelivered copy dead-letters again.
+                // The key stays `dying` (or unrecorded): the redelivered copy dead-letters again,
+                // at once as we let go of our hold.
+                if let Some((h, _)) = held {
+                    store.let_go_dying(&h.key, &h.owner);
+                }
                 error!(error = %e, "cannot publish to the DLQ; requeueing");
                 self.requeue(ticket).await;
             }

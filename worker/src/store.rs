@@ -61,6 +61,9 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
         fence: u64,
         dead: &DeadInfo,
     ) -> impl Future<Output = Result<Recorded, IdemError>> + Send;
+    /// `owner` could not publish the dead letter of its `dying` key: the next copy takes it
+    /// over at once (best-effort, nobody waits).
+    fn let_go_dying(&self, key: &str, owner: &str);
     /// Takes (or renews) one of `limit` slots of `job` for `owner` (`global_concurrency`).
     fn take_slot(
         &self,
@@ -253,6 +256,9 @@ impl KeyStore for IdemStore {
         dead: &DeadInfo,
     ) -> impl Future<Output = Result<Recorded, IdemError>> + Send {
         IdemStore::mark_dying(self, key, owner, fence, dead)
+    }
+    fn let_go_dying(&self, key: &str, owner: &str) {
+        IdemStore::let_go_dying(self, key, owner)
     }
 }
 

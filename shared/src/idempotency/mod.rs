@@ -61,7 +61,9 @@ local now_ms = math.floor(now / 1000) local function int(x) return string.format
 /// a worker died, a pack was requeued) does not run again beside the retry. Claiming again with the same owner
 /// token returns the same fence (a command resent after a connection drop is harmless). A
 /// claim returns the key's last checkpoint (7th element), if any.
-/// A `dying` key is handed to the caller (it becomes the owner) with the dead letter's facts.
+/// A `dying` key whose publisher's hold (`u`) has lapsed is handed to the caller (it becomes
+/// the owner, holding it for a lease) with the dead letter's facts; while the publisher still
+/// holds it, the copy is `busy` (a second dead letter only if the publisher died or gave up).
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{PRELUDE}
@@ -72,7 +74,8 @@ if s == 'cancelled' then return {{s, fence, 0}} end
 if h[9] and version and version < tonumber(h[9]) then return {{'superseded', fence, 0}} end
 if s == 'done' or s == 'dead' then return {{s, fence, 0}} end
 if s == 'dying' then
-  redis.call('HSET', KEYS[1], 'o', ARGV[1])
+  if h[2] ~= ARGV[1] and (tonumber(h[3]) or 0) > now_ms then return {{'busy', fence, tonumber(h[3]) - now_ms}} end
+  redis.call('HSET', KEYS[1], 'o', ARGV[1], 'u', int(now_ms + tonumber(ARGV[2])))
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {{'dying', fence, 0, h[5] or '', h[6] or '', tonumber(h[7]) or 0}}
 end
@@ -341,16 +344,30 @@ return #ARGV - 2",
     )
 });
 
-/// KEYS[1]; ARGV owner, fence, reason, error, attempts, retention_ms → 1 marked `dying`, 0
-/// another owner holds the key, 2 marked although the record was gone.
+/// KEYS[1]; ARGV owner, fence, reason, error, attempts, retention_ms, lease_ms → 1 marked
+/// `dying`, 0 another owner holds the key, 2 marked although the record was gone. The owner
+/// holds the dying key for a lease while it publishes the dead letter (`u`): a copy arriving
+/// meanwhile waits instead of publishing a second one.
 static DYING: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"local h = redis.call('HMGET', KEYS[1], 's', 'o')
+    Script::new(&format!(
+        r"{PRELUDE}
+local h = redis.call('HMGET', KEYS[1], 's', 'o')
 if h[1] and (h[1] ~= 'run' or h[2] ~= ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 's', 'dying', 'o', ARGV[1], 'f', ARGV[2], 'u', 0, 'r', ARGV[3], 'e', ARGV[4], 'a', ARGV[5])
+redis.call('HSET', KEYS[1], 's', 'dying', 'o', ARGV[1], 'f', ARGV[2], 'u', int(now_ms + tonumber(ARGV[7])), 'r', ARGV[3], 'e', ARGV[4], 'a', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
 if h[1] then return 1 end
 return 2",
+    ))
+});
+
+/// KEYS[1]; ARGV owner. The owner of a `dying` key could not publish its dead letter: it lets
+/// go of its hold, so the next copy dead-letters the key at once.
+static LET_GO_DYING: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"local h = redis.call('HMGET', KEYS[1], 's', 'o')
+if h[1] ~= 'dying' or h[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'u', 0)
+return 1",
     )
 });
 
@@ -849,9 +866,19 @@ impl IdemStore {
             .arg(&dead.reason)
             .arg(&dead.error)
             .arg(dead.attempts)
-            .arg(Self::ms(self.retention));
+            .arg(Self::ms(self.retention))
+            .arg(Self::ms(self.lease));
         let n: i64 = self.call(cmd).await?;
         Ok(Recorded::from_reply(n))
+    }
+
+    /// `owner` could not publish the dead letter of its `dying` key: its hold ends, so the
+    /// next copy dead-letters the key at once (best-effort, nobody waits; without it the
+    /// hold lapses after a lease).
+    pub fn let_go_dying(&self, key: &str, owner: &str) {
+        let mut cmd = evalsha(&LET_GO_DYING, self.names.idem_key(key));
+        cmd.arg(owner);
+        self.send(cmd);
     }
 
     /// Makes a dead (or dying) key claimable again (the fence history is kept). `Ok(false)`
@@ -993,7 +1020,7 @@ async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
         if again_replies.is_empty() {
             return;
         }
-        let ours = [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*RUNLOG, &*XADDS, &*CHECKPOINT];
+        let ours = [&*CLAIM, &*RENEW, &*FINISH, &*DYING, &*LET_GO_DYING, &*RUNLOG, &*XADDS, &*CHECKPOINT];
         for script in
             ours.into_iter().chain(limit::scripts()).chain(circuit::scripts()).chain(workflow::scripts())
         {

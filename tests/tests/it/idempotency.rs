@@ -125,8 +125,18 @@ async fn dying_keys_are_handed_to_the_next_claimer() {
     // Someone else cannot mark a key it does not hold.
     let f2 = t.claimed("e", "o1").await;
     assert_eq!(t.store.mark_dying("e", "o2", f2, &dead).await.unwrap(), Recorded::NotOurs);
-    // The next copy gets the dead letter's facts and becomes the owner.
+    // While its owner publishes the dead letter (a lease), a copy waits: no second dead letter.
+    assert!(
+        matches!(t.store.claim("d", "o2").await.unwrap(), Claim::Busy { fence, remaining } if fence == f && remaining <= Duration::from_secs(1)),
+        "a copy of a key being dead-lettered is busy"
+    );
+    // Only the owner lets go (its publish failed); the next copy gets the dead letter's facts
+    // and becomes the owner, holding it in turn.
+    t.store.let_go_dying("d", "o3");
+    assert!(matches!(t.store.claim("d", "o2").await.unwrap(), Claim::Busy { .. }));
+    t.store.let_go_dying("d", "o1");
     assert_eq!(t.store.claim("d", "o2").await.unwrap(), Claim::Dying { fence: f, dead: dead.clone() });
+    assert!(matches!(t.store.claim("d", "o4").await.unwrap(), Claim::Busy { .. }));
     assert_eq!(
         t.store.finish("d", "o1", f, Final::Dead).await.unwrap(),
         Recorded::NotOurs,
@@ -137,7 +147,11 @@ async fn dying_keys_are_handed_to_the_next_claimer() {
     assert_eq!(t.field("d", "r").await, None, "the dead letter's facts are dropped once it is confirmed");
     // Marking a record Redis lost writes it anew.
     assert_eq!(t.store.mark_dying("gone", "o1", 7, &dead).await.unwrap(), Recorded::Recreated);
-    assert!(matches!(t.store.claim("gone", "o9").await.unwrap(), Claim::Dying { .. }));
+    // A publisher that died never lets go: its hold lapses after the lease (1 s here).
+    wait_until("the dying key's hold lapses", Duration::from_secs(10), || async {
+        matches!(t.store.claim("gone", "o9").await.unwrap(), Claim::Dying { .. })
+    })
+    .await;
 }
 
 #[tokio::test]

@@ -80,7 +80,8 @@ impl FakeStore {
             state,
             owner: owner.into(),
             fence: 1,
-            until: tokio::time::Instant::now() + Duration::from_secs(30),
+            // A `dying` key set here is a crashed publisher's: its hold has lapsed.
+            until: tokio::time::Instant::now() + Duration::from_secs(if state == "dying" { 0 } else { 30 }),
             dead: (state == "dying").then(|| DeadInfo {
                 reason: "permanent".into(),
                 error: "earlier".into(),
@@ -231,8 +232,12 @@ impl KeyStore for FakeStore {
             match r.state {
                 "done" => return Ok(Claim::Done { fence: r.fence }),
                 "dead" => return Ok(Claim::Dead { fence: r.fence }),
+                "dying" if r.owner != owner && r.until > now => {
+                    return Ok(Claim::Busy { fence: r.fence, remaining: r.until - now });
+                }
                 "dying" => {
                     r.owner = owner.into();
+                    r.until = now + self.lease();
                     return Ok(Claim::Dying {
                         fence: r.fence,
                         dead: r.dead.clone().unwrap_or(DeadInfo {
@@ -357,7 +362,7 @@ impl KeyStore for FakeStore {
                         state: "dying",
                         owner: owner.into(),
                         fence,
-                        until: now,
+                        until: now + self.lease(),
                         dead: Some(dead.clone()),
                         cp: None,
                         res: None,
@@ -366,6 +371,14 @@ impl KeyStore for FakeStore {
                 );
                 Ok(if existed { Recorded::Yes } else { Recorded::Recreated })
             }
+        }
+    }
+    fn let_go_dying(&self, key: &str, owner: &str) {
+        if let Some(r) = self.recs.lock().unwrap().get_mut(key)
+            && r.state == "dying"
+            && r.owner == owner
+        {
+            r.until = tokio::time::Instant::now();
         }
     }
 }
@@ -833,6 +846,31 @@ async fn a_dead_letter_whose_publish_failed_is_dead_lettered_again_by_the_next_c
     // A third copy is a duplicate.
     assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
     assert_eq!(h.sent().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_copy_arriving_while_the_dead_letter_is_published_waits_instead_of_dead_lettering_again() {
+    let h = harness();
+    let env = envelope("job", "permanent", 3, 3);
+    let key = env.key.to_string();
+    // Another worker marked the key `dying` and is publishing its dead letter (its hold runs).
+    h.store.set(&key, "dying", "publisher");
+    h.store.recs.lock().unwrap().get_mut(&key).unwrap().until =
+        tokio::time::Instant::now() + Duration::from_secs(20);
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert!(
+        matches!(h.sent().as_slice(), [Sent::Delayed { attempt: 3, .. }]),
+        "the copy is redelayed, not dead-lettered: {:?}",
+        h.sent()
+    );
+    assert_eq!(h.store.state(&key), Some("dying"));
+    assert_eq!(h.runs.load(Ordering::SeqCst), 0);
+    // The publisher died: once its hold lapsed, the next copy dead-letters the key.
+    tokio::time::advance(Duration::from_secs(21)).await;
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert!(matches!(h.sent().last(), Some(Sent::Dead { .. })), "{:?}", h.sent());
+    assert_eq!(h.store.state(&key), Some("dead"));
+    assert_eq!(h.runs.load(Ordering::SeqCst), 0, "nobody ran the handler again");
 }
 
 #[tokio::test(start_paused = true)]
