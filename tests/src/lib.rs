@@ -33,19 +33,11 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    let deadline = Instant::now() + timeout;
-    loop {
-        // A predicate that hangs (say, a connect that never completes) must not outlive the
-        // deadline: each call gets at most the time that is left.
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        if let Ok(true) = tokio::time::timeout(left, pred()).await {
-            return;
-        }
-        if Instant::now() >= deadline {
-            panic!("timed out after {timeout:?} waiting for: {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_state(what, timeout, || {
+        let answer = pred();
+        async move { if answer.await { Ok(()) } else { Err("not yet".into()) } }
+    })
+    .await;
 }
 
 /// Waits until `check` answers `Ok`, polling every 20 ms; after `timeout` panics with `what`
@@ -58,6 +50,8 @@ where
     let deadline = Instant::now() + timeout;
     let mut last = None;
     loop {
+        // A check that hangs (say, a connect that never completes) must not outlive the
+        // deadline: each call gets at most the time that is left.
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         match tokio::time::timeout(left, check()).await {
             Ok(Ok(())) => return,
