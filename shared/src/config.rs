@@ -528,6 +528,14 @@ impl Config {
         set.into_iter().collect()
     }
 
+    /// Whether `queue` is one of [`Self::all_queues`] (without building the list).
+    pub fn declares_queue(&self, queue: &str) -> bool {
+        queue == DEFAULT_QUEUE
+            || self.jobs.iter().any(|j| j.queue() == queue)
+            || self.worker.queues.iter().any(|q| q == queue)
+            || self.catalog_queues.iter().any(|q| q == queue)
+    }
+
     /// The priority levels of `queue`: all three when one of its jobs sets `priority`, else
     /// only `normal` (a level is a queue of its own on the broker).
     pub fn levels(&self, queue: &str) -> Vec<Priority> {

@@ -1239,7 +1239,7 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
     }
     let priority = req.priority.or_else(|| entry.and_then(|j| j.priority)).unwrap_or_default();
     if priority != Priority::Normal {
-        let declared = config.all_queues().iter().any(|q| q == queue);
+        let declared = config.declares_queue(queue);
         if declared && !config.levels(queue).contains(&priority) {
             return Err(EnqueueError::Invalid {
                 field: "priority".into(),
@@ -1251,7 +1251,7 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
         }
         env.priority = Some(priority);
     }
-    let size = env.encode().len();
+    let size = env.encoded_len();
     if size > config.amqp.max_message_bytes {
         return Err(EnqueueError::TooLarge {
             job: req.job.clone(),
@@ -1261,7 +1261,7 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
     }
     // A queue the config does not declare: a typed job's own is declared, one given explicitly
     // must exist.
-    let unknown = !config.all_queues().iter().any(|q| q == queue);
+    let unknown = !config.declares_queue(queue);
     let own = req.queue.is_none() && req.options.is_some();
     let unverified_queue = (unknown && !own).then(|| queue.to_string());
     let declare_queue = (unknown && own).then(|| queue.to_string());
@@ -1282,6 +1282,14 @@ fn enqueued(env: &Envelope) -> Enqueued {
 /// Parses one line of `--batch` input: `{"payload": …, "key": …, "queue": …,
 /// "max_attempts": …}` (an object with a `payload` field), or a bare payload.
 pub fn parse_batch_line(job: &str, line: &str) -> Result<EnqueueRequest, String> {
+    // The common shape first, parsed in one step; any other line (and any error) the general
+    // way below, which names what is wrong.
+    if line.contains("\"payload\"")
+        && let Ok(mut req) = serde_json::from_str::<EnqueueRequest>(line)
+    {
+        req.job = job.to_string();
+        return Ok(req);
+    }
     let value: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("invalid JSON: {e}"))?;
     let mut req = match &value {
         serde_json::Value::Object(m) if m.contains_key("payload") => {
@@ -1306,6 +1314,13 @@ mod tests {
         assert_eq!(r.payload, Some(serde_json::json!({"a":1})));
         assert!(parse_batch_line("j", r#"{"payload":1,"colour":2}"#).unwrap_err().contains("colour"));
         assert!(parse_batch_line("j", "{nope").is_err());
+        // The one-step and the general parse agree on every shape.
+        let r = parse_batch_line("j", r#"{"payload":1,"payload":2}"#).unwrap();
+        assert_eq!(r.payload, Some(serde_json::json!(2)));
+        let r = parse_batch_line("j", r#"{"a":"\"payload\""}"#).unwrap();
+        assert_eq!(r.payload, Some(serde_json::json!({"a": "\"payload\""})));
+        let r = parse_batch_line("j", r#"{"payload":null,"key":"k"}"#).unwrap();
+        assert_eq!((r.payload, r.key.as_deref(), r.job.as_str()), (None, Some("k"), "j"));
     }
 
     #[test]

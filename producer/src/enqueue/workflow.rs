@@ -136,7 +136,7 @@ impl EnqueueClient {
         let record = WorkflowRecord { key, created: chrono::Utc::now(), slot: None, steps };
         for (p, s) in prepared.iter_mut().zip(&record.steps) {
             p.envelope.step = record.step_of(&s.step);
-            let size = p.envelope.encode().len();
+            let size = p.envelope.encoded_len();
             if size > self.config.amqp.max_message_bytes {
                 return Err(EnqueueError::TooLarge {
                     job: p.envelope.job.clone(),

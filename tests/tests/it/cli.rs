@@ -79,9 +79,11 @@ async fn enqueue_confirms_and_bad_input_publishes_nothing() {
 }
 
 /// `enqueue --batch -` reads standard input once to validate every line (spooling it to a
-/// temporary file) and publishes from the spool in chunks: a bad last line of 25,000 publishes
-/// nothing; the good batch arrives whole, each key once, across chunk boundaries; the spool
-/// is removed both times (the command's `TMPDIR` is the test's own: other tests spool too).
+/// temporary file), keeping what fits in memory (about 13,000 of these 1 KB lines), and
+/// publishes those, then the rest from the spool in chunks: a bad last line of 25,000
+/// publishes nothing; the good batch arrives whole, each key once, across the kept jobs' end
+/// and the chunk boundaries; the spool is removed both times (the command's `TMPDIR` is the
+/// test's own: other tests spool too).
 #[tokio::test]
 async fn a_large_batch_on_stdin_is_validated_whole_then_published_in_chunks() {
     let env = TestEnv::new("bigbatch");
@@ -94,8 +96,10 @@ async fn a_large_batch_on_stdin_is_validated_whole_then_published_in_chunks() {
     std::fs::create_dir_all(&tmp).unwrap();
     let envs = [("TMPDIR", tmp.as_os_str())];
     let spools = || std::fs::read_dir(&tmp).unwrap().count();
-    let good: String =
-        (0..25_000).map(|i| format!("{{\"payload\":{{\"n\":{i}}},\"key\":\"k{i}\"}}\n")).collect();
+    let pad = "x".repeat(1000);
+    let good: String = (0..25_000)
+        .map(|i| format!("{{\"payload\":{{\"n\":{i},\"pad\":\"{pad}\"}},\"key\":\"k{i}\"}}\n"))
+        .collect();
     let bad = format!("{good}{{\"payload\":1,\"max_attempts\":0}}\n");
     let (code, out, err) = chime_env(&path, &["enqueue", "count", "--batch", "-"], Some(&bad), &envs);
     assert_eq!(code, 2, "{out}{err}");

@@ -64,7 +64,7 @@ async fn redis(config: &Config) -> Result<chime_shared::redis_conn::RedisConn, F
 }
 
 fn check_queue(config: &Config, name: &str) -> Result<(), Failure> {
-    if config.all_queues().iter().any(|q| q == name) {
+    if config.declares_queue(name) {
         Ok(())
     } else {
         Err(usage(anyhow::anyhow!(

@@ -357,6 +357,26 @@ impl Envelope {
         }
     }
 
+    /// The length of [`Self::encode`]'s body, counted without building it.
+    pub fn encoded_len(&self) -> usize {
+        /// Counts the bytes written to it.
+        struct Count(usize);
+        impl std::io::Write for Count {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0 += buf.len();
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut n = Count(0);
+        match serde_json::to_writer(&mut n, self) {
+            Ok(()) => n.0,
+            Err(_) => 0,
+        }
+    }
+
     /// Parses and validates a body: version, attempt range and names.
     pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
         let env: Envelope = serde_json::from_slice(body)?;
