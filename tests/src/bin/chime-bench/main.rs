@@ -28,6 +28,7 @@ mod limits;
 mod measure;
 mod probes;
 mod publish;
+mod queues;
 mod scale;
 mod spool;
 mod ticker;
@@ -152,6 +153,9 @@ pub async fn main() {
     let mut c = Ctx { o, conn, saturated: None };
     if c.want("publish") {
         publish::scenario(&c).await;
+    }
+    if c.opted("queue-types") {
+        queues::scenario(&c).await;
     }
     if c.opted("baseline") {
         publish::baseline(&c).await;
