@@ -92,7 +92,7 @@ async fn drain(conn: &Connection, queue: &str, n: u64, ack_every: u64) -> f64 {
     while got < n {
         let Some(Ok(d)) = consumer.next().await else { panic!("consumer ended after {got} of {n}") };
         got += 1;
-        if got % ack_every == 0 || got == n {
+        if got.is_multiple_of(ack_every) || got == n {
             d.acker.ack(BasicAckOptions { multiple: ack_every > 1 }).await.unwrap();
         }
     }
