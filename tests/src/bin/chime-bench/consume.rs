@@ -22,6 +22,9 @@ pub const RETENTION_MS: u64 = 7 * 24 * 3_600_000;
 pub enum RawRedis {
     /// chime's own claim and finish scripts (the same two commands chime sends).
     Scripts,
+    /// The same, the finish also appending the run to the key's record as a worker with
+    /// history on (the default) does: its Redis work per job but the history stream's.
+    Record,
     /// `SET NX PX` then `SET PX`: dedup without chime's lease and fence.
     Sets,
 }
@@ -59,7 +62,7 @@ pub async fn raw_consume(
         let all_done = all_done.clone();
         tokio::spawn(async move {
             match mode {
-                RawRedis::Scripts => {
+                RawRedis::Scripts | RawRedis::Record => {
                     let owner = format!("raw/{i}");
                     // The reply's length varies with the state (a claim adds the checkpoint).
                     let reply: Vec<redis::Value> = chime_shared::idempotency::claim_script()
@@ -73,15 +76,16 @@ pub async fn raw_consume(
                     let state: String = redis::from_redis_value(reply[0].clone()).unwrap();
                     let fence: u64 = redis::from_redis_value(reply[1].clone()).unwrap();
                     assert_eq!(state, "claimed");
-                    let ok: i64 = chime_shared::idempotency::finish_script()
-                        .key(&key)
-                        .arg(&owner)
-                        .arg(fence)
-                        .arg("done")
-                        .arg(RETENTION_MS)
-                        .invoke_async(&mut r)
-                        .await
-                        .unwrap();
+                    let mut finish = chime_shared::idempotency::finish_script().key(&key);
+                    finish.arg(&owner).arg(fence).arg("done").arg(RETENTION_MS);
+                    if mode == RawRedis::Record {
+                        // A run line of the worker's shape (outcome, attempt, max, finished,
+                        // duration, worker), the default 20 kept, job and queue.
+                        let line =
+                            format!("d 1 3 {} 0 bench-host:{}", 1_764_900_000_000u64 + i, std::process::id());
+                        finish.arg("").arg(0).arg(line).arg(20).arg("noop").arg("default");
+                    }
+                    let ok: i64 = finish.invoke_async(&mut r).await.unwrap();
                     assert_eq!(ok, 1);
                 }
                 RawRedis::Sets => {
@@ -309,6 +313,9 @@ pub async fn scenario(c: &Ctx) -> Option<f64> {
     let mut sets = Vec::new();
     let mut sets_cpu = Vec::new();
     let mut sets_wakeups = Vec::new();
+    let (mut record, mut record_cpu, mut record_wakeups) = (Vec::new(), Vec::new(), Vec::new());
+    // Per round, one worker's rate over the raw consumer's with the run record.
+    let mut record_ratios = Vec::new();
     let mut chime: Vec<Drains> = o.procs.iter().map(|_| Drains::default()).collect();
     // Another chime-worker binary (an earlier build), drained beside this one in each round.
     let before = std::env::var_os("BENCH_WORKER_BEFORE").map(std::path::PathBuf::from);
@@ -317,6 +324,13 @@ pub async fn scenario(c: &Ctx) -> Option<f64> {
         for (mode, rates, cpus, wakeups, what) in [
             (RawRedis::Scripts, &mut raw, &mut raw_cpu, &mut raw_wakeups, "chime's two scripts"),
             (RawRedis::Sets, &mut sets, &mut sets_cpu, &mut sets_wakeups, "two SETs"),
+            (
+                RawRedis::Record,
+                &mut record,
+                &mut record_cpu,
+                &mut record_wakeups,
+                "the scripts and the run record",
+            ),
         ] {
             progress(&format!("consume: raw consumer with {what}, run {}/{} ({n} messages)", r + 1, o.runs));
             assert_eq!(client.publish_batch(&envelopes(n, false)).await.confirmed, n);
@@ -335,6 +349,9 @@ pub async fn scenario(c: &Ctx) -> Option<f64> {
             let c = &mut chime[i];
             c.rates.push(d.rate);
             c.ratios.push(d.rate / raw[r]);
+            if procs == 1 {
+                record_ratios.push(d.rate / record[r]);
+            }
             c.cpus.push(d.cpu);
             c.wakeups.push(d.wakeups);
             c.rss_peak = c.rss_peak.max(d.rss_peak);
@@ -390,6 +407,15 @@ pub async fn scenario(c: &Ctx) -> Option<f64> {
             wakeup_text(wakeups),
             rss
         );
+    }
+    println!(
+        "consume  raw: ack + 2 scripts + run record {:>5.0} msg/s   (the worker's Redis work per job but the history stream)   {}; {}",
+        median(record),
+        cpu_text(median3(&record_cpu)),
+        wakeup_text(&record_wakeups)
+    );
+    if !record_ratios.is_empty() {
+        println!("consume  1 chime-worker against that consumer: {:.2}x", median(record_ratios));
     }
     println!("memory   chime-worker RSS idle (empty queue, consuming): {} KiB", idle_rss(&env, &qt).await);
     if c.want("duplicates") {
