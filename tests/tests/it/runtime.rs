@@ -360,6 +360,11 @@ async fn a_global_concurrency_limit_holds_across_workers() {
     let r = &runs;
     wait_until("16 runs done", Duration::from_secs(60), || async { r.done() == 16 }).await;
     assert_eq!(runs.peak(), 3, "at most 3 at once across both workers, and 3 reached (by both at once)");
+    // A run counts as succeeded once its finish is recorded, just after its handler returned.
+    wait_until("16 runs counted as succeeded", Duration::from_secs(30), || async {
+        a.succeeded() + b.succeeded() >= 16
+    })
+    .await;
     assert_eq!(a.succeeded() + b.succeeded(), 16, "{} and {}", a.succeeded(), b.succeeded());
     let r = connect_redis(&env.redis_url).await;
     let limit_key = env.names().limit("scarce");
