@@ -256,14 +256,33 @@ impl Returns {
         routing_key: &str,
         timeout: Duration,
     ) -> Result<(), AmqpError> {
-        let confirmation = tokio::time::timeout(timeout, pending)
-            .await
-            .map_err(|_| AmqpError::ConfirmTimeout(timeout))?
-            .map_err(|source| AmqpError::Publish {
-                exchange: exchange.to_string(),
-                routing_key: routing_key.to_string(),
-                source: Box::new(source),
-            })?;
+        self.confirm_named(pending, timeout, || (exchange.to_string(), routing_key.to_string())).await
+    }
+
+    /// [`Self::confirm`], with the publish's exchange and routing key made by `names` only for
+    /// an error (a batch keeps no names for its thousands of outstanding publishes).
+    pub async fn confirm_named(
+        &mut self,
+        pending: PublisherConfirm,
+        timeout: Duration,
+        names: impl FnOnce() -> (String, String),
+    ) -> Result<(), AmqpError> {
+        let mut pending = std::pin::pin!(pending);
+        // Most confirms of a pipelined batch are in when they are awaited: no timer for those.
+        let ready = std::future::poll_fn(|cx| std::task::Poll::Ready(pending.as_mut().poll(cx))).await;
+        let confirmation = match ready {
+            std::task::Poll::Ready(c) => c,
+            std::task::Poll::Pending => tokio::time::timeout(timeout, pending)
+                .await
+                .map_err(|_| AmqpError::ConfirmTimeout(timeout))?,
+        };
+        let confirmation = match confirmation {
+            Ok(c) => c,
+            Err(source) => {
+                let (exchange, routing_key) = names();
+                return Err(AmqpError::Publish { exchange, routing_key, source: Box::new(source) });
+            }
+        };
         match confirmation {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(returned)) => {
@@ -271,16 +290,14 @@ impl Returns {
                 Ok(())
             }
             // A channel without confirm mode proves nothing: never count it as delivered.
-            Confirmation::NotRequested => Err(AmqpError::NotConfirmed {
-                exchange: exchange.to_string(),
-                routing_key: routing_key.to_string(),
-            }),
+            Confirmation::NotRequested => {
+                let (exchange, routing_key) = names();
+                Err(AmqpError::NotConfirmed { exchange, routing_key })
+            }
             Confirmation::Nack(returned) => {
                 self.0.extend(returned);
-                Err(AmqpError::Nacked {
-                    exchange: exchange.to_string(),
-                    routing_key: routing_key.to_string(),
-                })
+                let (exchange, routing_key) = names();
+                Err(AmqpError::Nacked { exchange, routing_key })
             }
         }
     }

@@ -33,14 +33,24 @@ impl PrivateRedis {
         r
     }
 
+    /// A server started with `args`, on a spare port. A port another process took between
+    /// `free_port` and the server's bind (tests start servers concurrently) makes the server
+    /// exit: it is started again on another port, up to five times.
     pub async fn start_with(args: &[&str]) -> Self {
-        let port = free_port();
-        let dir = std::env::temp_dir().join(format!("chime-redis-{port}"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let args = args.iter().map(|a| a.to_string()).collect();
-        let mut r = Self { port, child: None, dir, args };
-        r.spawn().await;
-        r
+        let cluster = args.contains(&"--cluster-enabled");
+        let mut failures = Vec::new();
+        for _ in 0..5 {
+            let port = if cluster { free_cluster_port() } else { free_port() };
+            let dir = std::env::temp_dir().join(format!("chime-redis-{port}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            let args = args.iter().map(|a| a.to_string()).collect();
+            let mut r = Self { port, child: None, dir, args };
+            match r.try_spawn().await {
+                Ok(()) => return r,
+                Err(e) => failures.push(format!("port {port}: {e}")),
+            }
+        }
+        panic!("private redis-server did not start: {}", failures.join("; "))
     }
 
     pub fn url(&self) -> String {
@@ -51,7 +61,16 @@ impl PrivateRedis {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
 
+    /// Starts the server on its port (again, after a kill); panics if it does not answer.
     async fn spawn(&mut self) {
+        if let Err(e) = self.try_spawn().await {
+            panic!("private redis-server on port {}: {e}", self.port);
+        }
+    }
+
+    /// Starts the server and waits (up to 30 s: tests start many processes at once) until it
+    /// answers PING; `Err` when it exited first or never answered.
+    async fn try_spawn(&mut self) -> Result<(), String> {
         let child = std::process::Command::new("redis-server")
             .args([
                 "--port",
@@ -72,18 +91,26 @@ impl PrivateRedis {
             .unwrap_or_else(|e| panic!("cannot start redis-server (is it installed?): {e}"));
         self.child = Some(child);
         let url = self.url();
-        wait_until("private redis answers PING", Duration::from_secs(10), || {
-            let url = url.clone();
-            async move {
-                let Ok(client) = redis::Client::open(url.as_str()) else { return false };
-                let probe = async {
-                    let mut c = client.get_multiplexed_async_connection().await?;
-                    redis::cmd("PING").query_async::<String>(&mut c).await
-                };
-                matches!(tokio::time::timeout(Duration::from_secs(3), probe).await, Ok(Ok(_)))
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                self.child = None;
+                return Err(format!("redis-server exited ({status}) before answering PING"));
             }
-        })
-        .await;
+            let Ok(client) = redis::Client::open(url.as_str()) else { return Err(format!("bad url {url}")) };
+            let probe = async {
+                let mut c = client.get_multiplexed_async_connection().await?;
+                redis::cmd("PING").query_async::<String>(&mut c).await
+            };
+            if matches!(tokio::time::timeout(Duration::from_secs(3), probe).await, Ok(Ok(_))) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                self.kill();
+                return Err("no answer to PING within 30 s".into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// SIGKILLs the server (its data is gone: no persistence).
@@ -240,6 +267,18 @@ impl Drop for PrivateSentinels {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// A spare port for a cluster node: Redis also listens on the port + 10,000 (the cluster bus),
+/// which must be a port (so the port is at most 55,535) and spare too.
+fn free_cluster_port() -> u16 {
+    for _ in 0..1000 {
+        let port = free_port();
+        if port <= 55_535 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no spare port p with p + 10000 spare too, for a Redis Cluster node")
 }
 
 /// A Redis Cluster of `masters` masters with one replica each, on spare ports.

@@ -1022,14 +1022,19 @@ impl EnqueueClient {
         start: usize,
     ) -> (usize, Option<AmqpError>) {
         let timeout = self.config.amqp.publish_timeout;
-        let mut pending: VecDeque<(lapin::PublisherConfirm, String, String)> =
-            VecDeque::with_capacity(BATCH_WINDOW);
+        // The confirms of `items[confirmed..]`, in order; a failure's names are made again
+        // from its item (thousands of outstanding publishes keep no strings).
+        let mut pending: VecDeque<lapin::PublisherConfirm> = VecDeque::with_capacity(BATCH_WINDOW);
         let mut confirmed = start;
+        let names = |i: usize| {
+            let (exchange, rk, _, _) = wire(&items[i]);
+            (exchange, rk)
+        };
         for group in items[start..].chunks(amqp::PUBLISH_GROUP) {
             while pending.len() + group.len() > BATCH_WINDOW
-                && let Some((p, exchange, rk)) = pending.pop_front()
+                && let Some(p) = pending.pop_front()
             {
-                if let Err(e) = returns.confirm(p, &exchange, &rk, timeout).await {
+                if let Err(e) = returns.confirm_named(p, timeout, || names(confirmed)).await {
                     return (confirmed, Some(e));
                 }
                 confirmed += 1;
@@ -1042,16 +1047,15 @@ impl EnqueueClient {
                 body,
                 props: std::mem::take(props),
             });
-            let sent = amqp::publish_group(channel, outgoing).await;
-            for (sent, (exchange, rk, _, _)) in sent.into_iter().zip(encoded) {
+            for sent in amqp::publish_group(channel, outgoing).await {
                 match sent {
-                    Ok(p) => pending.push_back((p, exchange, rk)),
+                    Ok(p) => pending.push_back(p),
                     Err(e) => return (confirmed, Some(e)),
                 }
             }
         }
-        for (p, exchange, rk) in pending {
-            if let Err(e) = returns.confirm(p, &exchange, &rk, timeout).await {
+        for p in pending {
+            if let Err(e) = returns.confirm_named(p, timeout, || names(confirmed)).await {
                 return (confirmed, Some(e));
             }
             confirmed += 1;

@@ -111,8 +111,9 @@ impl Syscalls {
         s
     }
 
-    /// Starts `perf stat` on `pid` without waiting for it to attach.
-    fn spawn(pid: u32) -> Self {
+    /// Starts `perf stat` on `pid` without waiting for it to attach (the system calls `pid`
+    /// makes meanwhile are not counted).
+    pub fn spawn(pid: u32) -> Self {
         let out =
             std::env::temp_dir().join(format!("chime-bench-perf-{pid}-{}", uuid::Uuid::new_v4().simple()));
         let perf = std::process::Command::new("perf")
