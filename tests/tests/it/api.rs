@@ -25,7 +25,11 @@ fn curl(args: &[&str]) -> (u16, serde_json::Value, String) {
 }
 
 fn post(port: u16, job: &str, token: Option<&str>, body: &str) -> (u16, serde_json::Value, String) {
-    let url = format!("http://127.0.0.1:{port}/api/v1/jobs/{job}");
+    post_to(port, &format!("/api/v1/jobs/{job}"), token, body)
+}
+
+fn post_to(port: u16, path: &str, token: Option<&str>, body: &str) -> (u16, serde_json::Value, String) {
+    let url = format!("http://127.0.0.1:{port}{path}");
     let auth = token.map(|t| format!("Authorization: Bearer {t}"));
     let mut args = vec!["-X", "POST", "-H", "Content-Type: application/json", "--data-binary", body];
     if let Some(a) = &auth {
@@ -170,6 +174,53 @@ async fn jobs_enqueued_with_curl_run_and_every_bad_request_is_named() {
     })
     .await;
     assert_eq!(field(&get(port, &format!("/api/v1/keys/{other_key}"), LIMITED)), named(404, "key"));
+
+    // Batches: a bad element is named by its index and nothing of its batch is enqueued; a
+    // batch answers every key in order once all are confirmed, unpacked and packed, and each
+    // job runs once.
+    let batch = |token: &str, job: &str, body: &str| {
+        post_to(port, &format!("/api/v1/jobs/{job}/batch"), Some(token), body)
+    };
+    let bad = r#"{"jobs": [{"key": "never-1"}, {"max_attempts": 0}]}"#;
+    assert_eq!(field(&batch(TOKEN, "echo", bad)), named(400, "jobs[1].max_attempts"));
+    assert_eq!(
+        field(&batch(TOKEN, "echo", r#"{"jobs": [{}, {"paylod": 1}]}"#)),
+        named(400, "jobs[1].paylod")
+    );
+    assert_eq!(field(&batch(TOKEN, "echo", r#"{"jobs": []}"#)), named(400, "jobs"));
+    assert_eq!(field(&batch(TOKEN, "echo", r#"{"jobs": [{}], "pack": 0}"#)), named(400, "pack"));
+    assert_eq!(field(&batch(LIMITED, "other", r#"{"jobs": [{}]}"#)), named(403, "job"));
+    let (status, done, _) = batch(
+        LIMITED,
+        "echo",
+        r#"{"jobs": [{"payload": {"n": 1}, "key": "b-1"}, {"payload": {"n": 2}}, {"key": "b-3"}]}"#,
+    );
+    assert_eq!(status, 202, "{done}");
+    assert_eq!(
+        (&done["total"], &done["confirmed"], &done["spooled"]),
+        (&3.into(), &3.into(), &0.into()),
+        "{done}"
+    );
+    let (status, packed, _) =
+        batch(TOKEN, "echo", r#"{"jobs": [{"key": "p-1"}, {"key": "p-2"}], "pack": 10}"#);
+    assert_eq!((status, &packed["confirmed"]), (202, &2.into()), "{packed}");
+    let keys: Vec<String> = [&done, &packed]
+        .iter()
+        .flat_map(|d| d["keys"].as_array().unwrap().iter().map(|k| k.as_str().unwrap().to_string()))
+        .collect();
+    assert_eq!(keys.len(), 5, "{done} {packed}");
+    assert_eq!(keys[0], chime_shared::envelope::adhoc_key("echo", "b-1").to_string());
+    assert_eq!(keys[4], chime_shared::envelope::adhoc_key("echo", "p-2").to_string());
+    for key in &keys {
+        wait_until(&format!("batch key {key} ran"), Duration::from_secs(30), || async {
+            idem_state(&env, key).await.as_deref() == Some("done")
+        })
+        .await;
+    }
+    let (_, view, _) = get(port, &format!("/api/v1/keys/{}", keys[1]), TOKEN);
+    assert_eq!(view["record"]["result"], serde_json::json!({"n": 2}), "{view}");
+    let never = chime_shared::envelope::adhoc_key("echo", "never-1").to_string();
+    assert_eq!(idem_state(&env, &never).await, None, "a job of a refused batch ran");
 
     // The document served is the one in the repository.
     let (status, doc, _) = get(port, "/api/v1/openapi.json", TOKEN);

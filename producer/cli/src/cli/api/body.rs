@@ -1,5 +1,5 @@
-//! The body of `POST /api/v1/jobs/{job}`, read into an `EnqueueRequest`; every error names
-//! its field.
+//! The bodies of `POST /api/v1/jobs/{job}` and `POST /api/v1/jobs/{job}/batch`, read into
+//! `EnqueueRequest`s; every error names its field.
 
 use chime_producer::EnqueueRequest;
 use chime_shared::config::Priority;
@@ -36,29 +36,72 @@ enum Delay {
 /// A bad body: the field at fault (`None`: the body as a whole), and what is wrong.
 pub type BodyError = (Option<String>, String);
 
+/// The fields of a batch's body (checked against the OpenAPI document by a unit test).
+#[cfg(test)]
+pub const BATCH_FIELDS: [&str; 2] = ["jobs", "pack"];
+
+/// The body of `POST /api/v1/jobs/{job}/batch`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchBody {
+    jobs: Vec<JobBody>,
+    #[serde(default)]
+    pack: Option<usize>,
+}
+
 /// Reads `bytes` (empty: `{}`) as the body of an enqueue of `job`.
 pub fn request(job: &str, bytes: &[u8]) -> Result<EnqueueRequest, BodyError> {
     let text = if bytes.iter().all(u8::is_ascii_whitespace) { &b"{}"[..] } else { bytes };
+    let body: JobBody = object(text, "{\"payload\": ..., \"key\": ...}")?;
+    into_request(job, body)
+}
+
+/// Reads `bytes` as a batch of enqueues of `job` (`{"jobs": [{...}, ...], "pack": N}`, each
+/// element what [`request`] reads): the requests, in order, and the pack size asked for. A bad
+/// element's field is named with its index (`jobs[2].priority`).
+pub fn batch(job: &str, bytes: &[u8]) -> Result<(Vec<EnqueueRequest>, Option<usize>), BodyError> {
+    let body: BatchBody = object(bytes, "{\"jobs\": [{\"payload\": ...}, ...]}")?;
+    if body.jobs.is_empty() {
+        return Err((Some("jobs".into()), "jobs is empty: a batch has at least one job".into()));
+    }
+    let reqs = body
+        .jobs
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| {
+            into_request(job, b).map_err(|(field, message)| {
+                let at = format!("jobs[{i}]");
+                (Some(field.map_or(at.clone(), |f| format!("{at}.{f}"))), format!("{at}: {message}"))
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    Ok((reqs, body.pack))
+}
+
+/// `text` read as one JSON object of type `T`; an error names the field at fault (an unknown
+/// one by its name), `shape` shows what is expected.
+fn object<T: serde::de::DeserializeOwned>(text: &[u8], shape: &str) -> Result<T, BodyError> {
     if text.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Err((None, "bad body: a JSON object is expected ({\"payload\": ..., \"key\": ...})".into()));
+        return Err((None, format!("bad body: a JSON object is expected ({shape})")));
     }
     let mut de = serde_json::Deserializer::from_slice(text);
-    let body: JobBody = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+    let body: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         let message = inner.to_string();
-        // An unknown field is reported at the level above it: take its name from the message.
         if inner.is_syntax() || inner.is_eof() {
             return (None, format!("the body is not valid JSON: {message}"));
         }
-        let field = if message.starts_with("unknown field `") {
-            message.split('`').nth(1).map(str::to_string)
-        } else {
-            (path != ".").then_some(path)
-        };
+        // The path names an unknown field too (`jobs[2].paylod`).
+        let field = (path != ".").then_some(path);
         (field, format!("bad body: {message}"))
     })?;
     de.end().map_err(|e| (None, format!("the body is not valid JSON: {e}")))?;
+    Ok(body)
+}
+
+/// The enqueue of `job` a body asks for.
+fn into_request(job: &str, body: JobBody) -> Result<EnqueueRequest, BodyError> {
     let mut req = EnqueueRequest::new(job);
     if let Some(p) = body.payload {
         req = req.payload(p);

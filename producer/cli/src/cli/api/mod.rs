@@ -43,12 +43,13 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8091";
 pub const OPENAPI: &str = include_str!("openapi.json");
 
 /// The routes, as the OpenAPI document lists them.
-const ROUTES: [&str; 5] = [
+const ROUTES: [&str; 6] = [
     "/api/v1/jobs/{job}",
     "/api/v1/keys/{key}",
     "/api/v1/openapi.json",
     "/api/v1/keys/{key}/cancel",
     "/api/v1/workflows",
+    "/api/v1/jobs/{job}/batch",
 ];
 
 const TRACEPARENT: header::HeaderName = header::HeaderName::from_static("traceparent");
@@ -385,20 +386,128 @@ async fn post_workflow(
 
 /// The answer to an enqueue that failed: nothing was published or spooled.
 fn enqueue_error(e: &EnqueueError) -> Response {
+    let (status, body) = enqueue_error_body(e, None);
+    answer_error(status, &body)
+}
+
+/// `{"error", "field"}` and the status of an enqueue that failed; the field of an element of a
+/// batch is named under `element` (`jobs[2]`).
+fn enqueue_error_body(e: &EnqueueError, element: Option<&str>) -> (StatusCode, serde_json::Value) {
     let text = chime_shared::redact::redact_text(&e.to_string());
-    match e {
-        EnqueueError::UnknownJob(_) => error(StatusCode::NOT_FOUND, text, Some("job")),
-        EnqueueError::Invalid { field, .. } => error(StatusCode::BAD_REQUEST, text, Some(field)),
-        EnqueueError::TooLarge { .. } => error(StatusCode::PAYLOAD_TOO_LARGE, text, Some("payload")),
-        EnqueueError::NoSuchQueue { .. } => error(StatusCode::BAD_REQUEST, text, Some("queue")),
-        EnqueueError::NoWorkers { .. } => error(StatusCode::CONFLICT, text, None),
-        EnqueueError::Redis(_) | EnqueueError::Spool { .. } => {
-            with_retry_after(error(StatusCode::SERVICE_UNAVAILABLE, text, None), RETRY_AFTER_UNAVAILABLE)
+    let within = |f: &str| element.map_or(f.to_string(), |el| format!("{el}.{f}"));
+    let text = match element {
+        Some(el) if matches!(e, EnqueueError::Invalid { .. } | EnqueueError::TooLarge { .. }) => {
+            format!("{el}: {text}")
         }
-        _ if e.is_broker() => {
-            with_retry_after(error(StatusCode::SERVICE_UNAVAILABLE, text, None), RETRY_AFTER_UNAVAILABLE)
+        _ => text,
+    };
+    let (status, field) = match e {
+        EnqueueError::UnknownJob(_) => (StatusCode::NOT_FOUND, Some("job".to_string())),
+        EnqueueError::Invalid { field, .. } => (StatusCode::BAD_REQUEST, Some(within(field))),
+        EnqueueError::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, Some(within("payload"))),
+        EnqueueError::NoSuchQueue { .. } => (StatusCode::BAD_REQUEST, Some("queue".to_string())),
+        EnqueueError::NoWorkers { .. } => (StatusCode::CONFLICT, None),
+        EnqueueError::Redis(_) | EnqueueError::Spool { .. } => (StatusCode::SERVICE_UNAVAILABLE, None),
+        _ if e.is_broker() => (StatusCode::SERVICE_UNAVAILABLE, None),
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, None),
+    };
+    let mut body = serde_json::json!({"error": text});
+    if let Some(f) = field {
+        body["field"] = serde_json::Value::String(f);
+    }
+    (status, body)
+}
+
+/// An error answer with `body`; a `503` says when to try again.
+fn answer_error(status: StatusCode, body: &serde_json::Value) -> Response {
+    let r = json(status, body);
+    if status == StatusCode::SERVICE_UNAVAILABLE { with_retry_after(r, RETRY_AFTER_UNAVAILABLE) } else { r }
+}
+
+/// `POST /api/v1/jobs/{job}/batch`: `{"jobs": [{...}, ...], "pack": N}`, each element the body
+/// of `POST /api/v1/jobs/{job}`. Every element is checked before anything is published (a bad
+/// one is answered `400` naming `jobs[i].field`, and nothing is enqueued); then the jobs are
+/// published pipelined (or `pack` to a message) and `202` answers once all are confirmed or
+/// spooled, with the key of each element in order. A failure part way (the broker gone, no
+/// spool) is answered with the error and how many were taken (`confirmed` + `spooled`, the
+/// first in order): sending the batch again with the same keys is safe.
+async fn post_batch(
+    State(api): State<Arc<Api>>,
+    info: Option<axum::Extension<ConnectInfo<SocketAddr>>>,
+    Path(job): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let token = match api.admit(&headers, peer(info.as_ref().map(|i| &i.0))) {
+        Ok(t) => t,
+        Err(r) => return *r,
+    };
+    if !token.allows(&job) {
+        return error(
+            StatusCode::FORBIDDEN,
+            format!("token {:?} may not enqueue job {job:?}", token.name),
+            Some("job"),
+        );
+    }
+    let bytes = match json_body(&api, &headers, body).await {
+        Ok(b) => b,
+        Err(r) => return *r,
+    };
+    let (mut reqs, pack) = match body::batch(&job, &bytes) {
+        Ok(b) => b,
+        Err((field, message)) => return error(StatusCode::BAD_REQUEST, message, field.as_deref()),
+    };
+    if pack.is_some() && api.config.job(&job).is_some_and(|j| j.broadcast) {
+        let message = format!("{job:?} is a broadcast job (one copy per worker), which cannot be packed");
+        return error(StatusCode::BAD_REQUEST, message, Some("pack"));
+    }
+    let text = |h: header::HeaderName| headers.get(h).and_then(|v| v.to_str().ok());
+    if let Some(t) = text(TRACEPARENT).and_then(|p| TraceContext::parse(p, text(TRACESTATE))) {
+        reqs = reqs.into_iter().map(|r| r.trace(t.clone())).collect();
+    }
+    let client = match api.client().await {
+        Ok(c) => c,
+        Err(e) => return enqueue_error(&e),
+    };
+    let mut prepared = Vec::with_capacity(reqs.len());
+    for (i, r) in reqs.iter().enumerate() {
+        match client.prepare(r) {
+            Ok(p) => prepared.push(p),
+            Err(e) => {
+                let (status, body) = enqueue_error_body(&e, Some(&format!("jobs[{i}]")));
+                return answer_error(status, &body);
+            }
         }
-        _ => error(StatusCode::INTERNAL_SERVER_ERROR, text, None),
+    }
+    let keys: Vec<String> = prepared.iter().map(|p| p.envelope.key.to_string()).collect();
+    let messages = match client.fan_out(&prepared).await {
+        Ok(m) => m,
+        Err(e) => return enqueue_error(&e),
+    };
+    let report = match pack {
+        Some(n) => client.send_packed(&messages, n).await,
+        None => client.send_batch(&messages).await,
+    };
+    let mut answer = serde_json::json!({
+        "job": job, "total": report.total, "confirmed": report.confirmed, "spooled": report.spooled, "keys": keys,
+    });
+    match report.error {
+        None => {
+            tracing::info!(job = %job, jobs = keys.len(), confirmed = report.confirmed, spooled = report.spooled,
+                token = %token.name, "batch enqueued over http");
+            json(StatusCode::ACCEPTED, &answer)
+        }
+        Some(e) => {
+            if matches!(e, EnqueueError::Amqp(_) | EnqueueError::Topology(_)) && e.is_broker() {
+                api.client.lock().await.take();
+            }
+            let (status, body) = enqueue_error_body(&e, None);
+            answer["error"] = body["error"].clone();
+            if let Some(f) = body.get("field") {
+                answer["field"] = f.clone();
+            }
+            answer_error(status, &answer)
+        }
     }
 }
 
@@ -535,6 +644,7 @@ pub fn router(api: Arc<Api>) -> Router {
         .route(ROUTES[2], get(openapi))
         .route(ROUTES[3], post(cancel_key))
         .route(ROUTES[4], post(post_workflow))
+        .route(ROUTES[5], post(post_batch))
         .route("/livez", get(|| async { "ok\n" }))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route (see /api/v1/openapi.json)", None) })
         .with_state(api)

@@ -132,3 +132,28 @@ fn the_limiter_allows_a_burst_then_the_rate() {
     // Another token is not affected.
     limiter.take("b").unwrap();
 }
+
+#[test]
+fn a_batch_body_names_the_element_at_fault() {
+    let doc = doc();
+    let props: BTreeSet<&str> = doc["components"]["schemas"]["BatchRequest"]["properties"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(props, body::BATCH_FIELDS.into_iter().collect(), "BatchRequest and the batch body differ");
+    let (reqs, pack) = body::batch("j", br#"{"jobs": [{"key": "a"}, {}], "pack": 10}"#).unwrap();
+    assert_eq!((reqs.len(), pack), (2, Some(10)));
+    assert_eq!(reqs[0].key.as_deref(), Some("a"));
+    let field = |b: &[u8]| body::batch("j", b).unwrap_err().0;
+    assert_eq!(field(br#"{"jobs": [{}, {"priority": "urgent"}]}"#).as_deref(), Some("jobs[1].priority"));
+    assert_eq!(field(br#"{"jobs": [{}, {"delay": "soon"}]}"#).as_deref(), Some("jobs[1].delay"));
+    assert_eq!(field(br#"{"jobs": [{}, {}, {"paylod": 1}]}"#).as_deref(), Some("jobs[2].paylod"));
+    assert_eq!(field(br#"{"jobs": [{"max_attempts": -1}]}"#).as_deref(), Some("jobs[0].max_attempts"));
+    assert_eq!(field(br#"{"jobs": []}"#).as_deref(), Some("jobs"));
+    assert_eq!(field(br#"{"jobz": []}"#).as_deref(), Some("jobz"));
+    assert_eq!(field(br#"{"jobs": [{}], "pack": "ten"}"#).as_deref(), Some("pack"));
+    assert_eq!(field(b"[]"), None);
+    assert_eq!(field(b"{}"), None);
+}
