@@ -268,4 +268,7 @@ async fn jobs_enqueued_with_curl_run_and_every_bad_request_is_named() {
     let (status, e, retry) = post(port, "echo", Some(TOKEN), r#"{"key": "order-8"}"#);
     assert_eq!((status, retry.as_str()), (503, "5"), "{e}");
     assert!(e["error"].as_str().is_some_and(|m| m.contains("RabbitMQ")), "{e}");
+    let (status, e, retry) =
+        post_to(port, "/api/v1/jobs/echo/batch", Some(TOKEN), r#"{"jobs": [{"key": "b-9"}]}"#);
+    assert_eq!((status, retry.as_str()), (503, "5"), "{e}");
 }
