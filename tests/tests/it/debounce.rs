@@ -97,7 +97,9 @@ async fn only_the_last_enqueue_of_a_debounced_or_replaced_key_runs() {
     let delayed = ["enqueue", "ping", "--key", "r1", "--delay", "3s", "--payload", "{\"v\":\"old\"}"];
     assert_eq!(chime(&path, &delayed, None).0, 0);
     let replace = ["enqueue", "ping", "--key", "r1", "--replace", "--payload", "{\"v\":\"new\"}"];
-    assert_eq!(chime(&path, &replace, None).0, 0);
+    let (code, out, _) = chime(&path, &replace, None);
+    assert_eq!(code, 0);
+    assert!(out.contains("still waiting (queued or delayed) are superseded"), "{out}");
     wait_until("the replacing run", Duration::from_secs(20), || async { payloads(&runs, "ping").len() == 3 })
         .await;
     wait_until("the delayed copy dropped", Duration::from_secs(20), || async {

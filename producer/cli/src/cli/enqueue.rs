@@ -224,6 +224,12 @@ pub async fn run(config: ValidConfig, args: EnqueueArgs) -> Result<(), Failure> 
                 "enqueued {} on queue {} (key {}, id {}), {how}",
                 done.job, done.queue, done.key, done.id
             );
+            if args.replace {
+                println!(
+                    "copies of key {} still waiting (queued or delayed) are superseded: this one runs",
+                    done.key
+                );
+            }
         } else {
             println!(
                 "enqueued {} on queue {} as {} messages (key {}; chime inspect {} shows each), {how}",
