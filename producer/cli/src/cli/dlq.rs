@@ -270,6 +270,28 @@ fn print_table(all: &[DeadLetter]) {
     }
     table::print(&t);
     println!("{} dead letter(s)", all.len());
+    for line in shared_keys(all) {
+        println!("{line}");
+    }
+}
+
+/// A line for each key that several of `all` share: one run dead-lettered more than once (a
+/// worker killed between publishing its dead letter and acking the delivery dead-letters it
+/// again). Replaying one of them is enough: the key runs once whichever copies are replayed.
+fn shared_keys(all: &[DeadLetter]) -> Vec<String> {
+    let mut count: std::collections::BTreeMap<uuid::Uuid, usize> = Default::default();
+    for k in all.iter().filter_map(|d| d.key) {
+        *count.entry(k).or_default() += 1;
+    }
+    count
+        .into_iter()
+        .filter(|(_, n)| *n > 1)
+        .map(|(k, n)| {
+            format!(
+                "note: {n} dead letters share key {k} (one run dead-lettered more than once); replaying one is enough (chime dlq show {k} lists them)"
+            )
+        })
+        .collect()
 }
 
 fn print_one(d: &DeadLetter, json: bool) {
@@ -304,4 +326,42 @@ fn print_one(d: &DeadLetter, json: bool) {
         None => println!("body:"),
     }
     println!("{}", serde_json::to_string_pretty(&body).unwrap_or_default());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn letter(id: &str, key: Option<uuid::Uuid>) -> DeadLetter {
+        DeadLetter {
+            id: id.into(),
+            queue: "q".into(),
+            job: Some("j".into()),
+            key,
+            reason: "failed".into(),
+            error: None,
+            attempts: Some(1),
+            failed_at: None,
+            worker: None,
+            body_bytes: 0,
+            replayable: true,
+            body: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn keys_shared_by_several_dead_letters_are_named_once_each() {
+        let (a, b) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+        let all = [
+            letter("1", Some(a)),
+            letter("2", Some(b)),
+            letter("3", Some(a)),
+            letter("4", None),
+            letter("5", None),
+        ];
+        let lines = shared_keys(&all);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(lines[0].starts_with(&format!("note: 2 dead letters share key {a}")), "{lines:?}");
+        assert!(shared_keys(&all[1..3]).is_empty());
+    }
 }
