@@ -238,6 +238,13 @@ impl Api {
         Ok(c)
     }
 
+    /// After a broker failure of the enqueue client, the next request connects afresh.
+    async fn forget_broken_client(&self, e: &EnqueueError) {
+        if matches!(e, EnqueueError::Amqp(_) | EnqueueError::Topology(_)) && e.is_broker() {
+            self.client.lock().await.take();
+        }
+    }
+
     async fn reader(&self) -> Result<HistoryReader, String> {
         let mut slot = self.reader.lock().await;
         if let Some(r) = slot.as_ref() {
@@ -255,6 +262,32 @@ fn peer(info: Option<&ConnectInfo<SocketAddr>>) -> Option<IpAddr> {
     info.map(|c| c.0.ip())
 }
 
+/// The token of a request to enqueue `job` (it must allow the job) and the JSON body; or the
+/// answer refusing it.
+async fn admit_job<'a>(
+    api: &'a Api,
+    info: Option<&axum::Extension<ConnectInfo<SocketAddr>>>,
+    headers: &HeaderMap,
+    job: &str,
+    body: Body,
+) -> Result<(&'a Token, axum::body::Bytes), Box<Response>> {
+    let token = api.admit(headers, peer(info.map(|i| &i.0)))?;
+    if !token.allows(job) {
+        return Err(Box::new(error(
+            StatusCode::FORBIDDEN,
+            format!("token {:?} may not enqueue job {job:?}", token.name),
+            Some("job"),
+        )));
+    }
+    Ok((token, json_body(api, headers, body).await?))
+}
+
+/// The caller's trace, which the run continues (an invalid `traceparent` is ignored).
+fn trace_of(headers: &HeaderMap) -> Option<TraceContext> {
+    let text = |h: header::HeaderName| headers.get(h).and_then(|v| v.to_str().ok());
+    text(TRACEPARENT).and_then(|p| TraceContext::parse(p, text(TRACESTATE)))
+}
+
 /// `POST /api/v1/jobs/{job}`.
 async fn post_job(
     State(api): State<Arc<Api>>,
@@ -263,28 +296,15 @@ async fn post_job(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let token = match api.admit(&headers, peer(info.as_ref().map(|i| &i.0))) {
-        Ok(t) => t,
-        Err(r) => return *r,
-    };
-    if !token.allows(&job) {
-        return error(
-            StatusCode::FORBIDDEN,
-            format!("token {:?} may not enqueue job {job:?}", token.name),
-            Some("job"),
-        );
-    }
-    let bytes = match json_body(&api, &headers, body).await {
-        Ok(b) => b,
+    let (token, bytes) = match admit_job(&api, info.as_ref(), &headers, &job, body).await {
+        Ok(admitted) => admitted,
         Err(r) => return *r,
     };
     let mut req = match body::request(&job, &bytes) {
         Ok(r) => r,
         Err((field, message)) => return error(StatusCode::BAD_REQUEST, message, field.as_deref()),
     };
-    // The caller's trace, which the run continues (an invalid traceparent is ignored).
-    let text = |h: header::HeaderName| headers.get(h).and_then(|v| v.to_str().ok());
-    if let Some(t) = text(TRACEPARENT).and_then(|p| TraceContext::parse(p, text(TRACESTATE))) {
+    if let Some(t) = trace_of(&headers) {
         req = req.trace(t);
     }
     let client = match api.client().await {
@@ -301,10 +321,7 @@ async fn post_job(
             }
         }
         Err(e) => {
-            if matches!(e, EnqueueError::Amqp(_) | EnqueueError::Topology(_)) && e.is_broker() {
-                // The next request connects afresh.
-                api.client.lock().await.take();
-            }
+            api.forget_broken_client(&e).await;
             enqueue_error(&e)
         }
     }
@@ -376,9 +393,7 @@ async fn post_workflow(
             }
         }
         Err(e) => {
-            if matches!(e, EnqueueError::Amqp(_) | EnqueueError::Topology(_)) && e.is_broker() {
-                api.client.lock().await.take();
-            }
+            api.forget_broken_client(&e).await;
             enqueue_error(&e)
         }
     }
@@ -438,19 +453,8 @@ async fn post_batch(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let token = match api.admit(&headers, peer(info.as_ref().map(|i| &i.0))) {
-        Ok(t) => t,
-        Err(r) => return *r,
-    };
-    if !token.allows(&job) {
-        return error(
-            StatusCode::FORBIDDEN,
-            format!("token {:?} may not enqueue job {job:?}", token.name),
-            Some("job"),
-        );
-    }
-    let bytes = match json_body(&api, &headers, body).await {
-        Ok(b) => b,
+    let (token, bytes) = match admit_job(&api, info.as_ref(), &headers, &job, body).await {
+        Ok(admitted) => admitted,
         Err(r) => return *r,
     };
     let (mut reqs, pack) = match body::batch(&job, &bytes) {
@@ -461,8 +465,7 @@ async fn post_batch(
         let message = format!("{job:?} is a broadcast job (one copy per worker), which cannot be packed");
         return error(StatusCode::BAD_REQUEST, message, Some("pack"));
     }
-    let text = |h: header::HeaderName| headers.get(h).and_then(|v| v.to_str().ok());
-    if let Some(t) = text(TRACEPARENT).and_then(|p| TraceContext::parse(p, text(TRACESTATE))) {
+    if let Some(t) = trace_of(&headers) {
         reqs = reqs.into_iter().map(|r| r.trace(t.clone())).collect();
     }
     let client = match api.client().await {
@@ -498,9 +501,7 @@ async fn post_batch(
             json(StatusCode::ACCEPTED, &answer)
         }
         Some(e) => {
-            if matches!(e, EnqueueError::Amqp(_) | EnqueueError::Topology(_)) && e.is_broker() {
-                api.client.lock().await.take();
-            }
+            api.forget_broken_client(&e).await;
             let (status, body) = enqueue_error_body(&e, None);
             answer["error"] = body["error"].clone();
             if let Some(f) = body.get("field") {
