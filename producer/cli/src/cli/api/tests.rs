@@ -4,17 +4,17 @@ fn doc() -> serde_json::Value {
     serde_json::from_str(OPENAPI).expect("openapi.json is JSON")
 }
 
+/// The property names of schema `name` in the OpenAPI document.
+fn schema_fields<'a>(doc: &'a serde_json::Value, name: &str) -> BTreeSet<&'a str> {
+    doc["components"]["schemas"][name]["properties"].as_object().unwrap().keys().map(String::as_str).collect()
+}
+
 #[test]
 fn the_openapi_document_lists_the_routes_and_the_body_fields_the_code_has() {
     let doc = doc();
     let paths: BTreeSet<&str> = doc["paths"].as_object().unwrap().keys().map(String::as_str).collect();
     assert_eq!(paths, ROUTES.into_iter().collect(), "routes in openapi.json and in the router differ");
-    let props: BTreeSet<&str> = doc["components"]["schemas"]["JobRequest"]["properties"]
-        .as_object()
-        .unwrap()
-        .keys()
-        .map(String::as_str)
-        .collect();
+    let props: BTreeSet<&str> = schema_fields(&doc, "JobRequest");
     assert_eq!(
         props,
         body::FIELDS.into_iter().collect(),
@@ -37,12 +37,7 @@ fn the_openapi_document_lists_the_routes_and_the_body_fields_the_code_has() {
     };
     let v = serde_json::to_value(&enqueued).unwrap();
     let fields: BTreeSet<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
-    let documented: BTreeSet<&str> = doc["components"]["schemas"]["Enqueued"]["properties"]
-        .as_object()
-        .unwrap()
-        .keys()
-        .map(String::as_str)
-        .collect();
+    let documented: BTreeSet<&str> = schema_fields(&doc, "Enqueued");
     assert_eq!(fields, documented);
 }
 
@@ -136,12 +131,7 @@ fn the_limiter_allows_a_burst_then_the_rate() {
 #[test]
 fn a_batch_body_names_the_element_at_fault() {
     let doc = doc();
-    let props: BTreeSet<&str> = doc["components"]["schemas"]["BatchRequest"]["properties"]
-        .as_object()
-        .unwrap()
-        .keys()
-        .map(String::as_str)
-        .collect();
+    let props: BTreeSet<&str> = schema_fields(&doc, "BatchRequest");
     assert_eq!(props, body::BATCH_FIELDS.into_iter().collect(), "BatchRequest and the batch body differ");
     let (reqs, pack) = body::batch("j", br#"{"jobs": [{"key": "a"}, {}], "pack": 10}"#).unwrap();
     assert_eq!((reqs.len(), pack), (2, Some(10)));
