@@ -196,6 +196,18 @@ async fn accuracy(c: &Ctx) {
         "limits   parks per window (/s): {}",
         park_rates.iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(" ")
     );
+    let mut per_key: HashMap<&str, usize> = HashMap::new();
+    for r in all.iter().filter(|r| r.outcome == Outcome::Parked) {
+        *per_key.entry(r.key.as_str()).or_default() += 1;
+    }
+    let mut times = [0usize; 5];
+    for k in sent.keys() {
+        times[per_key.get(k.as_str()).copied().unwrap_or(0).min(4)] += 1;
+    }
+    println!(
+        "limits   runs parked 0 / 1 / 2 / 3 / 4+ times: {}",
+        times.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(" / ")
+    );
 }
 
 /// What a tenth tenant does beside the nine quiet ones in [`tenants`].
