@@ -25,8 +25,9 @@ pub fn format(d: Duration) -> String {
     }
     let nanos = d.subsec_nanos();
     for (size, unit) in [(1_000_000, "ms"), (1_000, "us"), (1, "ns")] {
-        if nanos / size % 1_000 > 0 {
-            parts.push(format!("{}{unit}", nanos / size % 1_000));
+        let part = nanos / size % 1_000;
+        if part > 0 {
+            parts.push(format!("{part}{unit}"));
         }
     }
     if parts.is_empty() { "0s".to_string() } else { parts.join(" ") }
