@@ -401,7 +401,17 @@ async fn copies_back_late_together_start_an_interval_apart() {
         tickets.push(take.ticket_us);
     }
     assert!(tickets.windows(2).all(|w| w[1] >= w[0] + interval), "tickets in line: {tickets:?}");
-    // Every copy comes back at once, long after its ticket (a clump from a late delay chain),
+    let last_ticket = *tickets.last().unwrap();
+    let conn = connect_redis(&env.redis_url).await;
+    wait_until("every ticket is past (Redis time)", Duration::from_secs(5), || {
+        let mut conn = conn.clone();
+        async move {
+            let (s, us): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+            s * 1_000_000 + us > last_ticket
+        }
+    })
+    .await;
+    // Every copy comes back at once, after its ticket (a clump from a late delay chain),
     // each allowed 200 ms in place: 20 starts of the next 200 ms go to them, spaced.
     // A start (Redis time) lies within [sent + wait, received + wait] of the client's clock.
     let mut starts = Vec::new();
