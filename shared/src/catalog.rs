@@ -169,6 +169,7 @@ impl Catalog {
                 global_concurrency: None,
                 overlap: Overlap::default(),
                 shards: None,
+                pack: None,
                 broadcast: false,
                 priority: None,
                 rate_limit: None,

@@ -588,6 +588,23 @@ mod tests {
     }
 
     #[test]
+    fn pack_applies_to_sharded_jobs_and_is_refused_by_name_elsewhere() {
+        let job = |extra: &str| format!("[[jobs]]\nname = \"split\"\nhandler = \"noop\"\n{extra}\n");
+        let ok = Config::from_toml_str(&job("shards = 500\npack = 100")).unwrap();
+        assert_eq!(ok.job("split").and_then(|j| j.pack), Some(100));
+        for (text, says) in [
+            (job("pack = 10"), "jobs[0] (split).pack: packs a sharded job's members; set `shards`"),
+            (job("broadcast = true\npack = 10"), "jobs[0] (split).pack: a broadcast job's copies"),
+            (job("shards = 5\npack = 1"), "jobs[0] (split).pack: 1: must be between 2 and 1000"),
+            (job("shards = 5\npack = 1001"), "jobs[0] (split).pack: 1001: must be between 2 and 1000"),
+            (job("shards = 5\npack = \"10\""), "pack"),
+        ] {
+            let e = err(&text);
+            assert!(e.contains(says), "{text}\n→ {e}");
+        }
+    }
+
+    #[test]
     fn a_build_without_tls_refuses_tls_urls_by_name() {
         let e = tls_supported("redis.url", true, false).unwrap_err().to_string();
         assert!(e.contains("redis.url") && e.contains("never falls back to plaintext"), "{e}");

@@ -643,7 +643,10 @@ impl EnqueueClient {
                 return Err(EnqueueError::NoWorkers { queue: p.envelope.queue.clone() });
             }
         } else {
-            let report = self.publish_batch(members).await;
+            let report = match self.config.job(&p.envelope.job).and_then(|j| j.pack) {
+                Some(n) => self.publish_packed(members, n).await,
+                None => self.publish_batch(members).await,
+            };
             if let Some(e) = report.error {
                 return Err(e);
             }
@@ -894,6 +897,17 @@ impl EnqueueClient {
             let why = "earlier jobs of this producer are still in the spool".to_string();
             return self.spool_rest(spooler, envs, 0, why).await;
         }
+        let report = self.publish_packed(envs, pack).await;
+        match (&self.spooler, report.error) {
+            (Some(spooler), Some(e)) if e.is_broker() => {
+                self.spool_rest(spooler, envs, report.confirmed, e.to_string()).await
+            }
+            (_, error) => BatchReport { error, ..report },
+        }
+    }
+
+    /// [`Self::publish_batch`], packed: up to `pack` jobs per message (no spool).
+    async fn publish_packed(&self, envs: &[Prepared], pack: usize) -> BatchReport {
         let qt = self.config.amqp.queue_type;
         let packs = match packs(&self.names, qt, envs, pack, self.config.amqp.max_message_bytes) {
             Ok(p) => p,
@@ -906,13 +920,7 @@ impl EnqueueClient {
             metrics::counter!(telemetry::JOBS_PUBLISHED, "job" => first.envelope.job.clone(), "source" => "adhoc")
                 .increment(confirmed as u64);
         }
-        let report = BatchReport { total: envs.len(), confirmed, spooled: 0, error };
-        match (&self.spooler, report.error) {
-            (Some(spooler), Some(e)) if e.is_broker() => {
-                self.spool_rest(spooler, envs, confirmed, e.to_string()).await
-            }
-            (_, error) => BatchReport { error, ..report },
-        }
+        BatchReport { total: envs.len(), confirmed, spooled: 0, error }
     }
 
     /// Spools `envs[confirmed..]`: the report of a batch the broker took up to `confirmed`.

@@ -109,6 +109,9 @@ pub struct JobConfig {
     pub overlap: Overlap,
     /// Fan each slot (or ad-hoc enqueue) out to this many messages, one per shard.
     pub shards: Option<Shards>,
+    /// A sharded job's members travel up to this many per AMQP message (a pack, 2 to 1,000)
+    /// when the ticker publishes a slot or `chime enqueue` one job; unset: one message each.
+    pub pack: Option<usize>,
     /// Run each slot once on every live worker consuming the job's queue.
     pub broadcast: bool,
     /// Delivery order when a backlog exists (default `normal`).
@@ -231,6 +234,8 @@ struct RawJobConfig {
     #[serde(default)]
     shards: Option<Shards>,
     #[serde(default)]
+    pack: Option<i64>,
+    #[serde(default)]
     broadcast: Option<bool>,
     #[serde(default)]
     priority: Option<Priority>,
@@ -286,6 +291,29 @@ impl RawJobConfig {
         if raw.broadcast == Some(true) && raw.shards.is_some() {
             return Err(format!("{}: a job is sharded or broadcast, not both", key("broadcast")));
         }
+        let max_pack = crate::envelope::pack::MAX_PACK;
+        let pack = match raw.pack {
+            None => None,
+            Some(_) if raw.broadcast == Some(true) => {
+                return Err(format!(
+                    "{}: a broadcast job's copies (one per worker) cannot be packed",
+                    key("pack")
+                ));
+            }
+            Some(_) if raw.shards.is_none() => {
+                return Err(format!(
+                    "{}: packs a sharded job's members; set `shards`, or remove `pack`",
+                    key("pack")
+                ));
+            }
+            Some(n) if n < 2 || n > max_pack as i64 => {
+                return Err(format!(
+                    "{}: {n}: must be between 2 and {max_pack} members per message",
+                    key("pack")
+                ));
+            }
+            Some(n) => Some(n as usize),
+        };
         if raw.handler != "exec" {
             for (field, set) in [
                 ("command", raw.command.is_some()),
@@ -353,6 +381,7 @@ impl RawJobConfig {
             global_concurrency: raw.global_concurrency,
             overlap: raw.overlap.unwrap_or_default(),
             shards: raw.shards,
+            pack,
             broadcast: raw.broadcast.unwrap_or(false),
             priority: raw.priority,
             rate_limit: raw.rate_limit,

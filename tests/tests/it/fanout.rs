@@ -130,6 +130,66 @@ async fn a_sharded_schedule_runs_every_shard_of_every_slot_once() {
     worker.stop().await;
 }
 
+/// `pack = 10` on a job of 25 shards: an enqueue and every slot the ticker publishes are 3
+/// messages (10, 10, 5 members), not 25, and every member of each still runs once, knowing
+/// its shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_packed_sharded_job_sends_its_members_ten_per_message_and_runs_each_once() {
+    let env = TestEnv::new("shards-packed");
+    let jobs = "[ticker]\nlease = \"2s\"\n\
+                [[jobs]]\nname = \"split\"\nhandler = \"split\"\nschedule = \"* * * * * *\"\nshards = 25\npack = 10\n";
+    let text = env.config_text("quorum", "lease = \"2s\"", "", jobs);
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let queue = env.names().work_queue("default");
+    // No worker: an enqueue leaves 3 messages for its 25 members.
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
+    let done = client.enqueue(EnqueueRequest::new("split").key("run-1")).await.unwrap();
+    assert_eq!(done.members.len(), 25);
+    wait_depth(&queue, 3, Duration::from_secs(10)).await;
+    // The ticker adds 3 per slot (it never stands at 25 or 50 as it would unpacked).
+    let ticker = Child::ticker(&env.dir, &path, &[], "t");
+    wait_until("two slots published as three packs each", Duration::from_secs(30), || {
+        let q = queue.clone();
+        async move { matches!(depth(&q).await, 9 | 12) }
+    })
+    .await;
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let worker = Running::start(config.clone(), shard_recorder(&seen, "split"), 8).await;
+    match client.wait(done.key, Duration::from_secs(60)).await.unwrap() {
+        Finished::Group { members } => {
+            assert_eq!(members.len(), 25);
+            assert!(members.iter().all(|m| matches!(m.finished, Finished::Done { .. })));
+        }
+        other => panic!("expected a group, got {other:?}"),
+    }
+    wait_until("five slots ran", Duration::from_secs(60), || async {
+        let s = seen.lock().unwrap();
+        let slots: std::collections::BTreeSet<&String> =
+            s.iter().filter(|(_, slot, _)| slot != "adhoc").map(|(_, slot, _)| slot).collect();
+        slots.len() >= 5
+    })
+    .await;
+    drop(ticker);
+    let runs: Vec<Seen> = seen.lock().unwrap().clone();
+    let mut by_slot: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
+    for (_, slot, shard) in &runs {
+        let (i, n) = shard.expect("every member of a pack knows its shard");
+        assert_eq!(n, 25);
+        by_slot.entry(slot.clone()).or_default().push(i);
+    }
+    let mut adhoc = by_slot.remove("adhoc").unwrap_or_default();
+    adhoc.sort_unstable();
+    assert_eq!(adhoc, (0..25).collect::<Vec<_>>(), "the enqueue's members, each once");
+    // Every complete slot (the last may still be running): shards 0 to 24, each once.
+    for (slot, shards) in by_slot.iter().take(by_slot.len() - 1) {
+        let mut s = shards.clone();
+        s.sort_unstable();
+        assert_eq!(s, (0..25).collect::<Vec<_>>(), "slot {slot}");
+    }
+    worker.stop().await;
+}
+
 #[tokio::test]
 async fn the_group_record_fixes_the_members_the_first_publish_chose() {
     let env = TestEnv::new("group-fix");

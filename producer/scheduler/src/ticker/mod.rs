@@ -64,6 +64,8 @@ pub struct TickerJob {
     pub priority: Option<chime_shared::config::Priority>,
     /// Sharded: how many shards each slot fans out to.
     pub shards: Option<chime_shared::config::Shards>,
+    /// Its members travel up to this many per message (`jobs[].pack`).
+    pub pack: Option<usize>,
     /// Broadcast: each slot runs once on every live worker of the queue.
     pub broadcast: bool,
     /// What to do with a slot whose previous run is still in progress.
@@ -112,6 +114,7 @@ pub fn scheduled_jobs(config: &Config) -> Result<Vec<TickerJob>, ConfigError> {
             max_attempts: job.max_attempts(),
             priority: job.priority.filter(|p| *p != chime_shared::config::Priority::Normal),
             shards: job.shards,
+            pack: job.pack,
             broadcast: job.broadcast,
             overlap: job.overlap,
             sheddable: job.criticality == chime_shared::config::Criticality::Sheddable,
@@ -503,6 +506,7 @@ mod tests {
             max_attempts: 1,
             priority: None,
             shards: None,
+            pack: None,
             broadcast: false,
             overlap: chime_shared::config::Overlap::Allow,
             sheddable: false,

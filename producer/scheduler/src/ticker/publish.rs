@@ -328,11 +328,19 @@ impl Ticker {
             ready.push(run);
         }
 
-        // Publish every message, a group at a time (a burst leaves in a few writes).
+        // Publish every message, a group at a time (a burst leaves in a few writes); a job
+        // with `pack` has its members packed.
+        let max_bytes = config.amqp.max_message_bytes;
         let bodies: Vec<(usize, Vec<u8>, lapin::BasicProperties, String)> = ready
             .iter()
             .enumerate()
-            .flat_map(|(r, run)| run.envs.iter().map(move |e| (r, e.encode(), e.properties(), e.route())))
+            .flat_map(|(r, run)| match jobs[run.i].pack {
+                Some(n) => envelope::pack::messages(&run.envs, n, max_bytes)
+                    .into_iter()
+                    .map(|m| (r, m.body, m.props, m.route))
+                    .collect::<Vec<_>>(),
+                None => run.envs.iter().map(|e| (r, e.encode(), e.properties(), e.route())).collect(),
+            })
             .collect();
         let mut healthy = true;
         let mut pending = Vec::with_capacity(bodies.len());

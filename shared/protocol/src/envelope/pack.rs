@@ -59,6 +59,64 @@ pub fn properties(first: &Envelope, jobs: usize) -> BasicProperties {
         .with_headers(headers)
 }
 
+/// One message of [`messages`]: a pack, or a lone envelope as itself.
+#[derive(Debug, Clone)]
+pub struct Message {
+    /// The body (a pack's, or the envelope's own).
+    pub body: Vec<u8>,
+    /// Its properties.
+    pub props: BasicProperties,
+    /// The route of its jobs ([`Envelope::route`]).
+    pub route: String,
+    /// How many jobs it carries.
+    pub jobs: usize,
+}
+
+/// `envs` as messages, in order: consecutive envelopes for the same route packed up to `n`
+/// per message and `max_bytes` per body; an envelope alone in its group (and a broadcast
+/// copy, which is never packed) stays a message of its own.
+pub fn messages(envs: &[Envelope], n: usize, max_bytes: usize) -> Vec<Message> {
+    let mut out = Vec::new();
+    let mut group: Vec<(&Envelope, Vec<u8>)> = Vec::new();
+    let mut size = OVERHEAD;
+    let close = |out: &mut Vec<Message>, group: &mut Vec<(&Envelope, Vec<u8>)>| match group.len() {
+        0 => {}
+        1 => {
+            let (env, body) = group.remove(0);
+            out.push(Message { body, props: env.properties(), route: env.route(), jobs: 1 });
+        }
+        jobs => {
+            let bodies: Vec<&[u8]> = group.iter().map(|(_, b)| b.as_slice()).collect();
+            let (first, _) = group[0];
+            out.push(Message {
+                body: encode(&bodies),
+                props: properties(first, jobs),
+                route: first.route(),
+                jobs,
+            });
+            group.clear();
+        }
+    };
+    for env in envs {
+        let body = env.encode();
+        let joins = group.first().is_some_and(|(first, _)| {
+            env.target.is_none()
+                && first.target.is_none()
+                && first.route() == env.route()
+                && group.len() < n
+                && size + body.len() < max_bytes
+        });
+        if !joins {
+            close(&mut out, &mut group);
+            size = OVERHEAD;
+        }
+        size += body.len() + 1;
+        group.push((env, body));
+    }
+    close(&mut out, &mut group);
+    out
+}
+
 /// Whether a message with these properties is a pack.
 pub fn is_pack(props: &BasicProperties) -> bool {
     props.headers().as_ref().is_some_and(|h| h.inner().contains_key(PACK_HEADER))
@@ -157,6 +215,30 @@ mod tests {
         assert!(!is_pack(&member));
         assert_eq!(member.message_id().as_ref().unwrap().as_str(), jobs[2].key.to_string());
         assert!(!is_pack(&jobs[0].properties()));
+    }
+
+    #[test]
+    fn messages_pack_consecutive_jobs_of_one_route_up_to_n_and_the_size() {
+        let jobs: Vec<Envelope> = (0..25).map(job).collect();
+        let out = messages(&jobs, 10, 1 << 20);
+        assert_eq!(out.iter().map(|m| m.jobs).collect::<Vec<_>>(), [10, 10, 5]);
+        assert!(out.iter().all(|m| is_pack(&m.props) && m.route == "default"));
+        let back: Vec<Envelope> =
+            out.iter().flat_map(|m| split(&m.body).unwrap()).map(|b| Envelope::decode(b).unwrap()).collect();
+        assert_eq!(back, jobs, "every job once, in order");
+        // A body that would pass max_bytes starts a new pack; a job alone is itself.
+        let one = jobs[0].encode().len() + 1;
+        let out = messages(&jobs[..5], 10, OVERHEAD + 2 * one);
+        assert_eq!(out.iter().map(|m| m.jobs).collect::<Vec<_>>(), [2, 2, 1]);
+        assert!(!is_pack(&out[2].props) && out[2].body == jobs[4].encode());
+        // Another route cuts the pack.
+        let mut mixed = jobs[..4].to_vec();
+        mixed[2].queue = "other".into();
+        let out = messages(&mixed, 10, 1 << 20);
+        assert_eq!(
+            out.iter().map(|m| (m.jobs, m.route.as_str())).collect::<Vec<_>>(),
+            [(2, "default"), (1, "other"), (1, "default")]
+        );
     }
 
     #[test]
