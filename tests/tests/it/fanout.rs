@@ -35,6 +35,17 @@ fn shard_recorder(seen: &Arc<Mutex<Vec<Seen>>>, name: &str) -> Registry {
     r
 }
 
+/// Waits for fanned-out run `key` to finish: a group of `n` members, every one done.
+async fn wait_group_done(client: &EnqueueClient, key: uuid::Uuid, n: usize) {
+    match client.wait(key, Duration::from_secs(60)).await.unwrap() {
+        Finished::Group { members } => {
+            assert_eq!(members.len(), n);
+            assert!(members.iter().all(|m| matches!(m.finished, Finished::Done { .. })), "{members:?}");
+        }
+        other => panic!("expected a group, got {other:?}"),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sharded_schedule_runs_every_shard_of_every_slot_once() {
     let env = TestEnv::new("shards");
@@ -109,13 +120,7 @@ async fn a_sharded_schedule_runs_every_shard_of_every_slot_once() {
     let again = client.enqueue(EnqueueRequest::new("adhoc-split").key("run-2")).await.unwrap();
     assert_eq!(again.members, done.members);
     let worker = Running::start(config.clone(), shard_recorder(&seen, "split"), 8).await;
-    match client.wait(done.key, Duration::from_secs(60)).await.unwrap() {
-        Finished::Group { members } => {
-            assert_eq!(members.len(), 4);
-            assert!(members.iter().all(|m| matches!(m.finished, Finished::Done { .. })));
-        }
-        other => panic!("expected a group, got {other:?}"),
-    }
+    wait_group_done(&client, done.key, 4).await;
     wait_until("the duplicates are absorbed", Duration::from_secs(30), || async { worker.duplicates() >= 4 })
         .await;
     let adhoc =
@@ -156,13 +161,7 @@ async fn a_packed_sharded_job_sends_its_members_ten_per_message_and_runs_each_on
     .await;
     let seen = Arc::new(Mutex::new(Vec::new()));
     let worker = Running::start(config.clone(), shard_recorder(&seen, "split"), 8).await;
-    match client.wait(done.key, Duration::from_secs(60)).await.unwrap() {
-        Finished::Group { members } => {
-            assert_eq!(members.len(), 25);
-            assert!(members.iter().all(|m| matches!(m.finished, Finished::Done { .. })));
-        }
-        other => panic!("expected a group, got {other:?}"),
-    }
+    wait_group_done(&client, done.key, 25).await;
     wait_until("five slots ran", Duration::from_secs(60), || async {
         let s = seen.lock().unwrap();
         let slots: std::collections::BTreeSet<&String> =
