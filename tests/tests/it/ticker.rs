@@ -194,9 +194,14 @@ async fn after_all_tickers_were_down_each_catch_up_policy_is_obeyed() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
     };
+    // The slots in each gap, plus one when the killed ticker had published the slot before
+    // the gap (it ran) but not yet advanced the watermark past it: the new leader will never
+    // publish that one either, so it counts it (seen once in CI).
     assert_eq!(missed("c-all"), 0);
-    assert_eq!(missed("c-latest"), gl[0].1 - gl[0].0 - 1, "{metrics}");
-    assert_eq!(missed("c-none"), gn[0].1 - gn[0].0 - 1, "{metrics}");
+    for (job, (last, next)) in [("c-latest", gl[0]), ("c-none", gn[0])] {
+        let gap = next - last - 1;
+        assert!([gap, gap + 1].contains(&missed(job)), "{job}: gap of {gap}: {metrics}");
+    }
     for l in [&all, &latest, &none] {
         assert_eq!(l.duplicates(), 0);
     }
