@@ -32,6 +32,6 @@ pub use enqueue::flush::{FlushReport, flush_at_start, flush_spool};
 pub use enqueue::workflow::{MAX_STEPS, StepRequest, WorkflowEnqueued, WorkflowRequest};
 pub use enqueue::{
     BatchReport, Delivery, EnqueueClient, EnqueueError, EnqueueRequest, Enqueued, IntoRequest, Pack,
-    Prepared, packs, parse_batch_line, prepare,
+    Prepared, packs, parse_batch_line, prepare, prepare_owned,
 };
 pub use wait::{Finished, MemberFinished, WaitError};

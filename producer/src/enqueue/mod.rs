@@ -1153,6 +1153,21 @@ pub fn packs(
 /// typed job's own options), the queue name and the attempt count must be valid, and the
 /// envelope must fit `amqp.max_message_bytes`.
 pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, EnqueueError> {
+    prepare_with(config, req, req.payload.clone())
+}
+
+/// [`prepare`], taking the request: its payload is moved into the envelope, not copied.
+pub fn prepare_owned(config: &Config, mut req: EnqueueRequest) -> Result<Prepared, EnqueueError> {
+    let payload = req.payload.take();
+    prepare_with(config, &req, payload)
+}
+
+/// [`prepare`] of `req` with `payload` (the request's own, taken or copied).
+fn prepare_with(
+    config: &Config,
+    req: &EnqueueRequest,
+    payload: Option<serde_json::Value>,
+) -> Result<Prepared, EnqueueError> {
     if let Some((field, message)) = &req.invalid {
         return Err(EnqueueError::Invalid { field: field.clone(), message: message.clone() });
     }
@@ -1239,11 +1254,8 @@ pub fn prepare(config: &Config, req: &EnqueueRequest) -> Result<Prepared, Enqueu
             ),
         });
     }
-    let payload = req
-        .payload
-        .clone()
-        .or_else(|| entry.and_then(|j| j.payload.clone()))
-        .unwrap_or(serde_json::Value::Null);
+    let payload =
+        payload.or_else(|| entry.and_then(|j| j.payload.clone())).unwrap_or(serde_json::Value::Null);
     let mut env = Envelope::new(&req.job, queue, key, payload, None, max_attempts, Source::Adhoc);
     if let Some(t) = req.trace.clone().or_else(trace::current) {
         env.trace_id = Some(t.traceparent);

@@ -2,7 +2,7 @@
 
 use anyhow::Context as _;
 use chime_producer::{
-    Delivery, EnqueueClient, EnqueueError, EnqueueRequest, Prepared, parse_batch_line, prepare,
+    Delivery, EnqueueClient, EnqueueError, EnqueueRequest, Prepared, parse_batch_line, prepare, prepare_owned,
 };
 use chime_shared::config::{Config, ValidConfig};
 use chime_shared::history::HistoryReader;
@@ -631,11 +631,12 @@ async fn enqueue_batch(
     // The jobs of lines 1..=kept_lines, kept for pass 2 while they fit in KEEP_BYTES.
     let (mut kept, mut kept_lines, mut kept_bytes, mut keeping) = (Vec::<Prepared>::new(), 0, 0, true);
     while let Some((i, req)) = requests.next()? {
-        let p = prepare(&config, &req).map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?;
+        let keyed = req.key.is_some();
+        let p = prepare_owned(&config, req).map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?;
         if let Some(q) = &p.unverified_queue {
             queues.entry(q.clone()).or_insert(i);
         }
-        if req.key.is_some() {
+        if keyed {
             settled.add(&config, p.envelope.key.to_string()).await;
         }
         total += 1;
@@ -688,7 +689,7 @@ async fn enqueue_batch(
                 while chunk.len() < PUBLISH_CHUNK {
                     // Validated in pass 1: this fails only if the file changed meanwhile.
                     let next = requests.next().and_then(|r| match r {
-                        Some((i, req)) => prepare(&cfg, &req)
+                        Some((i, req)) => prepare_owned(&cfg, req)
                             .map(Some)
                             .map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}"))),
                         None => Ok(None),

@@ -59,9 +59,10 @@ pub struct Envelope {
     /// Job arguments, any JSON value.
     pub payload: serde_json::Value,
     /// Scheduled instant (UTC) of a scheduled run; `null` for ad-hoc runs.
-    #[serde(deserialize_with = "required_nullable")]
+    #[serde(deserialize_with = "required_nullable", serialize_with = "time::serialize_opt")]
     pub slot: Option<DateTime<Utc>>,
     /// When the first attempt was published.
+    #[serde(serialize_with = "time::serialize")]
     pub enqueued_at: DateTime<Utc>,
     /// Starts at 1; carried by chime.
     pub attempt: u32,
@@ -435,6 +436,7 @@ pub fn put_header(table: &mut FieldTable, name: &str, value: &str) {
 }
 
 pub mod pack;
+mod time;
 
 #[cfg(test)]
 mod fuzz;
