@@ -18,7 +18,9 @@
 //! on, and before trace support), spool (enqueue with the spool on and off, spooling and
 //! flushing rates, a producer's memory while it spools 1 GiB), allocs (allocations per job of
 //! the enqueue client and of an in-process worker, unpacked and packed), queue-types (raw lapin
-//! through quorum and classic queues: the broker's CPU per message published and drained).
+//! through quorum and classic queues: the broker's CPU per message published and drained),
+//! shards (a 1,000-shard job's runs sent one member per message, or packed 10 and 100 to a
+//! message by `jobs[].pack`: enqueue to last member done through one default worker).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod allocs;
@@ -31,6 +33,7 @@ mod probes;
 mod publish;
 mod queues;
 mod scale;
+mod shards;
 mod spool;
 mod ticker;
 mod traces;
@@ -178,6 +181,9 @@ pub async fn main() {
     }
     if c.o.only.as_ref().is_some_and(|v| v.iter().any(|s| s.starts_with("limits"))) {
         limits::scenario(&c).await;
+    }
+    if c.opted("shards") {
+        shards::scenario(&c).await;
     }
     if c.opted("scale") {
         scale::scenario(&c).await;
