@@ -15,9 +15,11 @@
 //! most once (acking a tag twice closes the channel).
 //!
 //! Batching: when every tag up to some T is settled, one `basic.ack(T, multiple=true)` acks all
-//! the settled-by-ack tags ≤ T. Requeues (`basic.nack`, requeue) go out at once, in order. A
-//! settled delivery held back by a slower one below it is acked on its own after [`HOLD`], so a
-//! long job never fills the prefetch window with finished deliveries.
+//! the settled-by-ack tags ≤ T; it is sent once those tags are a quarter of the channel's
+//! unacked deliveries, or nothing else is in flight, or at the next tick (within [`HOLD`]).
+//! Requeues (`basic.nack`, requeue) go out at once, in order. A settled delivery held back by
+//! a slower one below it is acked on its own after [`HOLD`], so a long job never fills the
+//! prefetch window with finished deliveries.
 
 use futures_util::future::BoxFuture;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
@@ -28,8 +30,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tracing::warn;
 
-/// How long a settled delivery may wait for the ones below it.
+/// How long a settled delivery may wait for the ones below it, or for others to be acked with.
 pub(crate) const HOLD: Duration = Duration::from_millis(20);
+
+/// A settled prefix is acked at once when it is at least this fraction (1/n) of the
+/// deliveries not yet acked on the wire: three quarters of the prefetch window keep working
+/// while a quarter waits to be acked in one frame.
+const BATCH_SHARE: usize = 4;
 
 /// A frame the ledger wants sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,13 +81,36 @@ impl AckLedger {
         self.open.insert(tag);
     }
 
-    /// The delivery's outcome is durable: it may be acked. Ignored unless `tag` is open.
+    /// The delivery's outcome is durable: it may be acked. Ignored unless `tag` is open. The
+    /// ack goes out with others ([`Self::prefix_due`]), or at the next [`Self::tick`].
     pub fn ack(&mut self, tag: u64, now: Instant) -> Vec<Wire> {
         if !self.open.remove(&tag) {
             return Vec::new();
         }
         self.pending.insert(tag, now);
-        self.ack_prefix()
+        if self.prefix_due() { self.ack_prefix() } else { Vec::new() }
+    }
+
+    /// Whether the settled prefix is worth a frame now: nothing else is in flight, or it is a
+    /// [`BATCH_SHARE`]th of the deliveries the broker counts as unacked. A frame per job (jobs
+    /// finish about in order) costs the broker as much as the job's delivery: a quorum queue
+    /// spent 51 µs a message acked one by one against 13 µs acked 32 at once (BENCHMARKS.md).
+    fn prefix_due(&self) -> bool {
+        if self.open.is_empty() {
+            return true;
+        }
+        let settled = self.pending.range(..self.limit()).count();
+        settled > 0 && settled * BATCH_SHARE >= self.open.len() + self.pending.len()
+    }
+
+    /// The lowest open or unknown tag: no multiple ack reaches it.
+    fn limit(&self) -> u64 {
+        match (self.open.first(), self.unknown.first()) {
+            (Some(a), Some(b)) => *a.min(b),
+            (Some(a), None) => *a,
+            (None, Some(b)) => *b,
+            (None, None) => u64::MAX,
+        }
     }
 
     /// The delivery goes back to the queue. Ignored unless `tag` is open.
@@ -95,28 +125,26 @@ impl AckLedger {
 
     /// One multiple ack over the settled tags below the lowest open or unknown one.
     fn ack_prefix(&mut self) -> Vec<Wire> {
-        let limit = match (self.open.first(), self.unknown.first()) {
-            (Some(a), Some(b)) => *a.min(b),
-            (Some(a), None) => *a,
-            (None, Some(b)) => *b,
-            (None, None) => u64::MAX,
-        };
-        let Some((&top, _)) = self.pending.range(..limit).next_back() else { return Vec::new() };
+        let Some((&top, _)) = self.pending.range(..self.limit()).next_back() else { return Vec::new() };
         self.pending = self.pending.split_off(&(top + 1));
         vec![Wire::Ack { tag: top, multiple: true }]
     }
 
-    /// Acks on its own every settled delivery held back for `HOLD` or longer.
+    /// Acks the settled prefix, whatever its size, then on its own every settled delivery
+    /// held back for `HOLD` or longer.
     pub fn tick(&mut self, now: Instant) -> Vec<Wire> {
+        let mut out = self.ack_prefix();
         let held: Vec<u64> = self
             .pending
             .iter()
             .filter(|(_, since)| now.duration_since(**since) >= HOLD)
             .map(|(t, _)| *t)
             .collect();
-        held.into_iter()
-            .filter_map(|tag| self.pending.remove(&tag).map(|_| Wire::Ack { tag, multiple: false }))
-            .collect()
+        out.extend(
+            held.into_iter()
+                .filter_map(|tag| self.pending.remove(&tag).map(|_| Wire::Ack { tag, multiple: false })),
+        );
+        out
     }
 
     /// Settled deliveries are held back (waiting for slower ones below them).

@@ -174,6 +174,30 @@ fn a_lost_tag_blocks_multiple_acks_past_it() {
 }
 
 #[test]
+fn jobs_settled_in_order_are_acked_a_quarter_of_the_window_at_a_time() {
+    let t = Instant::now();
+    let mut l = AckLedger::default();
+    for tag in 1..=64 {
+        l.delivered(tag);
+    }
+    let mut frames = Vec::new();
+    for tag in 1..=40 {
+        frames.extend(l.ack(tag, t));
+    }
+    // 16 settled of 64 unacked, then 12 of 48 (a quarter again), then 9 of 36.
+    let want = [16, 28, 37].map(|tag| Wire::Ack { tag, multiple: true });
+    assert_eq!(frames, want);
+    // The rest of the prefix goes out at the next tick, in one frame.
+    assert_eq!(l.tick(t + Duration::from_millis(1)), vec![Wire::Ack { tag: 40, multiple: true }]);
+    // The last one in flight is acked at once: nothing else would carry it.
+    for tag in 41..=63 {
+        l.ack(tag, t);
+    }
+    assert_eq!(l.ack(64, t), vec![Wire::Ack { tag: 64, multiple: true }]);
+    assert!(!l.holds());
+}
+
+#[test]
 fn requeues_go_out_at_once_and_unblock_the_prefix() {
     let t = Instant::now();
     let mut l = AckLedger::default();
