@@ -949,8 +949,15 @@ impl EnqueueClient {
     /// yet confirmed (copies the broker did receive are absorbed by their keys).
     pub async fn publish_batch(&self, envs: &[Prepared]) -> BatchReport {
         let qt = self.config.amqp.queue_type;
+        let work = self.names.work_exchange();
         let wire = |p: &Prepared| {
-            let (exchange, rk) = delay::target(&self.names, qt, &p.envelope.route(), p.delay);
+            let route = p.envelope.route();
+            // Most jobs go straight to the work exchange: its name made once per batch.
+            let (exchange, rk) = if delay::seconds(p.delay) == 0 {
+                (work.clone(), route)
+            } else {
+                delay::target(&self.names, qt, &route, p.delay)
+            };
             (exchange, rk, p.envelope.encode(), p.envelope.properties())
         };
         let (confirmed, error) = self.publish_all(envs, &wire).await;

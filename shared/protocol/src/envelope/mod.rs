@@ -412,7 +412,9 @@ impl Envelope {
         BasicProperties::default()
             .with_content_type(ShortString::from("application/json"))
             .with_delivery_mode(2)
-            .with_message_id(ShortString::from(self.key.to_string()))
+            .with_message_id(ShortString::from(
+                self.key.hyphenated().encode_lower(&mut Uuid::encode_buffer()).to_string(),
+            ))
             .with_type(ShortString::from(self.job.clone()))
             .with_timestamp(ts)
     }
