@@ -151,6 +151,13 @@ pub async fn main() {
         println!("{rate:.0} msg/s  {}  {w:?}", measure::cpu_text(cpu));
         return;
     }
+    // A plain lapin publisher as a program of its own, timed as a whole process beside `chime
+    // enqueue --batch`: chime-bench raw-publish-file EXCHANGE ROUTING_KEY FILE
+    if args.get(1).map(String::as_str) == Some("raw-publish-file") {
+        let n = publish::raw_publish_file(&args[2], &args[3], std::path::Path::new(&args[4])).await;
+        println!("{n}");
+        return;
+    }
     let o = <Opts as clap::Parser>::parse();
     println!("chime-bench: queue type {}, {} run(s) of ~{}s each, medians", o.queue_type, o.runs, o.seconds);
     let conn = connect_amqp().await;

@@ -87,6 +87,76 @@ pub async fn raw_publish(conn: &Connection, t: &Target<'_>, shape: Shape, amount
     (rate, cost.per_message(confirmed))
 }
 
+/// A plain lapin publisher, as a user would write one in place of `chime enqueue --batch`:
+/// connect, read `file` a line at a time and publish each line as a persistent message in the
+/// fastest shape ([`FASTEST`]), every confirm awaited; returns how many were confirmed.
+pub async fn raw_publish_file(exchange: &str, routing_key: &str, file: &std::path::Path) -> usize {
+    use std::io::BufRead;
+    let conn = connect_amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let reader = std::io::BufReader::with_capacity(1 << 16, std::fs::File::open(file).unwrap());
+    let mut lines = reader.lines();
+    let mut pending = VecDeque::new();
+    let mut confirmed = 0;
+    let props = bare_props();
+    loop {
+        let group: Vec<String> = lines.by_ref().take(FASTEST.group).map(Result::unwrap).collect();
+        if group.is_empty() {
+            break;
+        }
+        let publishes = group.iter().map(|line| {
+            let opts = lapin::options::BasicPublishOptions::default();
+            ch.basic_publish(exchange.into(), routing_key.into(), opts, line.as_bytes(), props.clone())
+        });
+        for p in futures_util::future::join_all(publishes).await {
+            pending.push_back(p.unwrap());
+        }
+        while pending.len() > FASTEST.window {
+            let p: lapin::PublisherConfirm = pending.pop_front().unwrap();
+            assert!(matches!(p.await.unwrap(), lapin::Confirmation::Ack(None)), "raw publish not acked");
+            confirmed += 1;
+        }
+    }
+    for p in pending {
+        assert!(matches!(p.await.unwrap(), lapin::Confirmation::Ack(None)), "raw publish not acked");
+        confirmed += 1;
+    }
+    let _ = conn.close(200, "".into()).await;
+    confirmed
+}
+
+/// [`raw_publish_file`] started as a process of its own (this binary) and timed as one, as
+/// [`cli_batch`] times the command: messages a second from start to exit.
+pub async fn raw_file_process(exchange: &str, routing_key: &str, file: &std::path::Path) -> (f64, Cost) {
+    let time_out = file.with_extension("time");
+    let mut cmd = tokio::process::Command::new("/usr/bin/time");
+    cmd.args(["-f", "%U %S", "-o"]).arg(&time_out);
+    cmd.arg(std::env::current_exe().unwrap()).args(["raw-publish-file", exchange, routing_key]).arg(file);
+    cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let started = Instant::now();
+    let child = cmd.spawn().unwrap();
+    let calls = child.id().and_then(child_of).map(Syscalls::spawn);
+    let out = child.wait_with_output().await.unwrap();
+    let wall = started.elapsed().as_secs_f64();
+    let syscalls = calls.and_then(Syscalls::stop);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let n: f64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    (n / wall, process_cost(&time_out, n, syscalls))
+}
+
+/// CPU and system calls per message of a process timed by `/usr/bin/time -f "%U %S" -o time_out`.
+fn process_cost(time_out: &std::path::Path, n: f64, syscalls: Option<u64>) -> Cost {
+    let times = std::fs::read_to_string(time_out).unwrap_or_default();
+    let t: Vec<f64> =
+        times.lines().last().unwrap_or("").split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    Cost {
+        user_us: t.first().copied().unwrap_or(f64::NAN) * 1e6 / n,
+        sys_us: t.get(1).copied().unwrap_or(f64::NAN) * 1e6 / n,
+        syscalls: syscalls.map_or(f64::NAN, |c| c as f64 / n),
+    }
+}
+
 /// chime: one `EnqueueClient::publish_batch` of `batch` prepared jobs; returns confirmed jobs/s
 /// and this process's cost per job.
 pub async fn chime_publish(client: &EnqueueClient, batch: &[Prepared]) -> (f64, Cost) {
@@ -129,16 +199,7 @@ pub async fn cli_batch(
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let n = v["confirmed"].as_f64().unwrap();
-    let times = std::fs::read_to_string(&time_out).unwrap_or_default();
-    let t: Vec<f64> =
-        times.lines().last().unwrap_or("").split_whitespace().filter_map(|x| x.parse().ok()).collect();
-    let syscalls = syscalls.map_or(f64::NAN, |c| c as f64 / n);
-    let cost = Cost {
-        user_us: t.first().copied().unwrap_or(f64::NAN) * 1e6 / n,
-        sys_us: t.get(1).copied().unwrap_or(f64::NAN) * 1e6 / n,
-        syscalls,
-    };
-    (n / wall, cost)
+    (n / wall, process_cost(&time_out, n, syscalls))
 }
 
 /// The process `/usr/bin/time` (pid `parent`) started, once it has started it (up to 1 s).
@@ -188,6 +249,14 @@ pub async fn scenario(c: &Ctx) {
     // Lines whose envelopes are the size of the others' bodies.
     let lines: String = (0..n).map(|i| format!("{{\"payload\":{{\"i\":{i}}}}}\n")).collect();
     std::fs::write(&file, lines).unwrap();
+    // The plain program's file: each line one body of chime's size (the raw publishers' body).
+    let raw_file = env.dir.join("raw.jsonl");
+    let mut raw_lines = Vec::with_capacity(n * (body.len() + 1));
+    for _ in 0..n {
+        raw_lines.extend_from_slice(&body);
+        raw_lines.push(b'\n');
+    }
+    std::fs::write(&raw_file, raw_lines).unwrap();
     let before = std::env::var_os("BENCH_CHIME_BEFORE").map(std::path::PathBuf::from);
     let bare = Target { exchange: "", routing_key: &q, mandatory: false, props: bare_props(), body: &body };
     let same = Target {
@@ -214,6 +283,7 @@ pub async fn scenario(c: &Ctx) {
         "EnqueueClient::publish_batch",
         "chime enqueue --batch (CLI, whole process)",
         "chime enqueue --batch --pack 100 (CLI, whole process)",
+        "raw lapin as a program of its own (whole process)",
     ];
     if before.is_some() {
         variants.push("chime enqueue --batch, BENCH_CHIME_BEFORE");
@@ -233,6 +303,7 @@ pub async fn scenario(c: &Ctx) {
                 4 => chime_publish(&client, &batch).await,
                 5 => cli_batch(&env, &bin_path("chime"), &path, &file, None).await,
                 6 => cli_batch(&env, &bin_path("chime"), &path, &file, Some(100)).await,
+                7 => raw_file_process(&work, "default", &raw_file).await,
                 _ => cli_batch(&env, before.as_ref().unwrap(), &path, &file, None).await,
             };
             runs[i].broker.push(broker.per_message(n as u64)[0]);
@@ -255,6 +326,12 @@ pub async fn scenario(c: &Ctx) {
             median(r.broker.clone())
         );
     }
+    // The command against the plain program, each timed as a whole process, round by round.
+    let like: Vec<f64> = runs[5].rates.iter().zip(&runs[7].rates).map(|(cli, raw)| cli / raw).collect();
+    println!(
+        "publish  chime enqueue --batch against the plain lapin program, both whole processes: {:.2}x",
+        median(like)
+    );
 }
 
 /// Opt-in `batch-memory`: peak RSS of `chime enqueue --batch` for 100,000 and 1,000,000
