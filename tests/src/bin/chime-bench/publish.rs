@@ -72,25 +72,31 @@ pub async fn raw_publish(conn: &Connection, t: &Target<'_>, shape: Shape, amount
             pending.push_back(p.unwrap());
         }
         sent += n;
-        while pending.len() > shape.window {
-            let p: lapin::PublisherConfirm = pending.pop_front().unwrap();
-            assert!(matches!(p.await.unwrap(), lapin::Confirmation::Ack(None)), "raw publish not acked");
-            confirmed += 1;
-        }
+        confirmed += confirm_down_to(&mut pending, shape.window).await;
     }
-    for p in pending {
-        assert!(matches!(p.await.unwrap(), lapin::Confirmation::Ack(None)), "raw publish not acked");
-        confirmed += 1;
-    }
+    confirmed += confirm_down_to(&mut pending, 0).await;
     let rate = confirmed as f64 / start.elapsed().as_secs_f64();
     let _ = ch.close(200, "".into()).await;
     (rate, cost.per_message(confirmed))
 }
 
+/// Awaits the oldest confirms of `pending` until at most `keep` are left, each an ack;
+/// returns how many it awaited.
+async fn confirm_down_to(pending: &mut VecDeque<lapin::PublisherConfirm>, keep: usize) -> u64 {
+    let mut n = 0;
+    while pending.len() > keep
+        && let Some(p) = pending.pop_front()
+    {
+        assert!(matches!(p.await.unwrap(), lapin::Confirmation::Ack(None)), "raw publish not acked");
+        n += 1;
+    }
+    n
+}
+
 /// A plain lapin publisher, as a user would write one in place of `chime enqueue --batch`:
 /// connect, read `file` a line at a time and publish each line as a persistent message in the
 /// fastest shape ([`FASTEST`]), every confirm awaited; returns how many were confirmed.
-pub async fn raw_publish_file(exchange: &str, routing_key: &str, file: &std::path::Path) -> usize {
+pub async fn raw_publish_file(exchange: &str, routing_key: &str, file: &std::path::Path) -> u64 {
     use std::io::BufRead;
     let conn = connect_amqp().await;
     let ch = conn.create_channel().await.unwrap();
@@ -112,16 +118,9 @@ pub async fn raw_publish_file(exchange: &str, routing_key: &str, file: &std::pat
         for p in futures_util::future::join_all(publishes).await {
             pending.push_back(p.unwrap());
         }
-        while pending.len() > FASTEST.window {
-            let p: lapin::PublisherConfirm = pending.pop_front().unwrap();
-            assert!(matches!(p.await.unwrap(), lapin::Confirmation::Ack(None)), "raw publish not acked");
-            confirmed += 1;
-        }
+        confirmed += confirm_down_to(&mut pending, FASTEST.window).await;
     }
-    for p in pending {
-        assert!(matches!(p.await.unwrap(), lapin::Confirmation::Ack(None)), "raw publish not acked");
-        confirmed += 1;
-    }
+    confirmed += confirm_down_to(&mut pending, 0).await;
     let _ = conn.close(200, "".into()).await;
     confirmed
 }
@@ -130,9 +129,25 @@ pub async fn raw_publish_file(exchange: &str, routing_key: &str, file: &std::pat
 /// [`cli_batch`] times the command: messages a second from start to exit.
 pub async fn raw_file_process(exchange: &str, routing_key: &str, file: &std::path::Path) -> (f64, Cost) {
     let time_out = file.with_extension("time");
+    let exe = std::env::current_exe().unwrap();
+    let args: Vec<std::ffi::OsString> =
+        vec!["raw-publish-file".into(), exchange.into(), routing_key.into(), file.into()];
+    let (wall, stdout, syscalls) = timed_process(&exe, &args, &time_out).await;
+    let n: f64 = String::from_utf8_lossy(&stdout).trim().parse().unwrap();
+    (n / wall, process_cost(&time_out, n, syscalls))
+}
+
+/// Runs `program` with `args` under `/usr/bin/time` (its CPU written to `time_out`), counting
+/// its system calls with a perf attached once it runs (a perf that started it would count its
+/// own start-up, ~0.09 s here, as the program's time); returns the wall time from spawn to
+/// exit, the standard output and the system calls. Panics when it fails.
+async fn timed_process(
+    program: &std::path::Path,
+    args: &[std::ffi::OsString],
+    time_out: &std::path::Path,
+) -> (f64, Vec<u8>, Option<u64>) {
     let mut cmd = tokio::process::Command::new("/usr/bin/time");
-    cmd.args(["-f", "%U %S", "-o"]).arg(&time_out);
-    cmd.arg(std::env::current_exe().unwrap()).args(["raw-publish-file", exchange, routing_key]).arg(file);
+    cmd.args(["-f", "%U %S", "-o"]).arg(time_out).arg(program).args(args);
     cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
     let started = Instant::now();
     let child = cmd.spawn().unwrap();
@@ -141,8 +156,7 @@ pub async fn raw_file_process(exchange: &str, routing_key: &str, file: &std::pat
     let wall = started.elapsed().as_secs_f64();
     let syscalls = calls.and_then(Syscalls::stop);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let n: f64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
-    (n / wall, process_cost(&time_out, n, syscalls))
+    (wall, out.stdout, syscalls)
 }
 
 /// CPU and system calls per message of a process timed by `/usr/bin/time -f "%U %S" -o time_out`.
@@ -180,24 +194,14 @@ pub async fn cli_batch(
     pack: Option<usize>,
 ) -> (f64, Cost) {
     let time_out = env.dir.join("cli.time");
-    let mut cmd = tokio::process::Command::new("/usr/bin/time");
-    cmd.args(["-f", "%U %S", "-o"]).arg(&time_out);
-    cmd.arg(bin).arg("--config").arg(config).args(["enqueue", "noop", "--batch"]).arg(file).arg("--json");
+    let mut args: Vec<std::ffi::OsString> = vec!["--config".into(), config.into()];
+    args.extend(["enqueue", "noop", "--batch"].map(Into::into));
+    args.extend([file.as_os_str().to_owned(), "--json".into()]);
     if let Some(n) = pack {
-        cmd.args(["--pack".to_string(), n.to_string()]);
+        args.extend(["--pack".into(), n.to_string().into()]);
     }
-    cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
-    let started = std::time::Instant::now();
-    let child = cmd.spawn().unwrap();
-    // System calls are counted by a perf attached to the running command, as for the raw
-    // publisher, not by a perf that starts it: that one's own start-up (~0.09 s here) would
-    // count as the command's time.
-    let calls = child.id().and_then(child_of).map(Syscalls::spawn);
-    let out = child.wait_with_output().await.unwrap();
-    let wall = started.elapsed().as_secs_f64();
-    let syscalls = calls.and_then(Syscalls::stop);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (wall, stdout, syscalls) = timed_process(bin, &args, &time_out).await;
+    let v: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
     let n = v["confirmed"].as_f64().unwrap();
     (n / wall, process_cost(&time_out, n, syscalls))
 }
