@@ -136,25 +136,14 @@ pub enum CircuitRef {
 
 impl<'de> Deserialize<'de> for CircuitRef {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            S(String),
-            T(toml::Table),
-        }
-        let raw = Raw::deserialize(d).map_err(|_| {
-            serde::de::Error::custom(
-                "the name of a [[circuits]] entry, or a table with failures (or failure_ratio), window, min_volume, open_for, probes and on_open",
-            )
-        })?;
-        match raw {
-            Raw::S(s) => Ok(CircuitRef::Named(s)),
-            // Read again as the table it must be, so an unknown key is named.
-            Raw::T(t) => RawCircuit::deserialize(toml::Value::Table(t))
-                .map_err(|e| e.to_string())
-                .and_then(RawCircuit::into_circuit)
-                .map(CircuitRef::Own)
-                .map_err(serde::de::Error::custom),
+        let expected = "the name of a [[circuits]] entry, or a table with failures (or failure_ratio), window, min_volume, open_for, probes and on_open";
+        match super::limits::NameOrTable::deserialize(d, expected)? {
+            super::limits::NameOrTable::Name(s) => Ok(CircuitRef::Named(s)),
+            super::limits::NameOrTable::Table(t) => {
+                super::limits::NameOrTable::read::<RawCircuit, _>(t, RawCircuit::into_circuit)
+                    .map(CircuitRef::Own)
+                    .map_err(serde::de::Error::custom)
+            }
         }
     }
 }

@@ -168,29 +168,52 @@ pub enum RateLimitRef {
 
 impl<'de> Deserialize<'de> for RateLimitRef {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let expected = "a rate (\"100/s\"), the name of a [[limits]] entry, or a table with rate (or limit and per), burst and key";
+        match NameOrTable::deserialize(d, expected)? {
+            NameOrTable::Name(s) if s.contains('/') => Rate::parse(&s)
+                .map(|rate| RateLimitRef::Own(RateLimit { rate, key: None }))
+                .map_err(serde::de::Error::custom),
+            NameOrTable::Name(s) => Ok(RateLimitRef::Named(s)),
+            NameOrTable::Table(t) => NameOrTable::read::<RawLimitTable, _>(t, RawLimitTable::into_limit)
+                .map(RateLimitRef::Own)
+                .map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// A setting that names a shared entry or is a table of its own (`rate_limit = "stripe"` or
+/// `rate_limit = { … }`; the same for `circuit`).
+pub(super) enum NameOrTable {
+    /// A string.
+    Name(String),
+    /// A table, to be read again as the table it must be.
+    Table(toml::Table),
+}
+
+impl NameOrTable {
+    /// Reads a string or a table; anything else is an error saying what was `expected`.
+    pub(super) fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+        expected: &'static str,
+    ) -> Result<Self, D::Error> {
         #[derive(Deserialize)]
         #[serde(untagged)]
         enum Raw {
             S(String),
             T(toml::Table),
         }
-        let raw = Raw::deserialize(d).map_err(|_| {
-            serde::de::Error::custom(
-                "a rate (\"100/s\"), the name of a [[limits]] entry, or a table with rate (or limit and per), burst and key",
-            )
-        })?;
-        match raw {
-            Raw::S(s) if s.contains('/') => Rate::parse(&s)
-                .map(|rate| RateLimitRef::Own(RateLimit { rate, key: None }))
-                .map_err(serde::de::Error::custom),
-            Raw::S(s) => Ok(RateLimitRef::Named(s)),
-            // Read again as the table it must be, so an unknown key is named.
-            Raw::T(t) => RawLimitTable::deserialize(toml::Value::Table(t))
-                .map_err(|e| e.to_string())
-                .and_then(RawLimitTable::into_limit)
-                .map(RateLimitRef::Own)
-                .map_err(serde::de::Error::custom),
+        match Raw::deserialize(d).map_err(|_| serde::de::Error::custom(expected))? {
+            Raw::S(s) => Ok(NameOrTable::Name(s)),
+            Raw::T(t) => Ok(NameOrTable::Table(t)),
         }
+    }
+
+    /// `table` read again as a `Raw` (so an unknown key is named), then made a value by `into`.
+    pub(super) fn read<Raw: serde::de::DeserializeOwned, T>(
+        table: toml::Table,
+        into: impl FnOnce(Raw) -> Result<T, String>,
+    ) -> Result<T, String> {
+        Raw::deserialize(toml::Value::Table(table)).map_err(|e| e.to_string()).and_then(into)
     }
 }
 
