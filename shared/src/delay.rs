@@ -57,9 +57,21 @@ pub fn first_level(secs: u64) -> Option<u32> {
 
 /// Exchange and routing key that deliver to `queue` after `delay` (now, if it is zero).
 pub fn target(names: &Names, queue_type: QueueType, queue: &str, delay: Duration) -> (String, String) {
+    target_with(|| names.work_exchange(), names, queue_type, queue.to_string(), delay)
+}
+
+/// [`target`] with the work exchange's name from `work` (a publisher of many jobs makes it
+/// once) and the queue moved in.
+pub fn target_with(
+    work: impl FnOnce() -> String,
+    names: &Names,
+    queue_type: QueueType,
+    queue: String,
+    delay: Duration,
+) -> (String, String) {
     match seconds(delay) {
-        0 => (names.work_exchange(), queue.to_string()),
-        secs => (names::delay_level(queue_type, LEVELS - 1), routing_key(secs, names.prefix(), queue)),
+        0 => (work(), queue),
+        secs => (names::delay_level(queue_type, LEVELS - 1), routing_key(secs, names.prefix(), &queue)),
     }
 }
 

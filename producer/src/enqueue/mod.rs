@@ -951,13 +951,9 @@ impl EnqueueClient {
         let qt = self.config.amqp.queue_type;
         let work = self.names.work_exchange();
         let wire = |p: &Prepared| {
-            let route = p.envelope.route();
             // Most jobs go straight to the work exchange: its name made once per batch.
-            let (exchange, rk) = if delay::seconds(p.delay) == 0 {
-                (work.clone(), route)
-            } else {
-                delay::target(&self.names, qt, &route, p.delay)
-            };
+            let (exchange, rk) =
+                delay::target_with(|| work.clone(), &self.names, qt, p.envelope.route(), p.delay);
             (exchange, rk, p.envelope.encode(), p.envelope.properties())
         };
         let (confirmed, error) = self.publish_all(envs, &wire).await;

@@ -137,13 +137,11 @@ pub enum CircuitRef {
 impl<'de> Deserialize<'de> for CircuitRef {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let expected = "the name of a [[circuits]] entry, or a table with failures (or failure_ratio), window, min_volume, open_for, probes and on_open";
-        match super::limits::NameOrTable::deserialize(d, expected)? {
-            super::limits::NameOrTable::Name(s) => Ok(CircuitRef::Named(s)),
-            super::limits::NameOrTable::Table(t) => {
-                super::limits::NameOrTable::read::<RawCircuit, _>(t, RawCircuit::into_circuit)
-                    .map(CircuitRef::Own)
-                    .map_err(serde::de::Error::custom)
-            }
+        match NameOrTable::deserialize(d, expected)? {
+            NameOrTable::Name(s) => Ok(CircuitRef::Named(s)),
+            NameOrTable::Table(t) => NameOrTable::read::<RawCircuit, _>(t, RawCircuit::into_circuit)
+                .map(CircuitRef::Own)
+                .map_err(serde::de::Error::custom),
         }
     }
 }

@@ -181,42 +181,6 @@ impl<'de> Deserialize<'de> for RateLimitRef {
     }
 }
 
-/// A setting that names a shared entry or is a table of its own (`rate_limit = "stripe"` or
-/// `rate_limit = { … }`; the same for `circuit`).
-pub(super) enum NameOrTable {
-    /// A string.
-    Name(String),
-    /// A table, to be read again as the table it must be.
-    Table(toml::Table),
-}
-
-impl NameOrTable {
-    /// Reads a string or a table; anything else is an error saying what was `expected`.
-    pub(super) fn deserialize<'de, D: serde::Deserializer<'de>>(
-        d: D,
-        expected: &'static str,
-    ) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            S(String),
-            T(toml::Table),
-        }
-        match Raw::deserialize(d).map_err(|_| serde::de::Error::custom(expected))? {
-            Raw::S(s) => Ok(NameOrTable::Name(s)),
-            Raw::T(t) => Ok(NameOrTable::Table(t)),
-        }
-    }
-
-    /// `table` read again as a `Raw` (so an unknown key is named), then made a value by `into`.
-    pub(super) fn read<Raw: serde::de::DeserializeOwned, T>(
-        table: toml::Table,
-        into: impl FnOnce(Raw) -> Result<T, String>,
-    ) -> Result<T, String> {
-        Raw::deserialize(toml::Value::Table(table)).map_err(|e| e.to_string()).and_then(into)
-    }
-}
-
 /// One `[[limits]]` entry: a rate limit several jobs share by name (`rate_limit = "stripe"`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NamedLimit {
