@@ -115,6 +115,50 @@ async fn a_large_batch_on_stdin_is_validated_whole_then_published_in_chunks() {
     assert_eq!(spools(), 0, "the spool of standard input is removed");
 }
 
+/// A batch file of 256 KiB or more is validated in two halves at once (the second on a thread
+/// of its own): a bad line in either half is reported by its line in the file, the first one
+/// when both halves have one, and publishes nothing; a queue nobody declares, named only in
+/// the second half, is refused by that line; a good file arrives whole, each line once.
+#[tokio::test]
+async fn a_large_batch_file_is_validated_in_two_halves() {
+    let env = TestEnv::new("halfbatch");
+    let path = env.write_config(&env.config_text("quorum", "", "", JOBS));
+    let queue = env.names().work_queue("default");
+    let config = chime_shared::Config::from_toml_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    drop(chime_producer::EnqueueClient::connect(config).await.unwrap());
+    let n = 20_000;
+    let lines: Vec<String> =
+        (0..n).map(|i| format!("{{\"payload\":{{\"i\":{i}}},\"key\":\"h{i}\"}}")).collect();
+    assert!(lines.iter().map(|l| l.len() + 1).sum::<usize>() > 256 << 10, "large enough to be split");
+    let file = env.dir.join("batch.jsonl");
+    let file_arg = file.to_str().unwrap();
+    let run = |edits: &[(usize, &str)]| {
+        let mut l = lines.clone();
+        for (line, text) in edits {
+            l[line - 1] = text.to_string();
+        }
+        std::fs::write(&file, l.join("\n") + "\n").unwrap();
+        chime(&path, &["enqueue", "greet", "--batch", file_arg], None)
+    };
+    let bad = "{oops";
+    let none_here = "{\"payload\":1,\"queue\":\"nowhere\"}";
+    for (edits, line) in [
+        (vec![(17_000, bad)], "line 17000: invalid JSON"),
+        (vec![(n, bad)], "line 20000: invalid JSON"),
+        (vec![(2, "{\"payload\":1,\"max_attempts\":0}"), (17_000, bad)], "line 2: invalid max_attempts"),
+        (vec![(16_000, none_here), (19_000, none_here)], "line 16000: queue: "),
+    ] {
+        let (code, out, err) = run(&edits);
+        assert_eq!(code, 2, "{edits:?}: {out}{err}");
+        assert!(err.contains(line), "{edits:?}: {err}");
+        assert_eq!(depth(&queue).await, 0, "{edits:?}: nothing published");
+    }
+    let (code, out, err) = run(&[(10_001, ""), (10_002, "")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("confirmed 19998 of 19998 jobs"), "{out}");
+    wait_depth(&queue, 19_998, std::time::Duration::from_secs(30)).await;
+}
+
 /// `chime … | head`: the reader going away ends the command quietly (SIGPIPE), never with a
 /// panic and a backtrace.
 #[tokio::test]

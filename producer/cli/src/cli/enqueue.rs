@@ -391,6 +391,101 @@ const PUBLISH_CHUNK: usize = 10_000;
 const KEEP_BYTES: usize = 32 << 20;
 /// Keys asked about per Redis round trip while validating.
 const SETTLED_CHUNK: usize = 1_000;
+/// A batch file at least this large is validated in two halves at once, the second on a
+/// thread of its own (standard input is read once, on one thread).
+const SPLIT_BYTES: u64 = 256 << 10;
+
+/// Where a batch file's second half starts: just after the first newline past its middle.
+/// None for a small file, or when that line is longer than `limit` (the first half then
+/// reports it).
+fn split_point(path: &std::path::Path, limit: usize) -> Option<u64> {
+    use std::io::Seek as _;
+    let mut f = std::fs::File::open(path).ok()?;
+    let len = f.metadata().ok()?.len();
+    if len < SPLIT_BYTES {
+        return None;
+    }
+    let middle = len / 2;
+    f.seek(std::io::SeekFrom::Start(middle)).ok()?;
+    let mut rest = Vec::new();
+    let n = std::io::BufReader::new(f).take(limit as u64 + 1).read_until(b'\n', &mut rest).ok()?;
+    let at = middle + n as u64;
+    (rest.last() == Some(&b'\n') && at < len).then_some(at)
+}
+
+/// What validating a file's second half found.
+#[derive(Default)]
+struct Checked {
+    jobs: usize,
+    /// Queues no config declares, each with the first line naming it.
+    queues: std::collections::BTreeMap<String, usize>,
+    /// The keys given, to ask Redis which already ran.
+    keys: Vec<String>,
+}
+
+/// Pass 1's look at one request (line `i`): prepared as it will be published, its queue noted
+/// when no config declares it; the key to ask Redis about when the line gave one.
+fn check_line(
+    config: &Config,
+    source: &str,
+    i: usize,
+    req: EnqueueRequest,
+    queues: &mut std::collections::BTreeMap<String, usize>,
+) -> Result<(Prepared, Option<String>), Failure> {
+    let keyed = req.key.is_some();
+    let p = prepare_owned(config, req).map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?;
+    if let Some(q) = &p.unverified_queue {
+        queues.entry(q.clone()).or_insert(i);
+    }
+    let key = keyed.then(|| p.envelope.key.to_string());
+    Ok((p, key))
+}
+
+/// Validates the lines of `path` from byte `from` to the end (read by `requests`), numbered as
+/// in the whole file, keeping no job; stops early (with what it found) once `stop` is set.
+fn check_second_half<'a>(
+    path: &std::path::Path,
+    from: u64,
+    requests: impl FnOnce(Box<dyn BufRead + 'a>) -> Requests<'a>,
+    config: &Config,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Result<Checked, Failure> {
+    let f =
+        std::fs::File::open(path).with_context(|| format!("opening {}", path.display())).map_err(usage)?;
+    // The lines before it, read through once (the file's position ends at `from`).
+    let mut head = std::io::BufReader::with_capacity(1 << 16, (&f).take(from));
+    let mut before = 0;
+    loop {
+        let buf = head.fill_buf().with_context(|| format!("reading {}", path.display())).map_err(usage)?;
+        if buf.is_empty() {
+            break;
+        }
+        before += buf.iter().filter(|b| **b == b'\n').count();
+        let n = buf.len();
+        head.consume(n);
+    }
+    drop(head);
+    let mut requests = requests(Box::new(std::io::BufReader::with_capacity(1 << 16, f)));
+    requests.line = before;
+    let mut found = Checked::default();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed)
+        && let Some((i, req)) = requests.next()?
+    {
+        let (_, key) = check_line(config, requests.source, i, req, &mut found.queues)?;
+        found.keys.extend(key);
+        found.jobs += 1;
+    }
+    Ok(found)
+}
+
+/// Sets its flag when dropped: the second half's check stops when the first half fails.
+struct StopOnDrop(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
 
 /// A batch's lines, read twice: once to validate every one (nothing is published when one is
 /// bad), once to publish. Standard input cannot be read twice, so the first pass copies it to
@@ -401,15 +496,16 @@ struct BatchFile {
 }
 
 impl BatchFile {
-    fn reader(&self) -> Result<Box<dyn BufRead>, Failure> {
-        open_batch(&self.path)
+    /// Its first `upto` bytes (all of it without).
+    fn reader(&self, upto: Option<u64>) -> Result<Box<dyn BufRead>, Failure> {
+        open_batch(&self.path, upto.unwrap_or(u64::MAX))
     }
 }
 
-fn open_batch(path: &std::path::Path) -> Result<Box<dyn BufRead>, Failure> {
+fn open_batch(path: &std::path::Path, upto: u64) -> Result<Box<dyn BufRead>, Failure> {
     let f =
         std::fs::File::open(path).with_context(|| format!("opening {}", path.display())).map_err(usage)?;
-    Ok(Box::new(std::io::BufReader::with_capacity(1 << 16, f)))
+    Ok(Box::new(std::io::BufReader::with_capacity(1 << 16, f.take(upto))))
 }
 
 impl Drop for BatchFile {
@@ -608,7 +704,9 @@ async fn enqueue_batch(
         BatchFile { path: source.into(), spooled: false }
     };
     // Pass 1: validate every line, ask Redis which given keys already ran to an end, and copy
-    // standard input aside to read it again.
+    // standard input aside to read it again. A large file's second half is validated at the
+    // same time on a thread of its own (the broker idles until every line is validated).
+    let split = if file.spooled { None } else { split_point(&file.path, limit) };
     let (reader, spool): (Box<dyn BufRead>, _) = if file.spooled {
         let out = std::fs::OpenOptions::new()
             .write(true)
@@ -619,9 +717,20 @@ async fn enqueue_batch(
         let stdin = std::io::BufReader::with_capacity(1 << 16, std::io::stdin());
         (Box::new(stdin), Some(std::io::BufWriter::with_capacity(1 << 16, out)))
     } else {
-        (file.reader()?, None)
+        (file.reader(split)?, None)
     };
     let timing = (delay, at);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let _stop_on_return = StopOnDrop(stop.clone());
+    let second_half = split.map(|from| {
+        let (path, owned_args, owned_source, cfg, stop) =
+            (file.path.clone(), args.clone(), source.to_string(), config.clone(), stop.clone());
+        tokio::task::spawn_blocking(move || {
+            let source = owned_source.as_str();
+            let requests = |r| Requests::new(r, source, limit, &owned_args, timing);
+            check_second_half(&path, from, requests, &cfg, &stop)
+        })
+    });
     let mut requests = Requests { spool, ..Requests::new(reader, source, limit, args, timing) };
     // The broker connection is made while the file is validated (used only if it is valid).
     let connecting = tokio::spawn(EnqueueClient::connect(config.clone()));
@@ -631,13 +740,9 @@ async fn enqueue_batch(
     // The jobs of lines 1..=kept_lines, kept for pass 2 while they fit in KEEP_BYTES.
     let (mut kept, mut kept_lines, mut kept_bytes, mut keeping) = (Vec::<Prepared>::new(), 0, 0, true);
     while let Some((i, req)) = requests.next()? {
-        let keyed = req.key.is_some();
-        let p = prepare_owned(&config, req).map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?;
-        if let Some(q) = &p.unverified_queue {
-            queues.entry(q.clone()).or_insert(i);
-        }
-        if keyed {
-            settled.add(&config, p.envelope.key.to_string()).await;
+        let (p, key) = check_line(&config, source, i, req, &mut queues)?;
+        if let Some(key) = key {
+            settled.add(&config, key).await;
         }
         total += 1;
         // A prepared job in memory: about 1 KiB for a small payload (peak RSS measured with
@@ -650,6 +755,17 @@ async fn enqueue_batch(
         }
     }
     drop(requests);
+    // The first half had no bad line: the second's first, if any, is the batch's.
+    if let Some(checking) = second_half {
+        let found = checking.await.map_err(|e| runtime(anyhow::anyhow!("validating {source}: {e}")))??;
+        total += found.jobs;
+        for (q, line) in found.queues {
+            queues.entry(q).or_insert(line);
+        }
+        for key in found.keys {
+            settled.add(&config, key).await;
+        }
+    }
     settled.flush(&config).await;
     let client = connecting
         .await
@@ -674,7 +790,7 @@ async fn enqueue_batch(
         let (path, owned_args, owned_source, cfg) =
             (file.path.clone(), args.clone(), source.to_string(), config.clone());
         let preparer = tokio::task::spawn_blocking(move || {
-            let reader = match open_batch(&path) {
+            let reader = match open_batch(&path, u64::MAX) {
                 Ok(r) => r,
                 Err(f) => {
                     let _ = tx.blocking_send(Err(f));
