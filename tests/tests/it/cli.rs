@@ -118,7 +118,8 @@ async fn a_large_batch_on_stdin_is_validated_whole_then_published_in_chunks() {
 /// A batch file of 256 KiB or more is validated in two halves at once (the second on a thread
 /// of its own): a bad line in either half is reported by its line in the file, the first one
 /// when both halves have one, and publishes nothing; a queue nobody declares, named only in
-/// the second half, is refused by that line; a good file arrives whole, each line once.
+/// the second half, is refused by that line; keys that already ran are counted in both halves;
+/// a good file arrives whole, each line once.
 #[tokio::test]
 async fn a_large_batch_file_is_validated_in_two_halves() {
     let env = TestEnv::new("halfbatch");
@@ -153,9 +154,22 @@ async fn a_large_batch_file_is_validated_in_two_halves() {
         assert!(err.contains(line), "{edits:?}: {err}");
         assert_eq!(depth(&queue).await, 0, "{edits:?}: nothing published");
     }
+    // Three keys already done: one in the first half, two in the second.
+    let mut r = connect_redis(&env.redis_url).await;
+    for i in [5, 15_000, 19_000] {
+        let key = chime_shared::envelope::adhoc_key("greet", &format!("h{i}")).to_string();
+        let _: () = redis::cmd("HSET")
+            .arg(env.names().idem_key(&key))
+            .arg("s")
+            .arg("done")
+            .query_async(&mut r)
+            .await
+            .unwrap();
+    }
     let (code, out, err) = run(&[(10_001, ""), (10_002, "")]);
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with("confirmed 19998 of 19998 jobs"), "{out}");
+    assert!(err.contains("warning: 3 of these keys already ran to an end"), "{err}");
     wait_depth(&queue, 19_998, std::time::Duration::from_secs(30)).await;
 }
 

@@ -419,8 +419,8 @@ struct Checked {
     jobs: usize,
     /// Queues no config declares, each with the first line naming it.
     queues: std::collections::BTreeMap<String, usize>,
-    /// The keys given, to ask Redis which already ran.
-    keys: Vec<String>,
+    /// Its keys that already ran to an end.
+    settled: SettledTally,
 }
 
 /// Pass 1's look at one request (line `i`): prepared as it will be published, its queue noted
@@ -442,7 +442,9 @@ fn check_line(
 }
 
 /// Validates the lines of `path` from byte `from` to the end (read by `requests`), numbered as
-/// in the whole file, keeping no job; stops early (with what it found) once `stop` is set.
+/// in the whole file, keeping no job, and asks Redis about their keys a chunk at a time (on
+/// the runtime, from this blocking thread); stops early (with what it found) once `stop` is
+/// set.
 fn check_second_half<'a>(
     path: &std::path::Path,
     from: u64,
@@ -450,6 +452,7 @@ fn check_second_half<'a>(
     config: &Config,
     stop: &std::sync::atomic::AtomicBool,
 ) -> Result<Checked, Failure> {
+    let handle = tokio::runtime::Handle::current();
     let f =
         std::fs::File::open(path).with_context(|| format!("opening {}", path.display())).map_err(usage)?;
     // The lines before it, read through once (the file's position ends at `from`).
@@ -472,9 +475,12 @@ fn check_second_half<'a>(
         && let Some((i, req)) = requests.next()?
     {
         let (_, key) = check_line(config, requests.source, i, req, &mut found.queues)?;
-        found.keys.extend(key);
+        if let Some(key) = key {
+            handle.block_on(found.settled.add(config, key));
+        }
         found.jobs += 1;
     }
+    handle.block_on(found.settled.flush(config));
     Ok(found)
 }
 
@@ -755,6 +761,7 @@ async fn enqueue_batch(
         }
     }
     drop(requests);
+    settled.flush(&config).await;
     // The first half had no bad line: the second's first, if any, is the batch's.
     if let Some(checking) = second_half {
         let found = checking.await.map_err(|e| runtime(anyhow::anyhow!("validating {source}: {e}")))??;
@@ -762,11 +769,9 @@ async fn enqueue_batch(
         for (q, line) in found.queues {
             queues.entry(q).or_insert(line);
         }
-        for key in found.keys {
-            settled.add(&config, key).await;
-        }
+        settled.count += found.settled.count;
+        settled.first = settled.first.or(found.settled.first);
     }
-    settled.flush(&config).await;
     let client = connecting
         .await
         .map_err(|e| runtime(anyhow::anyhow!("connecting to the broker: {e}")))?
