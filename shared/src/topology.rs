@@ -114,24 +114,55 @@ pub fn dlq_args(amqp: &AmqpConfig) -> FieldTable {
     t
 }
 
+/// One declaration or binding of a pipelined batch: what it names, and the broker's reply.
+type Step<'a> = std::pin::Pin<Box<dyn Future<Output = Result<(), (String, lapin::Error)>> + Send + 'a>>;
+
+fn step<'a, T>(what: String, reply: impl Future<Output = lapin::Result<T>> + Send + 'a) -> Step<'a> {
+    Box::pin(async move { reply.await.map(|_| ()).map_err(|e| (what, e)) })
+}
+
+/// Sends every step on one channel without waiting for each reply (each is sent when first
+/// polled, here in order), then waits for the replies in order: one round trip instead of one
+/// per step. The broker carries them out in order; a refusal closes the channel and every
+/// later step fails with that same error, so the first failure in order names what was
+/// refused.
+async fn pipelined(mut steps: Vec<Step<'_>>) -> Result<(), (String, lapin::Error)> {
+    let mut early: Vec<Option<Result<(), (String, lapin::Error)>>> = steps.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        for (s, slot) in steps.iter_mut().zip(early.iter_mut()) {
+            if let std::task::Poll::Ready(r) = s.as_mut().poll(cx) {
+                *slot = Some(r);
+            }
+        }
+        std::task::Poll::Ready(())
+    })
+    .await;
+    for (s, slot) in steps.into_iter().zip(early) {
+        match slot {
+            Some(r) => r?,
+            None => s.await?,
+        }
+    }
+    Ok(())
+}
+
 /// Declares exchanges, work queues and DLQs for `queues`, on a throwaway channel (a 406
-/// closes the channel it happens on).
+/// closes the channel it happens on), every declaration and binding sent at once.
 pub async fn declare(conn: &Connection, config: &Config, queues: &[String]) -> Result<(), TopologyError> {
     let names = Names::new(&config.prefix);
-    let amqp = |what: String| {
-        move |source: lapin::Error| TopologyError::Amqp { what: what.clone(), source: Box::new(source) }
-    };
-    let ch = conn.create_channel().await.map_err(amqp("a channel".into()))?;
-    let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
-    for ex in [names.work_exchange(), names.dead_exchange()] {
-        ch.exchange_declare(ex.as_str().into(), ExchangeKind::Direct, durable, FieldTable::default())
-            .await
-            .map_err(|e| classify(&ex, e))?;
-    }
-    declare_chain(&ch, config.amqp.queue_type).await.map_err(|(what, e)| classify(&what, e))?;
-    declare_unroutable(&ch, &names, &config.amqp)
+    let ch = conn
+        .create_channel()
         .await
-        .map_err(|e| classify(&names.unroutable_queue(), e))?;
+        .map_err(|source| TopologyError::Amqp { what: "a channel".into(), source: Box::new(source) })?;
+    let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
+    let mut steps = Vec::new();
+    for ex in [names.work_exchange(), names.dead_exchange()] {
+        let declared =
+            ch.exchange_declare(ex.as_str().into(), ExchangeKind::Direct, durable, FieldTable::default());
+        steps.push(step(ex, declared));
+    }
+    steps.extend(chain_steps(&ch, config.amqp.queue_type));
+    steps.extend(unroutable_steps(&ch, &names, &config.amqp));
     let qopts = QueueDeclareOptions { durable: true, ..Default::default() };
     for q in queues {
         // The queue itself, and its priority levels' queues when it has them.
@@ -142,34 +173,31 @@ pub async fn declare(conn: &Connection, config: &Config, queues: &[String]) -> R
                 // Broker-side dead letters keep their routing key: a level's go to its queue's DLQ.
                 args.insert(ShortString::from("x-dead-letter-routing-key"), long(q));
             }
-            ch.queue_declare(wq.as_str().into(), qopts, args).await.map_err(|e| classify(&wq, e))?;
-            ch.queue_bind(
+            steps.push(step(wq.clone(), ch.queue_declare(wq.as_str().into(), qopts, args)));
+            let bound = ch.queue_bind(
                 wq.as_str().into(),
                 names.work_exchange().into(),
                 route.as_str().into(),
                 QueueBindOptions::default(),
                 FieldTable::default(),
-            )
-            .await
-            .map_err(amqp(format!("binding of {wq}")))?;
-            bind_queue(&ch, &names, &route).await.map_err(amqp(format!("delay binding of {wq}")))?;
+            );
+            steps.push(step(format!("binding of {wq}"), bound));
+            steps.push(step(format!("delay binding of {wq}"), bind_queue(&ch, &names, &route)));
         }
         let dlq = names.dlq(q);
-        ch.queue_declare(dlq.as_str().into(), qopts, dlq_args(&config.amqp))
-            .await
-            .map_err(|e| classify(&dlq, e))?;
-        ch.queue_bind(
+        steps.push(step(dlq.clone(), ch.queue_declare(dlq.as_str().into(), qopts, dlq_args(&config.amqp))));
+        let bound = ch.queue_bind(
             dlq.as_str().into(),
             names.dead_exchange().into(),
             q.as_str().into(),
             QueueBindOptions::default(),
             FieldTable::default(),
-        )
-        .await
-        .map_err(amqp(format!("binding of {dlq}")))?;
+        );
+        steps.push(step(format!("binding of {dlq}"), bound));
     }
+    let done = pipelined(steps).await.map_err(|(what, e)| classify(&what, e));
     let _ = ch.close(200, "declared".into()).await;
-    Ok(())
+    done
 }
 
 /// Turns `PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'q' …` into a
@@ -190,54 +218,49 @@ fn classify(entity: &str, err: lapin::Error) -> TopologyError {
     TopologyError::Amqp { what: entity.to_string(), source: Box::new(err) }
 }
 
-/// Declares the shared chain of `queue_type` — levels, delivery and unroutable exchanges, the
-/// orphans queue — (idempotent: every prefix declares the same arguments).
-pub async fn declare_chain(ch: &Channel, queue_type: QueueType) -> Result<(), (String, lapin::Error)> {
+/// The shared chain of `queue_type` — levels, delivery and unroutable exchanges, the orphans
+/// queue — to declare (idempotent: every prefix declares the same arguments), in order.
+fn chain_steps(ch: &Channel, queue_type: QueueType) -> Vec<Step<'_>> {
     let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
-    let orphans = DELAY_ORPHANS.to_string();
+    let queue_opts = QueueDeclareOptions { durable: true, ..Default::default() };
+    let mut steps = Vec::new();
     let mut orphan_args = FieldTable::default();
     orphan_args.insert(ShortString::from("x-queue-type"), long(QueueType::Quorum.as_str()));
-    ch.queue_declare(
-        orphans.as_str().into(),
-        QueueDeclareOptions { durable: true, ..Default::default() },
-        orphan_args,
-    )
-    .await
-    .map_err(|e| (orphans.clone(), e))?;
-    let mut unroutable_args = FieldTable::default();
-    unroutable_args.insert(ShortString::from("alternate-exchange"), long(DELAY_ORPHANS_EXCHANGE));
-    let orphans_x = DELAY_ORPHANS_EXCHANGE.to_string();
-    ch.exchange_declare(orphans_x.as_str().into(), ExchangeKind::Fanout, durable, FieldTable::default())
-        .await
-        .map_err(|e| (orphans_x.clone(), e))?;
-    ch.queue_bind(
-        orphans.as_str().into(),
-        orphans_x.as_str().into(),
+    steps.push(step(DELAY_ORPHANS.into(), ch.queue_declare(DELAY_ORPHANS.into(), queue_opts, orphan_args)));
+    let declared = ch.exchange_declare(
+        DELAY_ORPHANS_EXCHANGE.into(),
+        ExchangeKind::Fanout,
+        durable,
+        FieldTable::default(),
+    );
+    steps.push(step(DELAY_ORPHANS_EXCHANGE.into(), declared));
+    let bound = ch.queue_bind(
+        DELAY_ORPHANS.into(),
+        DELAY_ORPHANS_EXCHANGE.into(),
         "".into(),
         QueueBindOptions::default(),
         FieldTable::default(),
-    )
-    .await
-    .map_err(|e| (orphans.clone(), e))?;
-    ch.exchange_declare(DELAY_UNROUTABLE.into(), ExchangeKind::Topic, durable, unroutable_args)
-        .await
-        .map_err(|e| (DELAY_UNROUTABLE.to_string(), e))?;
+    );
+    steps.push(step(DELAY_ORPHANS.into(), bound));
+    let mut unroutable_args = FieldTable::default();
+    unroutable_args.insert(ShortString::from("alternate-exchange"), long(DELAY_ORPHANS_EXCHANGE));
+    let declared =
+        ch.exchange_declare(DELAY_UNROUTABLE.into(), ExchangeKind::Topic, durable, unroutable_args);
+    steps.push(step(DELAY_UNROUTABLE.into(), declared));
     let mut deliver_args = FieldTable::default();
     deliver_args.insert(ShortString::from("alternate-exchange"), long(DELAY_UNROUTABLE));
-    ch.exchange_declare(DELAY_DELIVER.into(), ExchangeKind::Topic, durable, deliver_args)
-        .await
-        .map_err(|e| (DELAY_DELIVER.to_string(), e))?;
+    let declared = ch.exchange_declare(DELAY_DELIVER.into(), ExchangeKind::Topic, durable, deliver_args);
+    steps.push(step(DELAY_DELIVER.into(), declared));
     for level in 0..LEVELS {
         let ex = names::delay_level(queue_type, level);
-        ch.exchange_declare(ex.as_str().into(), ExchangeKind::Topic, durable, FieldTable::default())
-            .await
-            .map_err(|e| (ex.clone(), e))?;
+        let declared =
+            ch.exchange_declare(ex.as_str().into(), ExchangeKind::Topic, durable, FieldTable::default());
+        steps.push(step(ex, declared));
     }
     for level in 0..LEVELS {
         let ex = names::delay_level(queue_type, level);
         let next =
             if level == 0 { DELAY_DELIVER.to_string() } else { names::delay_level(queue_type, level - 1) };
-        let q = ex.clone();
         let mut args = FieldTable::default();
         args.insert(ShortString::from("x-queue-type"), long(queue_type.as_str()));
         args.insert(ShortString::from("x-message-ttl"), AMQPValue::LongLongInt((1i64 << level) * 1000));
@@ -248,38 +271,35 @@ pub async fn declare_chain(ch: &Channel, queue_type: QueueType) -> Result<(), (S
         } else {
             args.insert(ShortString::from("x-queue-version"), AMQPValue::LongLongInt(2));
         }
-        ch.queue_declare(
-            q.as_str().into(),
-            QueueDeclareOptions { durable: true, ..Default::default() },
-            args,
-        )
-        .await
-        .map_err(|e| (q.clone(), e))?;
+        // The level's queue is named as its exchange.
+        steps.push(step(ex.clone(), ch.queue_declare(ex.as_str().into(), queue_opts, args)));
         let higher = delay::stars(LEVELS - 1 - level);
-        ch.queue_bind(
-            q.as_str().into(),
+        let bound = ch.queue_bind(
+            ex.as_str().into(),
             ex.as_str().into(),
             format!("{higher}1.#").into(),
             QueueBindOptions::default(),
             FieldTable::default(),
-        )
-        .await
-        .map_err(|e| (q.clone(), e))?;
-        ch.exchange_bind(
+        );
+        steps.push(step(ex.clone(), bound));
+        let bound = ch.exchange_bind(
             next.as_str().into(),
             ex.as_str().into(),
             format!("{higher}0.#").into(),
             ExchangeBindOptions::default(),
             FieldTable::default(),
-        )
-        .await
-        .map_err(|e| (ex.clone(), e))?;
+        );
+        steps.push(step(ex, bound));
     }
-    Ok(())
+    steps
 }
 
-/// Binds work queue `<p>.q.<queue>` to the delivery exchange.
-pub async fn bind_queue(ch: &Channel, names: &Names, queue: &str) -> Result<(), lapin::Error> {
+/// Binds work queue `<p>.q.<queue>` to the delivery exchange (sent when first polled).
+pub fn bind_queue<'a>(
+    ch: &'a Channel,
+    names: &Names,
+    queue: &str,
+) -> impl Future<Output = Result<(), lapin::Error>> + Send + use<'a> {
     let key = format!("{}{}.{}", delay::stars(LEVELS), names::word(names.prefix()), names::word(queue));
     ch.queue_bind(
         names.work_queue(queue).into(),
@@ -288,36 +308,34 @@ pub async fn bind_queue(ch: &Channel, names: &Names, queue: &str) -> Result<(), 
         QueueBindOptions::default(),
         FieldTable::default(),
     )
-    .await
 }
 
-/// Declares `<p>.unroutable` (a DLQ: nothing expires) and binds it to the unroutable exchange
-/// for every queue of the prefix, and to `<p>.dead` under [`names::UNROUTABLE_SOURCE`].
-pub async fn declare_unroutable(ch: &Channel, names: &Names, amqp: &AmqpConfig) -> Result<(), lapin::Error> {
+/// `<p>.unroutable` (a DLQ: nothing expires), bound to the unroutable exchange for every
+/// queue of the prefix and to `<p>.dead` under [`names::UNROUTABLE_SOURCE`], to declare in
+/// order.
+fn unroutable_steps<'a>(ch: &'a Channel, names: &Names, amqp: &AmqpConfig) -> Vec<Step<'a>> {
     let q = names.unroutable_queue();
-    ch.queue_declare(
+    let declared = ch.queue_declare(
         q.as_str().into(),
         QueueDeclareOptions { durable: true, ..Default::default() },
         dlq_args(amqp),
-    )
-    .await?;
+    );
     let key = format!("{}{}.*", delay::stars(LEVELS), names::word(names.prefix()));
-    ch.queue_bind(
+    let from_chain = ch.queue_bind(
         q.as_str().into(),
         DELAY_UNROUTABLE.into(),
         key.into(),
         QueueBindOptions::default(),
         FieldTable::default(),
-    )
-    .await?;
-    ch.queue_bind(
+    );
+    let from_dead = ch.queue_bind(
         q.as_str().into(),
         names.dead_exchange().as_str().into(),
         names::UNROUTABLE_SOURCE.into(),
         QueueBindOptions::default(),
         FieldTable::default(),
-    )
-    .await
+    );
+    vec![step(q.clone(), declared), step(q.clone(), from_chain), step(q, from_dead)]
 }
 
 /// How long a worker's own queue outlives its consumer (the worker gone, or reconnecting).

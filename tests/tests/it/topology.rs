@@ -53,6 +53,24 @@ async fn declaring_twice_is_fine_and_a_mismatch_names_queue_and_argument() {
         matches!(&err, TopologyError::Inequivalent { argument, .. } if argument.starts_with("x-")),
         "{err}"
     );
+
+    // Every declaration is sent at once: a refusal late in the list (the DLQ, declared by
+    // hand as a classic queue) is named, not an earlier queue nor "channel closed".
+    let env3 = TestEnv::new("topo3");
+    let dlq = env3.names().dlq("default");
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), AMQPValue::LongString("classic".into()));
+    ch.queue_declare(dlq.as_str().into(), QueueDeclareOptions { durable: true, ..Default::default() }, args)
+        .await
+        .unwrap();
+    let err =
+        topology::declare(&conn, &env3.config("quorum", "", "", ""), &["default".into()]).await.unwrap_err();
+    match &err {
+        TopologyError::Inequivalent { queue, argument, .. } => {
+            assert_eq!((queue.as_str(), argument.as_str()), (dlq.as_str(), "x-queue-type"), "{err}");
+        }
+        other => panic!("expected Inequivalent, got {other}"),
+    }
     let _ = conn.close(200, "".into()).await;
 }
 
