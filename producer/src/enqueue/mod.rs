@@ -1278,8 +1278,7 @@ fn prepare_with(
         }
         env.priority = Some(priority);
     }
-    let size = env.encoded_len();
-    if size > config.amqp.max_message_bytes {
+    if let Err(size) = env.check_len(config.amqp.max_message_bytes) {
         return Err(EnqueueError::TooLarge {
             job: req.job.clone(),
             size,
@@ -1361,6 +1360,18 @@ mod tests {
             prepare(&c, &EnqueueRequest::new("j").payload(big)),
             Err(EnqueueError::TooLarge { .. })
         ));
+        // At the limit a message is counted exactly (the cheap bound is above it): one byte
+        // more is refused with its length.
+        let len = |n: usize| {
+            let p = prepare(&c, &EnqueueRequest::new("j").key("k").payload("x".repeat(n).into()));
+            p.map(|p| p.envelope.encoded_len()).map_err(|e| match e {
+                EnqueueError::TooLarge { size, .. } => size,
+                other => panic!("{other}"),
+            })
+        };
+        let base = len(0).unwrap();
+        assert_eq!(len(2048 - base), Ok(2048));
+        assert_eq!(len(2049 - base), Err(2049));
         let a = prepare(&c, &EnqueueRequest::new("j").key("k")).unwrap().envelope;
         let b = prepare(&c, &EnqueueRequest::new("j").key("k")).unwrap().envelope;
         assert_eq!(a.key, b.key);

@@ -301,6 +301,27 @@ pub fn priority_route(queue: &str, priority: Priority) -> String {
     }
 }
 
+/// What an envelope's body spends, at most, on its keys, punctuation, and values of a fixed
+/// size (numbers of up to 10 digits, ids of 38 bytes, instants of up to 35, names of enums,
+/// `null`s and the quotes of its strings): about 530 bytes, with room to spare.
+const FIXED_BOUND: usize = 1024;
+
+/// An upper bound of `v`'s compact JSON length (as serde_json writes it): strings at most 6
+/// bytes a byte, numbers at most 24 characters (integers by itoa, floats by ryu).
+fn value_bound(v: &serde_json::Value) -> usize {
+    use serde_json::Value;
+    match v {
+        Value::Null => 4,
+        Value::Bool(_) => 5,
+        Value::Number(_) => 24,
+        Value::String(s) => 2 + 6 * s.len(),
+        Value::Array(a) => 2 + a.iter().map(|x| value_bound(x) + 1).sum::<usize>(),
+        Value::Object(m) => {
+            2 + m.iter().map(|(k, x)| 2 + 6 * k.len() + 1 + value_bound(x) + 1).sum::<usize>()
+        }
+    }
+}
+
 impl Envelope {
     /// A fresh envelope for attempt 1.
     pub fn new(
@@ -356,6 +377,54 @@ impl Envelope {
             Ok(()) => body,
             Err(_) => Vec::new(),
         }
+    }
+
+    /// `Ok` when [`Self::encode`]'s body is at most `max` bytes, else `Err` with its length.
+    /// The body is counted only when a cheap upper bound of its length (nothing encoded)
+    /// exceeds `max`: most envelopes are far below any limit.
+    pub fn check_len(&self, max: usize) -> Result<(), usize> {
+        if self.len_bound().is_some_and(|b| b <= max) {
+            return Ok(());
+        }
+        let n = self.encoded_len();
+        if n <= max { Ok(()) } else { Err(n) }
+    }
+
+    /// An upper bound of [`Self::encode`]'s length, nothing encoded: every key, punctuation
+    /// and fixed-size value within [`FIXED_BOUND`], each string at most 6 bytes a byte
+    /// (`\u00XX`), the payload by [`value_bound`]; `None` for a workflow step or fields of
+    /// newer releases (counted exactly instead).
+    fn len_bound(&self) -> Option<usize> {
+        // Every field named: a field added to the envelope must be accounted for here.
+        let Envelope {
+            v: _,
+            id: _,
+            key: _,
+            job,
+            queue,
+            payload,
+            slot: _,
+            enqueued_at: _,
+            attempt: _,
+            max_attempts: _,
+            source: _,
+            trace_id,
+            trace_state,
+            group: _,
+            shard: _,
+            shards: _,
+            target,
+            priority: _,
+            backfill: _,
+            step,
+            extra,
+        } = self;
+        if step.is_some() || !extra.is_empty() {
+            return None;
+        }
+        let text = |s: &Option<String>| s.as_ref().map_or(0, String::len);
+        let strings = job.len() + queue.len() + text(trace_id) + text(trace_state) + text(target);
+        Some(FIXED_BOUND + 6 * strings + value_bound(payload))
     }
 
     /// The length of [`Self::encode`]'s body, counted without building it.
@@ -446,6 +515,53 @@ mod fuzz;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bound that spares most envelopes their counting is never below the length, with
+    /// every field at its longest: strings of characters escaped as `\u00XX`, numbers of 24
+    /// characters, instants beyond the year 9999; and `check_len` is exact at the limit.
+    #[test]
+    fn the_length_bound_is_never_below_the_length() {
+        let worst = "\u{1}\"\\é\n".repeat(30);
+        let payload = serde_json::json!({
+            worst.clone(): [f64::MIN_POSITIVE, -f64::MAX, i64::MIN, u64::MAX, null, true, false, worst.clone()],
+            "nested": {"a": [[[]]], "b": {}, "c": -1.234_567_890_123_456_7e-300},
+        });
+        let far: DateTime<Utc> = "+200000-12-31T23:59:59.999999999Z".parse().unwrap();
+        let mut env =
+            Envelope::new(&worst, &worst, Uuid::now_v7(), payload, Some(far), u32::MAX, Source::Replay);
+        env.enqueued_at = far;
+        env.attempt = u32::MAX;
+        env.v = u32::MAX;
+        env.trace_id = Some(worst.clone());
+        env.trace_state = Some(worst.clone());
+        env.group = Some(Uuid::now_v7());
+        env.shard = Some(u32::MAX);
+        env.shards = Some(u32::MAX);
+        env.target = Some(worst.clone());
+        env.priority = Some(Priority::Normal);
+        env.backfill = true;
+        let exact = env.encoded_len();
+        assert_eq!(exact, env.encode().len());
+        let bound = env.len_bound().unwrap();
+        assert!(bound >= exact, "bound {bound} < length {exact}");
+        // The fixed part alone: an envelope of empty strings and a null payload.
+        let mut bare = env.clone();
+        (bare.job, bare.queue, bare.payload) = (String::new(), String::new(), serde_json::Value::Null);
+        (bare.trace_id, bare.trace_state, bare.target) =
+            (Some(String::new()), Some(String::new()), Some(String::new()));
+        assert!(bare.encoded_len() + 4 <= FIXED_BOUND, "{}", bare.encoded_len());
+        assert_eq!(env.check_len(exact), Ok(()));
+        assert_eq!(env.check_len(exact - 1), Err(exact));
+        // A small envelope is far below its bound's limit; one with newer fields is counted.
+        let small =
+            Envelope::new("j", "q", Uuid::now_v7(), serde_json::json!({"i": 1}), None, 3, Source::Adhoc);
+        assert_eq!(small.check_len(small.encoded_len()), Ok(()));
+        assert_eq!(small.check_len(10), Err(small.encoded_len()));
+        let mut newer = small.clone();
+        newer.extra.insert("later".into(), serde_json::json!("x".repeat(2000)));
+        assert_eq!(newer.len_bound(), None);
+        assert_eq!(newer.check_len(2000), Err(newer.encoded_len()));
+    }
 
     #[test]
     fn namespace_is_derived_as_documented() {
