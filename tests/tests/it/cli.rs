@@ -78,6 +78,16 @@ async fn enqueue_confirms_and_bad_input_publishes_nothing() {
     );
 }
 
+/// The test's config (quorum queues, `jobs`) written, and its topology declared so that
+/// "nothing published" is a depth of 0 from the first attempt: the config's path and the
+/// default work queue.
+async fn declared(env: &TestEnv, jobs: &str) -> (std::path::PathBuf, String) {
+    let text = env.config_text("quorum", "", "", jobs);
+    let path = env.write_config(&text);
+    drop(chime_producer::EnqueueClient::connect(env.config("quorum", "", "", jobs)).await.unwrap());
+    (path, env.names().work_queue("default"))
+}
+
 /// `enqueue --batch -` reads standard input once to validate every line (spooling it to a
 /// temporary file), keeping what fits in memory (about 13,000 of these 1 KB lines), and
 /// publishes those, then the rest from the spool in chunks: a bad last line of 25,000
@@ -87,11 +97,7 @@ async fn enqueue_confirms_and_bad_input_publishes_nothing() {
 #[tokio::test]
 async fn a_large_batch_on_stdin_is_validated_whole_then_published_in_chunks() {
     let env = TestEnv::new("bigbatch");
-    let path = env.write_config(&env.config_text("quorum", "", "", COUNT_JOB));
-    let queue = env.names().work_queue("default");
-    // The topology exists before the first attempt, so "nothing published" is a depth of 0.
-    let config = chime_shared::Config::from_toml_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    drop(chime_producer::EnqueueClient::connect(config).await.unwrap());
+    let (path, queue) = declared(&env, COUNT_JOB).await;
     let tmp = env.dir.join("tmp");
     std::fs::create_dir_all(&tmp).unwrap();
     let envs = [("TMPDIR", tmp.as_os_str())];
@@ -123,10 +129,7 @@ async fn a_large_batch_on_stdin_is_validated_whole_then_published_in_chunks() {
 #[tokio::test]
 async fn a_large_batch_file_is_validated_in_two_halves() {
     let env = TestEnv::new("halfbatch");
-    let path = env.write_config(&env.config_text("quorum", "", "", JOBS));
-    let queue = env.names().work_queue("default");
-    let config = chime_shared::Config::from_toml_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    drop(chime_producer::EnqueueClient::connect(config).await.unwrap());
+    let (path, queue) = declared(&env, JOBS).await;
     let n = 20_000;
     let lines: Vec<String> =
         (0..n).map(|i| format!("{{\"payload\":{{\"i\":{i}}},\"key\":\"h{i}\"}}")).collect();
