@@ -508,14 +508,21 @@ struct BatchFile {
 impl BatchFile {
     /// Its first `upto` bytes (all of it without).
     fn reader(&self, upto: Option<u64>) -> Result<Box<dyn BufRead>, Failure> {
-        open_batch(&self.path, upto.unwrap_or(u64::MAX))
+        open_batch(&self.path, 0..upto.unwrap_or(u64::MAX))
     }
 }
 
-fn open_batch(path: &std::path::Path, upto: u64) -> Result<Box<dyn BufRead>, Failure> {
-    let f =
+/// The bytes `range` of the file at `path`.
+fn open_batch(path: &std::path::Path, range: std::ops::Range<u64>) -> Result<Box<dyn BufRead>, Failure> {
+    use std::io::Seek as _;
+    let mut f =
         std::fs::File::open(path).with_context(|| format!("opening {}", path.display())).map_err(usage)?;
-    Ok(Box::new(std::io::BufReader::with_capacity(1 << 16, f.take(upto))))
+    if range.start > 0 {
+        f.seek(std::io::SeekFrom::Start(range.start))
+            .with_context(|| format!("reading {}", path.display()))
+            .map_err(usage)?;
+    }
+    Ok(Box::new(std::io::BufReader::with_capacity(1 << 16, f.take(range.end - range.start))))
 }
 
 impl Drop for BatchFile {
@@ -764,6 +771,8 @@ async fn enqueue_batch(
             kept_lines = i;
         }
     }
+    // Every job of a split file's first part kept: pass 2 reads on from the second part.
+    let first_part_lines = requests.line;
     drop(requests);
     settled.flush(&config).await;
     // The first half had no bad line: the second's first, if any, is the batch's.
@@ -798,8 +807,14 @@ async fn enqueue_batch(
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<Prepared>, Failure>>(1);
         let (path, owned_args, owned_source, cfg) =
             (file.path.clone(), args.clone(), source.to_string(), config.clone());
+        // Where the rest starts: the second part of a split file whose first part was kept
+        // whole (its lines not read again), else the file's start, the kept lines skipped.
+        let (from, line, skip_to) = match split {
+            Some(at) if keeping => (at, first_part_lines, 0),
+            _ => (0, 0, kept_lines),
+        };
         let preparer = tokio::task::spawn_blocking(move || {
-            let reader = match open_batch(&path, u64::MAX) {
+            let reader = match open_batch(&path, from..u64::MAX) {
                 Ok(r) => r,
                 Err(f) => {
                     let _ = tx.blocking_send(Err(f));
@@ -808,7 +823,7 @@ async fn enqueue_batch(
             };
             let source = owned_source.as_str();
             let mut requests =
-                Requests { skip_to: kept_lines, ..Requests::new(reader, source, limit, &owned_args, timing) };
+                Requests { skip_to, line, ..Requests::new(reader, source, limit, &owned_args, timing) };
             loop {
                 let mut chunk = Vec::with_capacity(PUBLISH_CHUNK.min(total));
                 while chunk.len() < PUBLISH_CHUNK {
