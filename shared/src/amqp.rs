@@ -479,6 +479,27 @@ pub struct Outgoing<'a> {
 /// (`chime-bench --only baseline`).
 pub const PUBLISH_GROUP: usize = 256;
 
+/// Polls each of `futures` once, in order, holding what `guard` returns meanwhile, and returns
+/// the outputs of those that finished at once. A lapin method sends its frames at its first
+/// poll: they go out in this order, back to back, none waiting for an earlier reply.
+pub async fn poll_each_once<F: Future + Unpin, G>(
+    futures: &mut [F],
+    guard: impl Fn() -> G,
+) -> Vec<Option<F::Output>> {
+    let mut done: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let _held = guard();
+        for (f, slot) in futures.iter_mut().zip(done.iter_mut()) {
+            if let std::task::Poll::Ready(r) = std::pin::Pin::new(&mut *f).poll(cx) {
+                *slot = Some(r);
+            }
+        }
+        std::task::Poll::Ready(())
+    })
+    .await;
+    done
+}
+
 /// Serialises the first step of every publish in this process (see [`publish_group`]).
 static PUBLISH_ORDER: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -499,7 +520,7 @@ pub async fn publish_group<'a>(
     channel: &Channel,
     group: impl IntoIterator<Item = Outgoing<'a>>,
 ) -> Vec<Result<PublisherConfirm, AmqpError>> {
-    let mut sends: Vec<(std::pin::Pin<Box<_>>, &str, &str)> = group
+    let (mut sends, names): (Vec<std::pin::Pin<Box<_>>>, Vec<(&str, &str)>) = group
         .into_iter()
         .map(|m| {
             let send = channel.basic_publish(
@@ -509,23 +530,16 @@ pub async fn publish_group<'a>(
                 m.body,
                 m.props,
             );
-            (Box::pin(send), m.exchange, m.routing_key)
+            (Box::pin(send), (m.exchange, m.routing_key))
         })
-        .collect();
-    let mut done: Vec<Option<lapin::Result<PublisherConfirm>>> = sends.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        // A poisoned lock only means another publish panicked mid-poll; the order still holds.
-        let _order = PUBLISH_ORDER.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        for ((send, _, _), slot) in sends.iter_mut().zip(done.iter_mut()) {
-            if let std::task::Poll::Ready(r) = send.as_mut().poll(cx) {
-                *slot = Some(r);
-            }
-        }
-        std::task::Poll::Ready(())
+        .unzip();
+    // A poisoned lock only means another publish panicked mid-poll; the order still holds.
+    let done = poll_each_once(&mut sends, || {
+        PUBLISH_ORDER.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     })
     .await;
     let mut out = Vec::with_capacity(sends.len());
-    for ((send, exchange, routing_key), slot) in sends.into_iter().zip(done) {
+    for ((send, (exchange, routing_key)), slot) in sends.into_iter().zip(names).zip(done) {
         let r = match slot {
             Some(r) => r,
             None => send.await,

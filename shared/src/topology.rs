@@ -127,16 +127,7 @@ fn step<'a, T>(what: String, reply: impl Future<Output = lapin::Result<T>> + Sen
 /// later step fails with that same error, so the first failure in order names what was
 /// refused.
 async fn pipelined(mut steps: Vec<Step<'_>>) -> Result<(), (String, lapin::Error)> {
-    let mut early: Vec<Option<Result<(), (String, lapin::Error)>>> = steps.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        for (s, slot) in steps.iter_mut().zip(early.iter_mut()) {
-            if let std::task::Poll::Ready(r) = s.as_mut().poll(cx) {
-                *slot = Some(r);
-            }
-        }
-        std::task::Poll::Ready(())
-    })
-    .await;
+    let early = crate::amqp::poll_each_once(&mut steps, || ()).await;
     for (s, slot) in steps.into_iter().zip(early) {
         match slot {
             Some(r) => r?,
