@@ -73,6 +73,9 @@ pub enum AmqpError {
         /// Routing key used.
         routing_key: String,
     },
+    /// The message shared one publish with others (a pack of parked copies), which failed.
+    #[error("the pack this message was sent in was not published: {0}")]
+    Shared(String),
     /// The channel was not in confirm mode, so nothing proves delivery.
     #[error("publish to {exchange}/{routing_key} was not confirmed: the channel is not in confirm mode")]
     NotConfirmed {

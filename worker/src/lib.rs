@@ -44,6 +44,7 @@ mod ack;
 pub mod builtin;
 mod decision;
 pub mod handler;
+mod parks;
 mod process;
 pub mod retry;
 pub mod runtime;

@@ -1292,7 +1292,12 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                     }
                     Redelay::Parked(Park::PushedBack) | Redelay::Busy => {}
                 }
-                match self.outbox.delayed(&env.route(), env, delay, headers).await {
+                let sent = if matches!(why, Redelay::Parked(_)) {
+                    self.outbox.parked(&env.route(), env, delay, headers).await
+                } else {
+                    self.outbox.delayed(&env.route(), env, delay, headers).await
+                };
+                match sent {
                     Ok(()) => {
                         debug!(?delay, ?why, "copy sent round again");
                         Stats::bump(&self.stats().redelayed);

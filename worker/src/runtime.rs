@@ -387,6 +387,10 @@ impl Worker {
             queue_type: self.core.config.amqp.queue_type,
             timeout: self.core.config.amqp.publish_timeout,
             broken: CancellationToken::new(),
+            parks: Arc::new(crate::parks::Packer::new(
+                self.core.config.worker.park_pack,
+                self.core.config.amqp.max_message_bytes,
+            )),
         };
 
         let mut paused_rx = self.core.paused.subscribe();
@@ -500,10 +504,11 @@ impl Worker {
                         let max = self.core.config.amqp.max_message_bytes + pack::OVERHEAD;
                         if pack::is_pack(&delivery.properties)
                             && delivery.data.len() <= max
-                            && let Ok(jobs) = pack::split(&delivery.data)
+                            && let Ok((jobs, headers)) = pack::unpack(&delivery.data)
                         {
                             let jobs: Vec<Vec<u8>> = jobs.into_iter().map(<[u8]>::to_vec).collect();
-                            let unpacked = Unpacked { queue, route, properties: delivery.properties, jobs };
+                            let unpacked =
+                                Unpacked { queue, route, properties: delivery.properties, jobs, headers };
                             let (tracker, semaphore, shutdown) =
                                 (tracker.clone(), semaphore.clone(), shutdown.clone());
                             tracker.clone().spawn(Box::pin(async move {
@@ -1016,6 +1021,8 @@ struct Unpacked {
     route: String,
     properties: lapin::BasicProperties,
     jobs: Vec<Vec<u8>>,
+    /// Each job's own headers (a pack of parked copies), or none.
+    headers: Vec<pack::MemberHeaders>,
 }
 
 impl Unpacked {
@@ -1034,7 +1041,12 @@ impl Unpacked {
     ) {
         let tickets = ticket.unpack(self.jobs.len());
         let mut first = Some(first);
+        let mut own = self.headers.into_iter();
         for (data, ticket) in self.jobs.into_iter().zip(tickets) {
+            let properties = match own.next() {
+                Some(h) => pack::with_member_headers(&self.properties, &h),
+                None => self.properties.clone(),
+            };
             let permit = match first.take() {
                 Some(p) => p,
                 None => tokio::select! {
@@ -1056,7 +1068,7 @@ impl Unpacked {
                 queue: self.queue.clone(),
                 route: self.route.clone(),
                 data,
-                properties: self.properties.clone(),
+                properties,
                 slot: process::WorkerSlot::new(permit),
                 packed: true,
             };

@@ -3,6 +3,7 @@
 //! `process` is written against these traits, so the whole per-delivery decision is tested
 //! without services (`process/tests.rs`); the real implementations are below.
 
+use crate::parks::{Closed, LINGER, Member, Packer, Target};
 use chime_shared::amqp::{self, AmqpError};
 use chime_shared::circuit::{Admit, Ended, Limits, Recorded as CircuitRecorded};
 use chime_shared::config::QueueType;
@@ -273,6 +274,17 @@ pub(crate) trait Outbox: Send + Sync + 'static {
         delay: Duration,
         headers: FieldTable,
     ) -> impl Future<Output = Result<(), AmqpError>> + Send;
+    /// A parked copy: as [`Outbox::delayed`], but it may travel in one message with other
+    /// copies parked for the same delay and queue (see `parks`).
+    fn parked(
+        &self,
+        queue: &str,
+        envelope: &Envelope,
+        delay: Duration,
+        headers: FieldTable,
+    ) -> impl Future<Output = Result<(), AmqpError>> + Send {
+        self.delayed(queue, envelope, delay, headers)
+    }
     /// The original body, with its dead-letter headers, to the queue's DLQ.
     fn dead_letter(
         &self,
@@ -292,6 +304,8 @@ pub(crate) struct BrokerOutbox {
     /// Cancelled when the broker closed a publish channel (a publish to an exchange that is
     /// gone, say): the session then reconnects and declares the topology again.
     pub broken: CancellationToken,
+    /// Parked copies packed by delay and queue (`worker.park_pack`).
+    pub parks: Arc<Packer>,
 }
 
 /// Publish channels a worker session opens at most (more publishes at once wait for one).
@@ -319,6 +333,18 @@ impl BrokerOutbox {
     }
 }
 
+impl BrokerOutbox {
+    /// Publishes a closed pack (or lone copy) and tells its members.
+    async fn send(&self, closed: Closed) {
+        let (body, props) = closed.message();
+        let sent = self.publish(&closed.target.exchange, &closed.target.routing_key, &body, props).await;
+        if sent.is_ok() && closed.len() > 1 {
+            tracing::debug!(copies = closed.len(), "parked copies sent round in one message");
+        }
+        closed.settle(&sent);
+    }
+}
+
 impl Outbox for BrokerOutbox {
     async fn delayed(
         &self,
@@ -331,6 +357,44 @@ impl Outbox for BrokerOutbox {
         let props = envelope.properties();
         let props = if headers.inner().is_empty() { props } else { props.with_headers(headers) };
         self.publish(&exchange, &routing_key, &envelope.encode(), props).await
+    }
+
+    async fn parked(
+        &self,
+        queue: &str,
+        envelope: &Envelope,
+        delay: Duration,
+        headers: FieldTable,
+    ) -> Result<(), AmqpError> {
+        // A broadcast copy goes to one worker's own queue: never packed (nor is a copy sent
+        // at once).
+        if !self.parks.packs() || envelope.target.is_some() || delay.is_zero() {
+            return self.delayed(queue, envelope, delay, headers).await;
+        }
+        let (exchange, routing_key) = delay::target(&self.names, self.queue_type, queue, delay);
+        let props = envelope.properties();
+        let props = if headers.inner().is_empty() { props } else { props.with_headers(headers) };
+        let (member, outcome) = Member::new(envelope.encode(), props);
+        let target = Target { exchange, routing_key };
+        let added = self.parks.add(target.clone(), member);
+        if let Some(id) = added.opened {
+            // A task of its own: the pack goes out even if this delivery's future is dropped.
+            let this = self.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(LINGER).await;
+                if let Some(closed) = this.parks.take(&target, id) {
+                    this.send(closed).await;
+                }
+            });
+        }
+        for closed in added.closed {
+            self.send(closed).await;
+        }
+        match outcome.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(AmqpError::Shared(e)),
+            Err(_) => Err(AmqpError::Shared("the pack was dropped before it was published".into())),
+        }
     }
 
     async fn dead_letter(&self, queue: &str, body: &[u8], props: BasicProperties) -> Result<(), AmqpError> {

@@ -353,6 +353,8 @@ mod tests {
                 "jobs[0] (charge).rate_limited_exit_codes: only valid with handler \"exec\"",
             ),
             ("[worker]\nmax_hold = \"5m\"\n".to_string(), "worker.max_hold"),
+            ("[worker]\npark_pack = 0\n".to_string(), "worker.park_pack: must be 1"),
+            ("[worker]\npark_pack = 1001\n".to_string(), "worker.park_pack: must be 1"),
             (
                 "[[limits]]\nname = \"a\"\nrate = \"1/s\"\n[[limits]]\nname = \"a\"\nrate = \"2/s\"\n"
                     .to_string(),

@@ -40,6 +40,10 @@ pub struct WorkerConfig {
     /// must wait longer is parked (sent round the delay chain, its attempt unchanged).
     #[serde(deserialize_with = "duration::de")]
     pub max_hold: Duration,
+    /// Most parked copies sent round the delay chain as one message (copies parked within
+    /// 50 ms of each other for the same whole-second delay to the same queue travel as a
+    /// pack); 1 sends each alone. Default 100.
+    pub park_pack: usize,
     /// Load shedding per queue (`[worker.shed.<queue>]`): above a backlog depth or age,
     /// workers skip the queue's `sheddable` runs and the ticker their slots.
     pub shed: BTreeMap<String, ShedConfig>,
@@ -86,6 +90,7 @@ impl Default for WorkerConfig {
             cancel_grace: Duration::from_secs(5),
             pass_env: Vec::new(),
             max_hold: Duration::from_secs(2),
+            park_pack: 100,
             shed: BTreeMap::new(),
         }
     }
@@ -161,6 +166,15 @@ impl WorkerConfig {
             if s.max_age.is_some_and(|a| a < Duration::from_secs(1)) {
                 return Err(ConfigError::invalid(format!("worker.shed.{q}.max_age"), "must be at least 1s"));
             }
+        }
+        if !(1..=crate::envelope::pack::MAX_PACK).contains(&self.park_pack) {
+            return Err(ConfigError::invalid(
+                "worker.park_pack",
+                format!(
+                    "must be 1 (each parked copy alone) to {} copies per message",
+                    crate::envelope::pack::MAX_PACK
+                ),
+            ));
         }
         if self.max_hold > Duration::from_secs(60) {
             return Err(ConfigError::invalid(

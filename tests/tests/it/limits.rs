@@ -99,6 +99,55 @@ async fn a_rate_limit_holds_across_two_workers_and_parked_runs_run_once() {
     drop((a, b));
 }
 
+/// Copies parked at once for the same delay travel round the delay chain in packs
+/// (`worker.park_pack`), and each keeps its own ticket: 100 jobs at 20/s on one worker, the
+/// ~60 parked within moments of each other come back in a few messages; no run parks more than
+/// twice (a copy that lost its ticket would take a new one at the back of the line and park
+/// again and again), each runs once, as its first attempt, and the limit's spacing holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_copies_travel_in_packs_and_keep_their_tickets() {
+    let env = TestEnv::new("rate-packs");
+    let jobs = "[[jobs]]\nname = \"paced\"\nhandler = \"noop\"\nrate_limit = \"20/s\"\n";
+    let text = env.config_text("classic", "", "", jobs);
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    assert_eq!(config.worker.park_pack, 100, "packing is the default");
+    let keys = enqueue_keys(&config, "paced", 100, |_| serde_json::json!({})).await;
+    let worker = Child::worker(&env.dir, &path, &[], "w");
+    wait_all_done(&config, &env, &keys, Duration::from_secs(60)).await;
+    let (_, runs) = history_runs(&env).await;
+    let succeeded: Vec<&RunEvent> = runs.iter().filter(|e| e.outcome == Outcome::Succeeded).collect();
+    let mut ran: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut parks: BTreeMap<&str, usize> = BTreeMap::new();
+    for e in &succeeded {
+        *ran.entry(e.key.as_str()).or_default() += 1;
+    }
+    for e in runs.iter().filter(|e| e.outcome == Outcome::Parked) {
+        *parks.entry(e.key.as_str()).or_default() += 1;
+    }
+    assert!(ran.len() == 100 && ran.values().all(|n| *n == 1), "each ran once: {ran:?}");
+    assert!(succeeded.iter().all(|e| e.attempt == 1), "parking never counts an attempt");
+    let parked: usize = parks.values().sum();
+    assert!(parks.len() >= 50, "most runs were parked: {} of 100", parks.len());
+    assert!(parks.values().all(|n| *n <= 2), "no run parked more than twice (tickets kept): {parks:?}");
+    // The worker's debug log names each pack it sent: `copies=N`.
+    let log = worker.log_text();
+    let packed: Vec<usize> = log
+        .lines()
+        .filter(|l| l.contains("parked copies sent round in one message"))
+        .filter_map(|l| l.split("copies=").nth(1)?.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .collect();
+    let in_packs: usize = packed.iter().sum();
+    println!("{parked} parks of {} runs; {} packs carried {in_packs} of them", parks.len(), packed.len());
+    assert!(
+        in_packs * 2 >= parked,
+        "most parked copies travelled in packs: {in_packs} of {parked} ({packed:?})"
+    );
+    let most = most_in_window(&succeeded, chrono::Duration::seconds(2));
+    assert!(most <= 45, "{most} runs started within two seconds under a limit of 20/s");
+    drop(worker);
+}
+
 /// Per tenant: one tenant's flood never delays another tenant's jobs of the same job type.
 /// Tenant `big` enqueues 30 jobs at 2/s (15 s of work), then `small` enqueues 3: those run
 /// within their own budget, long before `big`'s backlog is through.

@@ -8,14 +8,20 @@
 //! the pack is acked once every job in it is settled (requeued whole if any job could not be
 //! decided; its done jobs are then absorbed by their keys).
 //!
+//! A worker parks runs in packs too (copies parked together for the same whole-second delay
+//! to the same queue): each member then carries headers of its own (its rate-limit ticket,
+//! its park count) in the body's `headers` array, one object of strings per member, which
+//! the worker lays over the pack's headers when it unpacks.
+//!
 //! A worker older than packs reads a pack as a malformed envelope and dead-letters it: upgrade
-//! the workers before producers pack.
+//! the workers before producers pack (or before a worker parks in packs).
 
 use super::{Envelope, VERSION};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use std::collections::BTreeMap;
 
 /// AMQP header marking a pack; its value is the number of jobs in it.
 pub const PACK_HEADER: &str = "x-chime-pack";
@@ -44,10 +50,29 @@ pub fn encode<B: AsRef<[u8]>>(members: &[B]) -> Vec<u8> {
     body
 }
 
+/// The body of a pack of `members` with each member's own headers (`headers[i]` for
+/// `members[i]`, the same length): `{"v":1,"pack":[…],"headers":[{…},…]}`.
+pub fn encode_with_headers<B: AsRef<[u8]>>(members: &[B], headers: &[MemberHeaders]) -> Vec<u8> {
+    let mut body = encode(members);
+    body.truncate(body.len() - 1);
+    body.extend_from_slice(b",\"headers\":");
+    // A map of strings always serializes.
+    body.extend_from_slice(&serde_json::to_vec(headers).unwrap_or_else(|_| b"[]".to_vec()));
+    body.push(b'}');
+    body
+}
+
+/// A member's own headers in a pack (string values, as [`super::put_header`] writes them).
+pub type MemberHeaders = BTreeMap<String, String>;
+
 /// The AMQP properties of a pack of `jobs` jobs: persistent JSON, `type` [`PACK_TYPE`], its
 /// own `message_id`, the header [`PACK_HEADER`], and the first job's `timestamp`.
 pub fn properties(first: &Envelope, jobs: usize) -> BasicProperties {
-    let ts = u64::try_from(first.enqueued_at.timestamp()).unwrap_or(0);
+    properties_at(u64::try_from(first.enqueued_at.timestamp()).unwrap_or(0), jobs)
+}
+
+/// [`properties`] with the `timestamp` given.
+pub fn properties_at(ts: u64, jobs: usize) -> BasicProperties {
     let mut headers = FieldTable::default();
     headers.insert(ShortString::from(PACK_HEADER), AMQPValue::LongLongInt(jobs as i64));
     BasicProperties::default()
@@ -127,6 +152,8 @@ struct Body<'a> {
     v: u32,
     #[serde(borrow)]
     pack: Vec<&'a RawValue>,
+    #[serde(default)]
+    headers: Option<Vec<MemberHeaders>>,
 }
 
 /// Why a body marked as a pack is not one (the message is dead-lettered whole, as
@@ -142,19 +169,62 @@ pub enum PackError {
     /// No jobs, or more than [`MAX_PACK`].
     #[error("a pack holds 1 to {MAX_PACK} jobs, this one {0}")]
     Size(usize),
+    /// `headers` is not one object per job, or names a header AMQP cannot carry.
+    #[error(
+        "a pack's headers must be one object per job ({jobs} jobs), with names of 1 to 255 bytes: {found}"
+    )]
+    Headers {
+        /// Jobs in the pack.
+        jobs: usize,
+        /// What was found instead.
+        found: String,
+    },
 }
 
 /// The jobs of a pack body, each as the bytes of its envelope (decoded one by one with
 /// [`Envelope::decode`]: a malformed job is dead-lettered alone).
 pub fn split(body: &[u8]) -> Result<Vec<&[u8]>, PackError> {
+    unpack(body).map(|(jobs, _)| jobs)
+}
+
+/// [`split`], with each job's own headers (empty when the pack carries none, else one map
+/// per job).
+pub fn unpack(body: &[u8]) -> Result<(Vec<&[u8]>, Vec<MemberHeaders>), PackError> {
     let body: Body<'_> = serde_json::from_slice(body)?;
     if body.v != VERSION {
         return Err(PackError::Version(body.v));
     }
-    if body.pack.is_empty() || body.pack.len() > MAX_PACK {
-        return Err(PackError::Size(body.pack.len()));
+    let jobs = body.pack.len();
+    if jobs == 0 || jobs > MAX_PACK {
+        return Err(PackError::Size(jobs));
     }
-    Ok(body.pack.into_iter().map(|m| m.get().as_bytes()).collect())
+    let headers = body.headers.unwrap_or_default();
+    let found = if !headers.is_empty() && headers.len() != jobs {
+        Some(format!("{} objects", headers.len()))
+    } else {
+        headers
+            .iter()
+            .flat_map(BTreeMap::keys)
+            .find(|k| k.is_empty() || k.len() > 255)
+            .map(|k| format!("a header name of {} bytes", k.len()))
+    };
+    if let Some(found) = found {
+        return Err(PackError::Headers { jobs, found });
+    }
+    Ok((body.pack.into_iter().map(|m| m.get().as_bytes()).collect(), headers))
+}
+
+/// The pack's properties with a member's own headers laid over its headers (the pack marker
+/// kept: [`member_properties`] drops it).
+pub fn with_member_headers(pack: &BasicProperties, own: &MemberHeaders) -> BasicProperties {
+    if own.is_empty() {
+        return pack.clone();
+    }
+    let mut headers = pack.headers().clone().unwrap_or_default();
+    for (k, v) in own {
+        super::put_header(&mut headers, k, v);
+    }
+    pack.clone().with_headers(headers)
 }
 
 /// The properties a job of a pack is handled (and dead-lettered, and retried) with: its own
@@ -242,7 +312,47 @@ mod tests {
     }
 
     #[test]
+    fn members_carry_their_own_headers_over_the_packs() {
+        let jobs: Vec<Envelope> = (0..3).map(job).collect();
+        let encoded: Vec<Vec<u8>> = jobs.iter().map(Envelope::encode).collect();
+        let own: Vec<MemberHeaders> = (0..3)
+            .map(|i| MemberHeaders::from([("x-chime-rate-at".to_string(), format!("{i}00"))]))
+            .collect();
+        let body = encode_with_headers(&encoded, &own);
+        let (parts, headers) = unpack(&body).unwrap();
+        assert_eq!(parts, encoded.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        assert_eq!(headers, own);
+        assert_eq!(split(&body).unwrap(), parts, "split reads the same jobs");
+        let mut props = properties(&jobs[0], 3);
+        let mut pack_headers = props.headers().clone().unwrap_or_default();
+        super::super::put_header(&mut pack_headers, "x-death-like", "pack");
+        super::super::put_header(&mut pack_headers, "x-chime-rate-at", "stale");
+        props = props.with_headers(pack_headers);
+        let member = member_properties(&jobs[1], &with_member_headers(&props, &headers[1]));
+        assert!(!is_pack(&member));
+        assert_eq!(
+            super::super::header_str(&member, "x-chime-rate-at").as_deref(),
+            Some("100"),
+            "its own wins"
+        );
+        assert_eq!(
+            super::super::header_str(&member, "x-death-like").as_deref(),
+            Some("pack"),
+            "the pack's stay"
+        );
+        // A pack without headers unpacks with none.
+        assert!(unpack(&encode(&encoded)).unwrap().1.is_empty());
+    }
+
+    #[test]
     fn bad_packs_are_refused_by_name() {
+        let two = b"{\"v\":1,\"pack\":[{},{}],\"headers\":[{\"a\":\"1\"}]}";
+        let e = unpack(two).unwrap_err().to_string();
+        assert!(e.contains("one object per job (2 jobs)") && e.contains("1 objects"), "{e}");
+        let long = format!("{{\"v\":1,\"pack\":[{{}}],\"headers\":[{{\"{}\":\"1\"}}]}}", "h".repeat(256));
+        let e = unpack(long.as_bytes()).unwrap_err().to_string();
+        assert!(e.contains("a header name of 256 bytes"), "{e}");
+        assert!(unpack(b"{\"v\":1,\"pack\":[{}],\"headers\":[{\"a\":1}]}").is_err(), "string values only");
         assert!(matches!(split(b"{\"v\":1,\"pack\":[]}"), Err(PackError::Size(0))));
         assert!(matches!(split(b"{\"v\":2,\"pack\":[{}]}"), Err(PackError::Version(2))));
         let e = split(b"{\"v\":1}").unwrap_err().to_string();

@@ -142,14 +142,18 @@ async fn accuracy(c: &Ctx) {
     let env = TestEnv::new("bench-rate");
     // Every park is a history entry too: keep them all (the default would cut the first minute).
     let jobs = "[history]\nmax_len = 100000000\n[[jobs]]\nname = \"paced\"\nhandler = \"noop\"\nrate_limit = \"200/s\"\n";
-    let text = env.config_text(&c.o.queue_type, "", "", jobs);
+    let worker = format!("park_pack = {}", c.o.park_pack);
+    let text = env.config_text(&c.o.queue_type, "", &worker, jobs);
     let path = env.write_config(&text);
     let config = chime_shared::Config::from_toml_str(&text).unwrap();
     let client = EnqueueClient::connect(config).await.unwrap();
     let (procs, ports) = workers(&path, 4).await;
     let secs = 6 * c.o.seconds;
     let rate = c.o.offer;
-    progress(&format!("limits: offering {rate}/s for {secs} s to a 200/s limit"));
+    progress(&format!(
+        "limits: offering {rate}/s for {secs} s to a 200/s limit (park_pack {})",
+        c.o.park_pack
+    ));
     let (began, idle_before) = (Instant::now(), cpu_idle());
     let sent = offer(&client, rate, secs, |i| EnqueueRequest::new("paced").key(format!("p{i}"))).await;
     let offered_for = began.elapsed().as_secs_f64();
@@ -191,7 +195,10 @@ async fn accuracy(c: &Ctx) {
         "limits   per window (runs/s): {}",
         rates.iter().map(|r| format!("{r:.1}")).collect::<Vec<_>>().join(" ")
     );
-    println!("limits   the offer took {offered_for:.0} s (CPU idle meanwhile: {idle})");
+    println!(
+        "limits   the offer took {offered_for:.0} s (CPU idle meanwhile: {idle}); worker.park_pack {}",
+        c.o.park_pack
+    );
     println!(
         "limits   parks per window (/s): {}",
         park_rates.iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(" ")

@@ -1,0 +1,259 @@
+//! Parked copies, packed. Under a long rate-limit line every run beyond the limit is parked
+//! (sent round the delay chain), and the chain's dead-lettering becomes the bound: each copy
+//! is a confirmed publish and one dead-lettering per set bit of its delay. Copies parked at
+//! about the same moment for the same whole-second delay to the same queue share a routing
+//! key, so they can travel as one message: a pack (see `chime_shared::envelope::pack`) whose
+//! members keep their own headers (their tickets and park counts). When it comes back, each
+//! member is decided on its own, and the pack is acked once all are settled.
+//!
+//! The first copy for a routing key opens a pack and a timer; copies for that key within
+//! [`LINGER`] join it; the timer, or the copy that fills it (`worker.park_pack` copies, or
+//! `amqp.max_message_bytes`), publishes it, and every member's caller gets the one confirm's
+//! outcome. A pack of one is sent as the plain message it would have been.
+
+use chime_shared::amqp::AmqpError;
+use chime_shared::envelope::pack::{self, MemberHeaders};
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// How long an open pack waits for more copies with its routing key: a small part of the
+/// shortest park (1 s).
+pub(crate) const LINGER: Duration = Duration::from_millis(50);
+
+/// Bytes a pack spends besides its members' bodies and headers (`{"v":1,"pack":[`, `]`,
+/// `,"headers":[`, `]}`), with room to spare.
+const PACK_BYTES: usize = 64;
+
+/// Where a pack goes: the delay chain's top level, by the delay's routing key.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Target {
+    pub exchange: String,
+    pub routing_key: String,
+}
+
+/// One parked copy waiting in an open pack.
+pub(crate) struct Member {
+    /// The envelope, encoded.
+    pub body: Vec<u8>,
+    /// Its properties as a message of its own (used when it is alone).
+    pub props: BasicProperties,
+    /// Its own headers, as the pack carries them.
+    pub headers: MemberHeaders,
+    sent: Option<oneshot::Sender<Result<(), String>>>,
+}
+
+impl Member {
+    /// A member with `props` (its headers included) and its encoded `body`; the receiver
+    /// gets the outcome of the publish that carries it.
+    pub fn new(body: Vec<u8>, props: BasicProperties) -> (Self, oneshot::Receiver<Result<(), String>>) {
+        let headers = own_headers(props.headers().as_ref());
+        let (tx, rx) = oneshot::channel();
+        (Self { body, props, headers, sent: Some(tx) }, rx)
+    }
+
+    fn bytes(&self) -> usize {
+        self.body.len() + 3 + self.headers.iter().map(|(k, v)| k.len() + v.len() + 6).sum::<usize>()
+    }
+}
+
+fn own_headers(table: Option<&FieldTable>) -> MemberHeaders {
+    let mut out = MemberHeaders::new();
+    for (k, v) in table.map(FieldTable::inner).into_iter().flatten() {
+        let value = match v {
+            AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            AMQPValue::ShortString(s) => s.as_str().to_string(),
+            other => format!("{other:?}"),
+        };
+        out.insert(k.as_str().to_string(), value);
+    }
+    out
+}
+
+/// Copies closed into one message, ready to publish.
+pub(crate) struct Closed {
+    pub target: Target,
+    members: Vec<Member>,
+}
+
+impl Closed {
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// The message: a pack of the members, or the one member as itself.
+    pub fn message(&self) -> (Vec<u8>, BasicProperties) {
+        match self.members.as_slice() {
+            [one] => (one.body.clone(), one.props.clone()),
+            members => {
+                let bodies: Vec<&[u8]> = members.iter().map(|m| m.body.as_slice()).collect();
+                let headers: Vec<MemberHeaders> = members.iter().map(|m| m.headers.clone()).collect();
+                let ts = members.first().and_then(|m| *m.props.timestamp()).unwrap_or(0);
+                (pack::encode_with_headers(&bodies, &headers), pack::properties_at(ts, members.len()))
+            }
+        }
+    }
+
+    /// Tells every member's caller the outcome of the publish.
+    pub fn settle(mut self, outcome: &Result<(), AmqpError>) {
+        let outcome = outcome.as_ref().map(|_| ()).map_err(ToString::to_string);
+        for m in &mut self.members {
+            if let Some(tx) = m.sent.take() {
+                let _ = tx.send(outcome.clone());
+            }
+        }
+    }
+}
+
+struct Open {
+    id: u64,
+    bytes: usize,
+    members: Vec<Member>,
+}
+
+/// Packs open per routing key.
+pub(crate) struct Packer {
+    most: usize,
+    max_bytes: usize,
+    open: Mutex<HashMap<Target, Open>>,
+    ids: AtomicU64,
+}
+
+/// What adding a copy asks of its caller.
+pub(crate) struct Added {
+    /// It opened a pack: start its timer, then [`Packer::take`] it by this id.
+    pub opened: Option<u64>,
+    /// Packs to publish now (the one it would have overflowed, the one it filled).
+    pub closed: Vec<Closed>,
+}
+
+impl Packer {
+    /// At most `most` copies and `max_bytes` of body per pack.
+    pub fn new(most: usize, max_bytes: usize) -> Self {
+        Self { most: most.max(1), max_bytes, open: Mutex::new(HashMap::new()), ids: AtomicU64::new(0) }
+    }
+
+    /// Whether packing is on (`worker.park_pack` above 1).
+    pub fn packs(&self) -> bool {
+        self.most > 1
+    }
+
+    /// Adds `member` to the open pack for `target` (opening one if there is none).
+    pub fn add(&self, target: Target, member: Member) -> Added {
+        let mut closed = Vec::new();
+        let bytes = member.bytes();
+        let mut open = self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(o) = open.get(&target)
+            && PACK_BYTES + o.bytes + bytes > self.max_bytes
+            && let Some(o) = open.remove(&target)
+        {
+            closed.push(Closed { target: target.clone(), members: o.members });
+        }
+        let mut opened = None;
+        let o = open.entry(target.clone()).or_insert_with(|| {
+            let id = self.ids.fetch_add(1, Ordering::Relaxed);
+            opened = Some(id);
+            Open { id, bytes: 0, members: Vec::new() }
+        });
+        o.bytes += bytes;
+        o.members.push(member);
+        if (o.members.len() >= self.most || PACK_BYTES + o.bytes >= self.max_bytes)
+            && let Some(o) = open.remove(&target)
+        {
+            closed.push(Closed { target, members: o.members });
+        }
+        Added { opened, closed }
+    }
+
+    /// The pack `id` for `target`, if it is still open (its timer ran out).
+    pub fn take(&self, target: &Target, id: u64) -> Option<Closed> {
+        let mut open = self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if open.get(target).is_none_or(|o| o.id != id) {
+            return None;
+        }
+        open.remove(target).map(|o| Closed { target: target.clone(), members: o.members })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chime_shared::envelope::{Envelope, Source, adhoc_key, put_header};
+
+    fn member(i: u32, at: &str) -> (Member, oneshot::Receiver<Result<(), String>>) {
+        let env = Envelope::new(
+            "j",
+            "default",
+            adhoc_key("j", &i.to_string()),
+            serde_json::json!({"i": i}),
+            None,
+            3,
+            Source::Adhoc,
+        );
+        let mut headers = FieldTable::default();
+        put_header(&mut headers, "x-chime-rate-at", at);
+        Member::new(env.encode(), env.properties().with_headers(headers))
+    }
+
+    fn target(rk: &str) -> Target {
+        Target { exchange: "chain".into(), routing_key: rk.into() }
+    }
+
+    #[test]
+    fn copies_for_one_key_share_a_pack_until_it_is_full() {
+        let packer = Packer::new(3, 1 << 20);
+        let (a, _ra) = member(1, "10");
+        let added = packer.add(target("1"), a);
+        let id = added.opened.expect("the first copy opens the pack");
+        assert!(added.closed.is_empty());
+        let (b, _rb) = member(2, "20");
+        let added = packer.add(target("2"), b);
+        assert!(added.opened.is_some(), "another routing key, another pack");
+        let (c, _rc) = member(3, "30");
+        assert!(packer.add(target("1"), c).opened.is_none(), "joins the open pack");
+        let (d, _rd) = member(4, "40");
+        let added = packer.add(target("1"), d);
+        assert_eq!(added.closed.len(), 1, "the third copy fills it");
+        let full = added.closed.into_iter().next().unwrap();
+        assert!(packer.take(&target("1"), id).is_none(), "its timer finds it gone");
+        let (body, props) = full.message();
+        assert!(pack::is_pack(&props));
+        let (jobs, headers) = pack::unpack(&body).unwrap();
+        assert_eq!(jobs.len(), 3);
+        let ats: Vec<&str> = headers.iter().map(|h| h["x-chime-rate-at"].as_str()).collect();
+        assert_eq!(ats, ["10", "30", "40"], "each keeps its own ticket, in order");
+        // A pack of one is the copy itself.
+        let lone = packer.take(&target("2"), 1).unwrap();
+        let (body, props) = lone.message();
+        assert!(!pack::is_pack(&props));
+        assert!(Envelope::decode(&body).is_ok());
+    }
+
+    #[tokio::test]
+    async fn every_member_hears_the_outcome_and_size_closes_a_pack() {
+        let (a, _) = member(1, "1");
+        let one = a.bytes();
+        let packer = Packer::new(100, PACK_BYTES + 2 * one);
+        let (a, ra) = member(1, "1");
+        let (b, rb) = member(2, "2");
+        assert!(packer.add(target("k"), a).closed.is_empty());
+        let added = packer.add(target("k"), b);
+        assert_eq!(added.closed.iter().map(Closed::len).collect::<Vec<_>>(), [2], "full by size");
+        let (c, rc) = member(3, "3");
+        let added_c = packer.add(target("k"), c);
+        assert!(added_c.opened.is_some() && added_c.closed.is_empty());
+        for closed in added.closed {
+            closed.settle(&Err(AmqpError::ConfirmTimeout(Duration::from_secs(1))));
+        }
+        for rx in [ra, rb] {
+            let e = rx.await.unwrap().unwrap_err();
+            assert!(e.contains("no publisher confirm"), "{e}");
+        }
+        packer.take(&target("k"), added_c.opened.unwrap()).unwrap().settle(&Ok(()));
+        assert_eq!(rc.await.unwrap(), Ok(()));
+    }
+}
