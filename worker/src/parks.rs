@@ -6,10 +6,14 @@
 //! members keep their own headers (their tickets and park counts). When it comes back, each
 //! member is decided on its own, and the pack is acked once all are settled.
 //!
-//! The first copy for a routing key opens a pack and a timer; copies for that key within
-//! [`LINGER`] join it; the timer, or the copy that fills it (`worker.park_pack` copies, or
-//! `amqp.max_message_bytes`), publishes it, and every member's caller gets the one confirm's
-//! outcome. A pack of one is sent as the plain message it would have been.
+//! The first copy of a job for a routing key opens a pack and a timer; copies of that job
+//! for that key within [`LINGER`] join it; the timer, or the copy that fills it, publishes
+//! it, and every member's caller gets the one confirm's outcome. A pack of one is sent as the
+//! plain message it would have been. A pack is full at `worker.park_pack` copies,
+//! `worker.concurrency`, the job's own concurrency (`jobs[].concurrency` or
+//! `global_concurrency`, whichever is lower), or `amqp.max_message_bytes`: a worker that
+//! takes a pack back can start every copy in it at once, so no copy waits for a slot while
+//! it holds the others' delivery.
 
 use chime_shared::amqp::AmqpError;
 use chime_shared::envelope::pack::{self, MemberHeaders};
@@ -29,11 +33,13 @@ pub(crate) const LINGER: Duration = Duration::from_millis(50);
 /// `,"headers":[`, `]}`), with room to spare.
 const PACK_BYTES: usize = 64;
 
-/// Where a pack goes: the delay chain's top level, by the delay's routing key.
+/// Where a pack goes (the delay chain's top level, by the delay's routing key), and whose
+/// copies it carries: copies of one job only, so that its concurrency bounds the pack.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Target {
     pub exchange: String,
     pub routing_key: String,
+    pub job: String,
 }
 
 /// One parked copy waiting in an open pack.
@@ -142,8 +148,10 @@ impl Packer {
         self.most > 1
     }
 
-    /// Adds `member` to the open pack for `target` (opening one if there is none).
-    pub fn add(&self, target: Target, member: Member) -> Added {
+    /// Adds `member` to the open pack for `target` (opening one if there is none), closing
+    /// it at `most` copies when that is below the packer's own bound.
+    pub fn add(&self, target: Target, member: Member, most: usize) -> Added {
+        let most = self.most.min(most.max(1));
         let mut closed = Vec::new();
         let bytes = member.bytes();
         let mut open = self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -161,7 +169,7 @@ impl Packer {
         });
         o.bytes += bytes;
         o.members.push(member);
-        if (o.members.len() >= self.most || PACK_BYTES + o.bytes >= self.max_bytes)
+        if (o.members.len() >= most || PACK_BYTES + o.bytes >= self.max_bytes)
             && let Some(o) = open.remove(&target)
         {
             closed.push(Closed { target, members: o.members });
@@ -200,23 +208,23 @@ mod tests {
     }
 
     fn target(rk: &str) -> Target {
-        Target { exchange: "chain".into(), routing_key: rk.into() }
+        Target { exchange: "chain".into(), routing_key: rk.into(), job: "j".into() }
     }
 
     #[test]
     fn copies_for_one_key_share_a_pack_until_it_is_full() {
         let packer = Packer::new(3, 1 << 20);
         let (a, _ra) = member(1, "10");
-        let added = packer.add(target("1"), a);
+        let added = packer.add(target("1"), a, usize::MAX);
         let id = added.opened.expect("the first copy opens the pack");
         assert!(added.closed.is_empty());
         let (b, _rb) = member(2, "20");
-        let added = packer.add(target("2"), b);
+        let added = packer.add(target("2"), b, usize::MAX);
         assert!(added.opened.is_some(), "another routing key, another pack");
         let (c, _rc) = member(3, "30");
-        assert!(packer.add(target("1"), c).opened.is_none(), "joins the open pack");
+        assert!(packer.add(target("1"), c, usize::MAX).opened.is_none(), "joins the open pack");
         let (d, _rd) = member(4, "40");
-        let added = packer.add(target("1"), d);
+        let added = packer.add(target("1"), d, usize::MAX);
         assert_eq!(added.closed.len(), 1, "the third copy fills it");
         let full = added.closed.into_iter().next().unwrap();
         assert!(packer.take(&target("1"), id).is_none(), "its timer finds it gone");
@@ -233,6 +241,20 @@ mod tests {
         assert!(Envelope::decode(&body).is_ok());
     }
 
+    #[test]
+    fn a_jobs_concurrency_bounds_its_packs_and_jobs_never_share_one() {
+        let packer = Packer::new(100, 1 << 20);
+        let other = Target { job: "other".into(), ..target("1") };
+        let (a, _ra) = member(1, "1");
+        assert!(packer.add(target("1"), a, 2).opened.is_some());
+        let (b, _rb) = member(2, "2");
+        assert!(packer.add(other, b, 2).opened.is_some(), "another job, another pack");
+        let (c, _rc) = member(3, "3");
+        let added = packer.add(target("1"), c, 2);
+        assert_eq!(added.closed.iter().map(Closed::len).collect::<Vec<_>>(), [2], "full at the job's 2");
+        assert!(!Packer::new(1, 1 << 20).packs(), "park_pack = 1 sends each alone");
+    }
+
     #[tokio::test]
     async fn every_member_hears_the_outcome_and_size_closes_a_pack() {
         let (a, _) = member(1, "1");
@@ -240,11 +262,11 @@ mod tests {
         let packer = Packer::new(100, PACK_BYTES + 2 * one);
         let (a, ra) = member(1, "1");
         let (b, rb) = member(2, "2");
-        assert!(packer.add(target("k"), a).closed.is_empty());
-        let added = packer.add(target("k"), b);
+        assert!(packer.add(target("k"), a, usize::MAX).closed.is_empty());
+        let added = packer.add(target("k"), b, usize::MAX);
         assert_eq!(added.closed.iter().map(Closed::len).collect::<Vec<_>>(), [2], "full by size");
         let (c, rc) = member(3, "3");
-        let added_c = packer.add(target("k"), c);
+        let added_c = packer.add(target("k"), c, usize::MAX);
         assert!(added_c.opened.is_some() && added_c.closed.is_empty());
         for closed in added.closed {
             closed.settle(&Err(AmqpError::ConfirmTimeout(Duration::from_secs(1))));

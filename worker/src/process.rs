@@ -1293,7 +1293,9 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
                     Redelay::Parked(Park::PushedBack) | Redelay::Busy => {}
                 }
                 let sent = if matches!(why, Redelay::Parked(_)) {
-                    self.outbox.parked(&env.route(), env, delay, headers).await
+                    // A pack of its job's copies never holds more than it can run at once.
+                    let most = self.core.job(&env.job).and_then(|s| s.max_running).unwrap_or(usize::MAX);
+                    self.outbox.parked(&env.route(), env, delay, headers, most).await
                 } else {
                     self.outbox.delayed(&env.route(), env, delay, headers).await
                 };

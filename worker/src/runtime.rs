@@ -388,7 +388,7 @@ impl Worker {
             timeout: self.core.config.amqp.publish_timeout,
             broken: CancellationToken::new(),
             parks: Arc::new(crate::parks::Packer::new(
-                self.core.config.worker.park_pack,
+                self.core.config.worker.park_pack.min(self.core.config.worker.concurrency),
                 self.core.config.amqp.max_message_bytes,
             )),
         };

@@ -274,14 +274,15 @@ pub(crate) trait Outbox: Send + Sync + 'static {
         delay: Duration,
         headers: FieldTable,
     ) -> impl Future<Output = Result<(), AmqpError>> + Send;
-    /// A parked copy: as [`Outbox::delayed`], but it may travel in one message with other
-    /// copies parked for the same delay and queue (see `parks`).
+    /// A parked copy: as [`Outbox::delayed`], but it may travel in one message with up to
+    /// `most` copies of its job parked for the same delay and queue (see `parks`).
     fn parked(
         &self,
         queue: &str,
         envelope: &Envelope,
         delay: Duration,
         headers: FieldTable,
+        _most: usize,
     ) -> impl Future<Output = Result<(), AmqpError>> + Send {
         self.delayed(queue, envelope, delay, headers)
     }
@@ -365,6 +366,7 @@ impl Outbox for BrokerOutbox {
         envelope: &Envelope,
         delay: Duration,
         headers: FieldTable,
+        most: usize,
     ) -> Result<(), AmqpError> {
         // A broadcast copy goes to one worker's own queue: never packed (nor is a copy sent
         // at once).
@@ -375,8 +377,8 @@ impl Outbox for BrokerOutbox {
         let props = envelope.properties();
         let props = if headers.inner().is_empty() { props } else { props.with_headers(headers) };
         let (member, outcome) = Member::new(envelope.encode(), props);
-        let target = Target { exchange, routing_key };
-        let added = self.parks.add(target.clone(), member);
+        let target = Target { exchange, routing_key, job: envelope.job.clone() };
+        let added = self.parks.add(target.clone(), member, most);
         if let Some(id) = added.opened {
             // A task of its own: the pack goes out even if this delivery's future is dropped.
             let this = self.clone();

@@ -402,8 +402,10 @@ async fn the_ticker_sheds_the_slots_of_sheddable_jobs_while_their_queue_sheds() 
 }
 
 /// A worker SIGKILLed while runs are parked and held in place (a rate limit of 10/s over 60
-/// jobs): nothing is lost and nothing runs twice. A delivery whose parked copy was confirmed
-/// but not yet acked comes back as well as its copy; the key absorbs the second.
+/// jobs), once parked copies have started coming back (in packs: the default): nothing is
+/// lost and nothing runs twice. A delivery whose parked copy was confirmed but not yet acked
+/// comes back as well as its copy, and a pack of parked copies held by the killed worker
+/// comes back whole; the keys absorb the second copies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_with_runs_parked_loses_nothing_and_runs_nothing_twice() {
     let env = TestEnv::new("rate-kill");
@@ -415,13 +417,17 @@ async fn a_worker_killed_with_runs_parked_loses_nothing_and_runs_nothing_twice()
     let a = Child::worker(&env.dir, &path, &[], "a");
     let b = Child::worker(&env.dir, &path, &[], "b");
     let e = &env;
-    wait_until("runs parked and some done", Duration::from_secs(30), || async move {
+    wait_until("runs parked, and a parked run back and done", Duration::from_secs(30), || async move {
         let (_, runs) = history_runs(e).await;
-        runs.iter().filter(|r| r.outcome == Outcome::Parked).count() >= 20
-            && runs.iter().any(|r| r.outcome == Outcome::Succeeded)
+        let parked: std::collections::BTreeSet<&str> =
+            runs.iter().filter(|r| r.outcome == Outcome::Parked).map(|r| r.key.as_str()).collect();
+        parked.len() >= 20
+            && runs.iter().any(|r| r.outcome == Outcome::Succeeded && parked.contains(r.key.as_str()))
     })
     .await;
     a.signal(libc::SIGKILL);
+    let packs = |c: &Child| c.log_text().matches("parked copies sent round in one message").count();
+    assert!(packs(&a) + packs(&b) > 0, "the parked copies travelled in packs");
     let c = Child::worker(&env.dir, &path, &[], "c");
     wait_all_done(&config, &env, &keys, Duration::from_secs(60)).await;
     let (_, runs) = history_runs(&env).await;
@@ -465,6 +471,7 @@ async fn copies_back_late_together_start_an_interval_apart() {
     // A start (Redis time) lies within [sent + wait, received + wait] of the client's clock.
     let mut starts = Vec::new();
     let mut told_back = 0;
+    let asking = std::time::Instant::now();
     for t in &tickets {
         let sent = std::time::Instant::now();
         let take = store
@@ -480,7 +487,15 @@ async fn copies_back_late_together_start_an_interval_apart() {
             assert!(take.wait > Duration::from_millis(200), "told to come back later: {take:?}");
         }
     }
-    assert!((19..=22).contains(&starts.len()), "{} of 50 admitted within 200 ms at 100/s", starts.len());
+    // The 200 ms move on while the 50 ask, one after another: a loaded machine that takes
+    // longer to ask sees more starts within each copy's wait (one per interval it took).
+    let slid = (asking.elapsed().as_micros() / u128::from(interval)) as usize;
+    assert!(
+        (19..=22 + slid).contains(&starts.len()),
+        "{} of 50 admitted within 200 ms at 100/s (asking took {:?})",
+        starts.len(),
+        asking.elapsed()
+    );
     assert_eq!(told_back, 50 - starts.len());
     for w in starts.windows(2) {
         let gap = w[1].1.saturating_duration_since(w[0].0);
