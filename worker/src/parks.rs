@@ -13,7 +13,9 @@
 //! `worker.concurrency`, the job's own concurrency (`jobs[].concurrency` or
 //! `global_concurrency`, whichever is lower), or `amqp.max_message_bytes`: a worker that
 //! takes a pack back can start every copy in it at once, so no copy waits for a slot while
-//! it holds the others' delivery.
+//! it holds the others' delivery. When a job's copies across all its open packs reach that
+//! bound, they all go at once: the worker may hold no more of the job's deliveries than
+//! that (its prefetch follows the job's concurrency), so waiting would only hold them.
 
 use chime_shared::amqp::AmqpError;
 use chime_shared::envelope::pack::{self, MemberHeaders};
@@ -149,7 +151,10 @@ impl Packer {
     }
 
     /// Adds `member` to the open pack for `target` (opening one if there is none), closing
-    /// it at `most` copies when that is below the packer's own bound.
+    /// it at `most` copies when that is below the packer's own bound. When the job's copies
+    /// in all its open packs reach that bound, every one of them is closed: a worker that
+    /// holds that many of the job's deliveries at once (its prefetch, with the job's own
+    /// concurrency) may get no more to fill them, and each copy's delivery waits unacked.
     pub fn add(&self, target: Target, member: Member, most: usize) -> Added {
         let most = self.most.min(most.max(1));
         let mut closed = Vec::new();
@@ -169,9 +174,17 @@ impl Packer {
         });
         o.bytes += bytes;
         o.members.push(member);
-        if (o.members.len() >= most || PACK_BYTES + o.bytes >= self.max_bytes)
-            && let Some(o) = open.remove(&target)
-        {
+        let full_bytes = PACK_BYTES + o.bytes >= self.max_bytes;
+        let waiting: usize =
+            open.iter().filter(|(t, _)| t.job == target.job).map(|(_, o)| o.members.len()).sum();
+        if waiting >= most {
+            let job: Vec<Target> = open.keys().filter(|t| t.job == target.job).cloned().collect();
+            for t in job {
+                if let Some(o) = open.remove(&t) {
+                    closed.push(Closed { target: t, members: o.members });
+                }
+            }
+        } else if full_bytes && let Some(o) = open.remove(&target) {
             closed.push(Closed { target, members: o.members });
         }
         Added { opened, closed }
@@ -218,8 +231,10 @@ mod tests {
         let added = packer.add(target("1"), a, usize::MAX);
         let id = added.opened.expect("the first copy opens the pack");
         assert!(added.closed.is_empty());
+        // Another job's copy, so that this pack fills before the job's copies reach 3.
+        let second = Target { job: "k".into(), ..target("2") };
         let (b, _rb) = member(2, "20");
-        let added = packer.add(target("2"), b, usize::MAX);
+        let added = packer.add(second.clone(), b, usize::MAX);
         assert!(added.opened.is_some(), "another routing key, another pack");
         let (c, _rc) = member(3, "30");
         assert!(packer.add(target("1"), c, usize::MAX).opened.is_none(), "joins the open pack");
@@ -235,7 +250,7 @@ mod tests {
         let ats: Vec<&str> = headers.iter().map(|h| h["x-chime-rate-at"].as_str()).collect();
         assert_eq!(ats, ["10", "30", "40"], "each keeps its own ticket, in order");
         // A pack of one is the copy itself.
-        let lone = packer.take(&target("2"), 1).unwrap();
+        let lone = packer.take(&second, 1).unwrap();
         let (body, props) = lone.message();
         assert!(!pack::is_pack(&props));
         assert!(Envelope::decode(&body).is_ok());
@@ -253,6 +268,17 @@ mod tests {
         let added = packer.add(target("1"), c, 2);
         assert_eq!(added.closed.iter().map(Closed::len).collect::<Vec<_>>(), [2], "full at the job's 2");
         assert!(!Packer::new(1, 1 << 20).packs(), "park_pack = 1 sends each alone");
+        // Copies of one job for different delays: when as many wait as the job's bound, every
+        // open pack of the job goes (its deliveries may be all the worker gets).
+        let packer = Packer::new(100, 1 << 20);
+        for (i, rk) in ["5", "6"].into_iter().enumerate() {
+            let (m, _) = member(i as u32, rk);
+            assert!(packer.add(target(rk), m, 3).closed.is_empty());
+        }
+        let (m, _) = member(9, "9");
+        let mut sizes: Vec<usize> = packer.add(target("7"), m, 3).closed.iter().map(Closed::len).collect();
+        sizes.sort();
+        assert_eq!(sizes, [1, 1, 1], "three packs of one, all closed at the job's 3");
     }
 
     #[tokio::test]

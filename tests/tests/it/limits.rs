@@ -23,6 +23,16 @@ fn most_in_window(runs: &[&RunEvent], window: chrono::Duration) -> usize {
     most
 }
 
+/// The sizes of the packs of parked copies a worker sent, from its debug log (`copies=N`).
+fn pack_sizes(worker: &Child) -> Vec<usize> {
+    worker
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("parked copies sent round in one message"))
+        .filter_map(|l| l.split("copies=").nth(1)?.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .collect()
+}
+
 /// Enqueues `n` jobs of `job` with `payload(i)`; returns their keys.
 pub(crate) async fn enqueue_keys(
     config: &chime_shared::config::ValidConfig,
@@ -130,13 +140,7 @@ async fn parked_copies_travel_in_packs_and_keep_their_tickets() {
     let parked: usize = parks.values().sum();
     assert!(parks.len() >= 50, "most runs were parked: {} of 100", parks.len());
     assert!(parks.values().all(|n| *n <= 2), "no run parked more than twice (tickets kept): {parks:?}");
-    // The worker's debug log names each pack it sent: `copies=N`.
-    let log = worker.log_text();
-    let packed: Vec<usize> = log
-        .lines()
-        .filter(|l| l.contains("parked copies sent round in one message"))
-        .filter_map(|l| l.split("copies=").nth(1)?.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
-        .collect();
+    let packed = pack_sizes(&worker);
     let in_packs: usize = packed.iter().sum();
     println!("{parked} parks of {} runs; {} packs carried {in_packs} of them", parks.len(), packed.len());
     assert!(
@@ -145,6 +149,30 @@ async fn parked_copies_travel_in_packs_and_keep_their_tickets() {
     );
     let most = most_in_window(&succeeded, chrono::Duration::seconds(2));
     assert!(most <= 45, "{most} runs started within two seconds under a limit of 20/s");
+    drop(worker);
+}
+
+/// A pack of parked copies never holds more copies of a job than a worker can start at once
+/// (`jobs[].concurrency` 3 here, below `worker.park_pack`): a worker taking it back never has
+/// a copy wait for the job's slot while it holds the others' delivery. (A prefetch of 100
+/// lets the line grow past `worker.max_hold`: with the job's default of 3, runs would
+/// wait in place instead of parking.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pack_of_parked_copies_holds_no_more_than_its_job_can_start() {
+    let env = TestEnv::new("rate-pack-cap");
+    let jobs = "[[jobs]]\nname = \"paced\"\nhandler = \"noop\"\nconcurrency = 3\nrate_limit = \"20/s\"\n";
+    let text = env.config_text("classic", "", "prefetch = 100", jobs);
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let keys = enqueue_keys(&config, "paced", 80, |_| serde_json::json!({})).await;
+    let worker = Child::worker(&env.dir, &path, &[], "w");
+    wait_all_done(&config, &env, &keys, Duration::from_secs(60)).await;
+    let (_, runs) = history_runs(&env).await;
+    let ran = runs.iter().filter(|e| e.outcome == Outcome::Succeeded).count();
+    assert_eq!(ran, 80, "each ran once");
+    let packed = pack_sizes(&worker);
+    assert!(!packed.is_empty(), "copies were packed");
+    assert!(packed.iter().all(|n| *n <= 3), "packs of at most the job's concurrency: {packed:?}");
     drop(worker);
 }
 
@@ -426,8 +454,7 @@ async fn a_worker_killed_with_runs_parked_loses_nothing_and_runs_nothing_twice()
     })
     .await;
     a.signal(libc::SIGKILL);
-    let packs = |c: &Child| c.log_text().matches("parked copies sent round in one message").count();
-    assert!(packs(&a) + packs(&b) > 0, "the parked copies travelled in packs");
+    assert!(pack_sizes(&a).len() + pack_sizes(&b).len() > 0, "the parked copies travelled in packs");
     let c = Child::worker(&env.dir, &path, &[], "c");
     wait_all_done(&config, &env, &keys, Duration::from_secs(60)).await;
     let (_, runs) = history_runs(&env).await;
