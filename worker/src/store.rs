@@ -305,7 +305,7 @@ pub(crate) struct BrokerOutbox {
     /// Cancelled when the broker closed a publish channel (a publish to an exchange that is
     /// gone, say): the session then reconnects and declares the topology again.
     pub broken: CancellationToken,
-    /// Parked copies packed by delay and queue (`worker.park_pack`).
+    /// Parked copies packed by job, delay and queue (`worker.park_pack`).
     pub parks: Arc<Packer>,
 }
 
@@ -332,9 +332,7 @@ impl BrokerOutbox {
         }
         sent
     }
-}
 
-impl BrokerOutbox {
     /// Publishes a closed pack (or lone copy) and tells its members.
     async fn send(&self, closed: Closed) {
         let (body, props) = closed.message();
