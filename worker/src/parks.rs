@@ -99,7 +99,7 @@ impl Closed {
             [one] => (one.body.clone(), one.props.clone()),
             members => {
                 let bodies: Vec<&[u8]> = members.iter().map(|m| m.body.as_slice()).collect();
-                let headers: Vec<MemberHeaders> = members.iter().map(|m| m.headers.clone()).collect();
+                let headers: Vec<&MemberHeaders> = members.iter().map(|m| &m.headers).collect();
                 let ts = members.first().and_then(|m| *m.props.timestamp()).unwrap_or(0);
                 (pack::encode_with_headers(&bodies, &headers), pack::properties_at(ts, members.len()))
             }

@@ -333,6 +333,21 @@ impl BrokerOutbox {
         sent
     }
 
+    /// Where a copy of `envelope` goes after `delay` (exchange, routing key) and its
+    /// properties: fresh ones plus `headers`.
+    fn copy(
+        &self,
+        queue: &str,
+        envelope: &Envelope,
+        delay: Duration,
+        headers: FieldTable,
+    ) -> (String, String, BasicProperties) {
+        let (exchange, routing_key) = delay::target(&self.names, self.queue_type, queue, delay);
+        let props = envelope.properties();
+        let props = if headers.inner().is_empty() { props } else { props.with_headers(headers) };
+        (exchange, routing_key, props)
+    }
+
     /// Publishes a closed pack (or lone copy) and tells its members.
     async fn send(&self, closed: Closed) {
         let (body, props) = closed.message();
@@ -352,9 +367,7 @@ impl Outbox for BrokerOutbox {
         delay: Duration,
         headers: FieldTable,
     ) -> Result<(), AmqpError> {
-        let (exchange, routing_key) = delay::target(&self.names, self.queue_type, queue, delay);
-        let props = envelope.properties();
-        let props = if headers.inner().is_empty() { props } else { props.with_headers(headers) };
+        let (exchange, routing_key, props) = self.copy(queue, envelope, delay, headers);
         self.publish(&exchange, &routing_key, &envelope.encode(), props).await
     }
 
@@ -371,9 +384,7 @@ impl Outbox for BrokerOutbox {
         if !self.parks.packs() || envelope.target.is_some() || delay.is_zero() {
             return self.delayed(queue, envelope, delay, headers).await;
         }
-        let (exchange, routing_key) = delay::target(&self.names, self.queue_type, queue, delay);
-        let props = envelope.properties();
-        let props = if headers.inner().is_empty() { props } else { props.with_headers(headers) };
+        let (exchange, routing_key, props) = self.copy(queue, envelope, delay, headers);
         let (member, outcome) = Member::new(envelope.encode(), props);
         let target = Target { exchange, routing_key, job: envelope.job.clone() };
         let added = self.parks.add(target.clone(), member, most);

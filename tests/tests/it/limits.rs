@@ -23,6 +23,27 @@ fn most_in_window(runs: &[&RunEvent], window: chrono::Duration) -> usize {
     most
 }
 
+/// One worker (its `[worker]` settings `worker`) drains `n` jobs of `paced`, a no-op limited
+/// to 20/s (its other settings `job`); returns the test's environment (bind it first: the
+/// worker must stop before it is cleaned up), the config, the worker and the history's runs.
+async fn drain_paced(
+    name: &str,
+    worker: &str,
+    job: &str,
+    n: usize,
+) -> (TestEnv, chime_shared::config::ValidConfig, Child, Vec<RunEvent>) {
+    let env = TestEnv::new(name);
+    let jobs = format!("[[jobs]]\nname = \"paced\"\nhandler = \"noop\"\n{job}rate_limit = \"20/s\"\n");
+    let text = env.config_text("classic", "", worker, &jobs);
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let keys = enqueue_keys(&config, "paced", n, |_| serde_json::json!({})).await;
+    let child = Child::worker(&env.dir, &path, &[], "w");
+    wait_all_done(&config, &env, &keys, Duration::from_secs(60)).await;
+    let (_, runs) = history_runs(&env).await;
+    (env, config, child, runs)
+}
+
 /// The sizes of the packs of parked copies a worker sent, from its debug log (`copies=N`).
 fn pack_sizes(worker: &Child) -> Vec<usize> {
     worker
@@ -116,16 +137,8 @@ async fn a_rate_limit_holds_across_two_workers_and_parked_runs_run_once() {
 /// again and again), each runs once, as its first attempt, and the limit's spacing holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parked_copies_travel_in_packs_and_keep_their_tickets() {
-    let env = TestEnv::new("rate-packs");
-    let jobs = "[[jobs]]\nname = \"paced\"\nhandler = \"noop\"\nrate_limit = \"20/s\"\n";
-    let text = env.config_text("classic", "", "", jobs);
-    let path = env.write_config(&text);
-    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let (_env, config, worker, runs) = drain_paced("rate-packs", "", "", 100).await;
     assert_eq!(config.worker.park_pack, 100, "packing is the default");
-    let keys = enqueue_keys(&config, "paced", 100, |_| serde_json::json!({})).await;
-    let worker = Child::worker(&env.dir, &path, &[], "w");
-    wait_all_done(&config, &env, &keys, Duration::from_secs(60)).await;
-    let (_, runs) = history_runs(&env).await;
     let succeeded: Vec<&RunEvent> = runs.iter().filter(|e| e.outcome == Outcome::Succeeded).collect();
     let mut ran: BTreeMap<&str, usize> = BTreeMap::new();
     let mut parks: BTreeMap<&str, usize> = BTreeMap::new();
@@ -159,15 +172,8 @@ async fn parked_copies_travel_in_packs_and_keep_their_tickets() {
 /// wait in place instead of parking.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pack_of_parked_copies_holds_no_more_than_its_job_can_start() {
-    let env = TestEnv::new("rate-pack-cap");
-    let jobs = "[[jobs]]\nname = \"paced\"\nhandler = \"noop\"\nconcurrency = 3\nrate_limit = \"20/s\"\n";
-    let text = env.config_text("classic", "", "prefetch = 100", jobs);
-    let path = env.write_config(&text);
-    let config = chime_shared::Config::from_toml_str(&text).unwrap();
-    let keys = enqueue_keys(&config, "paced", 80, |_| serde_json::json!({})).await;
-    let worker = Child::worker(&env.dir, &path, &[], "w");
-    wait_all_done(&config, &env, &keys, Duration::from_secs(60)).await;
-    let (_, runs) = history_runs(&env).await;
+    let (_env, _, worker, runs) =
+        drain_paced("rate-pack-cap", "prefetch = 100", "concurrency = 3\n", 80).await;
     let ran = runs.iter().filter(|e| e.outcome == Outcome::Succeeded).count();
     assert_eq!(ran, 80, "each ran once");
     let packed = pack_sizes(&worker);

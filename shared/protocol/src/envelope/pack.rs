@@ -52,12 +52,16 @@ pub fn encode<B: AsRef<[u8]>>(members: &[B]) -> Vec<u8> {
 
 /// The body of a pack of `members` with each member's own headers (`headers[i]` for
 /// `members[i]`, the same length): `{"v":1,"pack":[…],"headers":[{…},…]}`.
-pub fn encode_with_headers<B: AsRef<[u8]>>(members: &[B], headers: &[MemberHeaders]) -> Vec<u8> {
+pub fn encode_with_headers<B: AsRef<[u8]>, H: std::borrow::Borrow<MemberHeaders>>(
+    members: &[B],
+    headers: &[H],
+) -> Vec<u8> {
+    let headers: Vec<&MemberHeaders> = headers.iter().map(std::borrow::Borrow::borrow).collect();
     let mut body = encode(members);
     body.truncate(body.len() - 1);
     body.extend_from_slice(b",\"headers\":");
     // A map of strings always serializes.
-    body.extend_from_slice(&serde_json::to_vec(headers).unwrap_or_else(|_| b"[]".to_vec()));
+    body.extend_from_slice(&serde_json::to_vec(&headers).unwrap_or_else(|_| b"[]".to_vec()));
     body.push(b'}');
     body
 }
