@@ -176,6 +176,46 @@ async fn a_large_batch_file_is_validated_in_two_halves() {
     wait_depth(&queue, 19_998, std::time::Duration::from_secs(30)).await;
 }
 
+/// Both halves of a large batch file keep the jobs they prepared (each within its memory
+/// budget) and the publishing pass reads again only what was not kept: whether both keep
+/// everything, the second runs out of room, or the first does (the second's jobs are then
+/// read again from the file), every line arrives once, in the file's order.
+#[tokio::test]
+async fn a_large_batch_file_arrives_whole_and_in_order_whatever_each_half_keeps() {
+    let env = TestEnv::new("keptbatch");
+    let (path, queue) = declared(&env, JOBS).await;
+    let file = env.dir.join("batch.jsonl");
+    let line =
+        |i: usize, pad: usize| format!("{{\"payload\":{{\"i\":{i},\"pad\":\"{}\"}}}}", "x".repeat(pad));
+    // A job's share of the 32 MiB budget is ~1 KiB plus 4 bytes a byte of its line: jobs with
+    // 3,000-byte pads fill it at ~2,600; lines of spaces cost nothing but split the file.
+    let spaces = " ".repeat(10_000);
+    let cases: [(&str, Vec<String>); 3] = [
+        ("both keep all", (0..20_000).map(|i| line(i, 0)).collect()),
+        ("the second runs out", {
+            let mut l: Vec<String> = (0..500).map(|i| line(i, 0)).collect();
+            l.extend(std::iter::repeat_n(spaces.clone(), 920));
+            l.extend((500..3_500).map(|i| line(i, 3_000)));
+            l
+        }),
+        ("the first runs out", (0..6_000).map(|i| line(i, 3_000)).collect()),
+    ];
+    for (case, lines) in cases {
+        let jobs = lines.iter().filter(|l| !l.trim().is_empty()).count();
+        std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+        let (code, out, err) = chime(&path, &["enqueue", "greet", "--batch", file.to_str().unwrap()], None);
+        assert_eq!(code, 0, "{case}: {err}");
+        assert!(out.starts_with(&format!("confirmed {jobs} of {jobs} jobs")), "{case}: {out}");
+        let got: Vec<u64> = take_envelopes(&queue, jobs, std::time::Duration::from_secs(60))
+            .await
+            .iter()
+            .map(|e| e.payload["i"].as_u64().unwrap())
+            .collect();
+        assert_eq!(got, (0..jobs as u64).collect::<Vec<_>>(), "{case}: every line once, in order");
+        assert_eq!(depth(&queue).await, 0, "{case}: nothing more");
+    }
+}
+
 /// `chime … | head`: the reader going away ends the command quietly (SIGPIPE), never with a
 /// panic and a backtrace.
 #[tokio::test]

@@ -160,6 +160,33 @@ pub async fn wait_depth(queue: &str, n: u32, within: Duration) {
     .await;
 }
 
+/// The envelopes of the `n` messages in `queue`, in queue order, taken off it (an automatic-ack
+/// consumer); fails when fewer arrive within `within`, or one is not an envelope.
+pub async fn take_envelopes(
+    queue: &str,
+    n: usize,
+    within: Duration,
+) -> Vec<chime_shared::envelope::Envelope> {
+    use futures_util::StreamExt as _;
+    let conn = connect_amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(1000, Default::default()).await.unwrap();
+    let opts = lapin::options::BasicConsumeOptions { no_ack: true, ..Default::default() };
+    let mut consumer = ch.basic_consume(queue.into(), "take".into(), opts, Default::default()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + within;
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        let d = tokio::time::timeout_at(deadline, consumer.next())
+            .await
+            .unwrap_or_else(|_| panic!("{} of {n} messages from {queue} within {within:?}", out.len()))
+            .expect("the consumer ended")
+            .unwrap();
+        out.push(chime_shared::envelope::Envelope::decode(&d.data).unwrap());
+    }
+    let _ = conn.close(200, "".into()).await;
+    out
+}
+
 /// State (`run`, `done`, `dead`, `free`) of an idempotency key in Redis.
 pub async fn idem_state(env: &TestEnv, key: &str) -> Option<String> {
     let mut r = connect_redis(&env.redis_url).await;

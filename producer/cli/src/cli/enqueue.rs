@@ -385,23 +385,25 @@ fn warn_settled(first: Option<&Settled>, count: usize) {
 
 /// Jobs published per `publish_batch` call: what the second pass holds in memory at once.
 const PUBLISH_CHUNK: usize = 10_000;
-/// The validating pass keeps the jobs it prepared, up to about this many bytes of memory, so
-/// that the publishing pass does not read, parse and prepare them again; it reads the rest of
-/// a larger batch again from the first job not kept.
+/// The validating pass keeps the jobs it prepared, up to about this many bytes of memory (for
+/// each half of a split file), so that the publishing pass does not read, parse and prepare
+/// them again; it reads the rest of a larger batch again from the first job not kept.
 const KEEP_BYTES: usize = 32 << 20;
 /// Keys asked about per Redis round trip while validating.
 const SETTLED_CHUNK: usize = 1_000;
 /// A batch file at least this large is validated in two halves at once, the second on a
 /// thread of its own (standard input is read once, on one thread).
 const SPLIT_BYTES: u64 = 256 << 10;
-/// Up to this size the first part of a split file is made the smaller: the jobs it keeps fit
-/// in `KEEP_BYTES`, or nearly (lines of 21 bytes or more).
-const KEEPING_SPLIT_BYTES: u64 = 2 << 20;
 
-/// Where a batch file's second half starts: just after the first newline past its middle
-/// (past 5/12 of a file of up to `KEEPING_SPLIT_BYTES`, whose first part keeps nearly all its
-/// jobs, which costs it ~1.4× the other's time a line). None for a small file, or when that
-/// line is longer than `limit` (the first half then reports it).
+/// A prepared job's share of `KEEP_BYTES`: about 1 KiB for a small payload (peak RSS measured
+/// with 10,000 and 50,000 jobs of 20-byte lines), growing with its line.
+fn kept_cost(line_len: usize) -> usize {
+    1024 + 4 * line_len
+}
+
+/// Where a batch file's second half starts: just after the first newline past its middle.
+/// None for a small file, or when that line is longer than `limit` (the first half then
+/// reports it).
 fn split_point(path: &std::path::Path, limit: usize) -> Option<u64> {
     use std::io::Seek as _;
     let mut f = std::fs::File::open(path).ok()?;
@@ -409,7 +411,7 @@ fn split_point(path: &std::path::Path, limit: usize) -> Option<u64> {
     if len < SPLIT_BYTES {
         return None;
     }
-    let middle = if len <= KEEPING_SPLIT_BYTES { len * 5 / 12 } else { len / 2 };
+    let middle = len / 2;
     f.seek(std::io::SeekFrom::Start(middle)).ok()?;
     let mut rest = Vec::new();
     let n = std::io::BufReader::new(f).take(limit as u64 + 1).read_until(b'\n', &mut rest).ok()?;
@@ -425,6 +427,11 @@ struct Checked {
     queues: std::collections::BTreeMap<String, usize>,
     /// Its keys that already ran to an end.
     settled: SettledTally,
+    /// The jobs of its first lines, up to `kept_lines` (numbered in the whole file), kept for
+    /// pass 2 while they fit in `KEEP_BYTES` (none once the first half could not keep all of
+    /// its own: pass 2 then reads on from the first half's last kept line).
+    kept: Vec<Prepared>,
+    kept_lines: usize,
 }
 
 /// Pass 1's look at one request (line `i`): prepared as it will be published, its queue noted
@@ -446,15 +453,17 @@ fn check_line(
 }
 
 /// Validates the lines of `path` from byte `from` to the end (read by `requests`), numbered as
-/// in the whole file, keeping no job, and asks Redis about their keys a chunk at a time (on
-/// the runtime, from this blocking thread); stops early (with what it found) once `stop` is
-/// set.
+/// in the whole file, keeping the jobs of its first lines while they fit (and while
+/// `first_full` is unset: the first half kept all of its own so far), and asks Redis about
+/// their keys a chunk at a time (on the runtime, from this blocking thread); stops early
+/// (with what it found) once `stop` is set.
 fn check_second_half<'a>(
     path: &std::path::Path,
     from: u64,
     requests: impl FnOnce(Box<dyn BufRead + 'a>) -> Requests<'a>,
     config: &Config,
     stop: &std::sync::atomic::AtomicBool,
+    first_full: &std::sync::atomic::AtomicBool,
 ) -> Result<Checked, Failure> {
     let handle = tokio::runtime::Handle::current();
     let f =
@@ -475,14 +484,27 @@ fn check_second_half<'a>(
     let mut requests = requests(Box::new(std::io::BufReader::with_capacity(1 << 16, f)));
     requests.line = before;
     let mut found = Checked::default();
+    let (mut kept_bytes, mut keeping) = (0, true);
     while !stop.load(std::sync::atomic::Ordering::Relaxed)
         && let Some((i, req)) = requests.next()?
     {
-        let (_, key) = check_line(config, requests.source, i, req, &mut found.queues)?;
+        let (p, key) = check_line(config, requests.source, i, req, &mut found.queues)?;
         if let Some(key) = key {
             handle.block_on(found.settled.add(config, key));
         }
         found.jobs += 1;
+        if keeping {
+            kept_bytes += kept_cost(requests.last_len);
+            keeping = kept_bytes <= KEEP_BYTES && !first_full.load(std::sync::atomic::Ordering::Relaxed);
+            if keeping {
+                found.kept.push(p);
+                found.kept_lines = i;
+            } else if first_full.load(std::sync::atomic::Ordering::Relaxed) {
+                // Of no use to pass 2: the memory goes now.
+                found.kept = Vec::new();
+                found.kept_lines = 0;
+            }
+        }
     }
     handle.block_on(found.settled.flush(config));
     Ok(found)
@@ -739,13 +761,21 @@ async fn enqueue_batch(
     let timing = (delay, at);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let _stop_on_return = StopOnDrop(stop.clone());
+    // Set once the first half stops keeping its jobs: the second's would then be read again.
+    let first_full = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let second_half = split.map(|from| {
-        let (path, owned_args, owned_source, cfg, stop) =
-            (file.path.clone(), args.clone(), source.to_string(), config.clone(), stop.clone());
+        let (path, owned_args, owned_source, cfg, stop, first_full) = (
+            file.path.clone(),
+            args.clone(),
+            source.to_string(),
+            config.clone(),
+            stop.clone(),
+            first_full.clone(),
+        );
         tokio::task::spawn_blocking(move || {
             let source = owned_source.as_str();
             let requests = |r| Requests::new(r, source, limit, &owned_args, timing);
-            check_second_half(&path, from, requests, &cfg, &stop)
+            check_second_half(&path, from, requests, &cfg, &stop, &first_full)
         })
     });
     let mut requests = Requests { spool, ..Requests::new(reader, source, limit, args, timing) };
@@ -762,10 +792,11 @@ async fn enqueue_batch(
             settled.add(&config, key).await;
         }
         total += 1;
-        // A prepared job in memory: about 1 KiB for a small payload (peak RSS measured with
-        // 10,000 and 50,000 jobs of 20-byte lines), growing with its line.
-        kept_bytes += 1024 + 4 * requests.last_len;
-        keeping = keeping && kept_bytes <= KEEP_BYTES;
+        kept_bytes += kept_cost(requests.last_len);
+        if keeping && kept_bytes > KEEP_BYTES {
+            keeping = false;
+            first_full.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         if keeping {
             kept.push(p);
             kept_lines = i;
@@ -776,8 +807,13 @@ async fn enqueue_batch(
     drop(requests);
     settled.flush(&config).await;
     // The first half had no bad line: the second's first, if any, is the batch's.
+    // The second half's kept jobs follow the first's when the first kept all of its own.
+    let (mut second_kept, mut second_kept_lines) = (Vec::new(), 0);
     if let Some(checking) = second_half {
         let found = checking.await.map_err(|e| runtime(anyhow::anyhow!("validating {source}: {e}")))??;
+        if keeping {
+            (second_kept, second_kept_lines) = (found.kept, found.kept_lines);
+        }
         total += found.jobs;
         for (q, line) in found.queues {
             queues.entry(q).or_insert(line);
@@ -797,20 +833,28 @@ async fn enqueue_batch(
             .await
             .map_err(|e| usage(anyhow::anyhow!("{source} line {line}: queue: {e}")))?;
     }
-    // Pass 2: publish the kept jobs, then the rest PUBLISH_CHUNK jobs at a time. The rest is
+    // Pass 2: publish the kept jobs (the first half's, then the second's), then the rest
+    // PUBLISH_CHUNK jobs at a time. The rest is
     // read and prepared on a thread of its own while the kept jobs and each chunk are
     // published: a chunk's confirms are all awaited before the next is sent, and the broker
     // would otherwise idle while the next one was parsed. At most two chunks are held at once.
     let fans_out = config.job(args.job()).is_some_and(|j| j.shards.is_some() || j.broadcast);
+    tracing::debug!(
+        total,
+        first = kept.len(),
+        second = second_kept.len(),
+        "batch: jobs kept from validation"
+    );
     let started = Instant::now();
-    let rest = (kept.len() < total).then(|| {
+    let rest = (kept.len() + second_kept.len() < total).then(|| {
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<Prepared>, Failure>>(1);
         let (path, owned_args, owned_source, cfg) =
             (file.path.clone(), args.clone(), source.to_string(), config.clone());
         // Where the rest starts: the second part of a split file whose first part was kept
-        // whole (its lines not read again), else the file's start, the kept lines skipped.
+        // whole (its lines not read again; the second's kept lines skipped), else the file's
+        // start, the kept lines skipped.
         let (from, line, skip_to) = match split {
-            Some(at) if keeping => (at, first_part_lines, 0),
+            Some(at) if keeping => (at, first_part_lines, second_kept_lines),
             _ => (0, 0, kept_lines),
         };
         let preparer = tokio::task::spawn_blocking(move || {
@@ -858,7 +902,14 @@ async fn enqueue_batch(
     for chunk in kept.chunks(step) {
         going = going && sent.publish(&client, chunk, fans_out, args.pack).await?;
     }
-    drop(kept);
+    // Tens of thousands of jobs take ~10 ms to free: on a thread of their own, while
+    // publishing goes on.
+    std::thread::spawn(move || drop(kept));
+    let step = if fans_out { PUBLISH_CHUNK } else { second_kept.len().max(1) };
+    for chunk in second_kept.chunks(step) {
+        going = going && sent.publish(&client, chunk, fans_out, args.pack).await?;
+    }
+    std::thread::spawn(move || drop(second_kept));
     if let Some((mut rx, preparer)) = rest {
         while going && let Some(chunk) = rx.recv().await {
             going = sent.publish(&client, &chunk?, fans_out, args.pack).await?;
