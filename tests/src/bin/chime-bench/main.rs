@@ -9,7 +9,8 @@
 //!
 //! Scenarios: publish (raw vs EnqueueClient), consume (raw per-message ack + chime's 2 scripts,
 //! or 2 plain SETs, vs 1/2/4 chime-worker processes), latency (enqueue → handler start at
-//! steady rates), duplicates, ticker (100,000 schedules); opt-in: properties (the broker's
+//! steady rates), duplicates, ticker (100,000 schedules); opt-in: publish-cli (`chime enqueue
+//! --batch` against a plain lapin program, whole processes, many rotated rounds), properties (the broker's
 //! cost of each AMQP property of the envelope), history (the run history's cost on the drain
 //! rate, and its memory per event), web (the dashboard's page times over 1,000,000 history
 //! events and 10,000 dead letters), probes (`/livez` idle and under a connection flood),
@@ -176,6 +177,9 @@ pub async fn main() {
     }
     if c.want("defaults") {
         consume::defaults(&c).await;
+    }
+    if c.opted("publish-cli") {
+        publish::cli_rounds(&c).await;
     }
     if c.opted("batch-memory") {
         publish::batch_memory(&c).await;

@@ -249,18 +249,8 @@ pub async fn scenario(c: &Ctx) {
     let work = env.names().work_exchange();
     let text = env.config_text(&qt, "", "", "[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n");
     let path = env.write_config(&text);
-    let file = env.dir.join("batch.jsonl");
-    // Lines whose envelopes are the size of the others' bodies.
-    let lines: String = (0..n).map(|i| format!("{{\"payload\":{{\"i\":{i}}}}}\n")).collect();
-    std::fs::write(&file, lines).unwrap();
-    // The plain program's file: each line one body of chime's size (the raw publishers' body).
-    let raw_file = env.dir.join("raw.jsonl");
-    let mut raw_lines = Vec::with_capacity(n * (body.len() + 1));
-    for _ in 0..n {
-        raw_lines.extend_from_slice(&body);
-        raw_lines.push(b'\n');
-    }
-    std::fs::write(&raw_file, raw_lines).unwrap();
+    // Lines whose envelopes are the size of the others' bodies, and the plain program's file.
+    let (file, raw_file) = batch_files(&env, n, &body);
     let before = std::env::var_os("BENCH_CHIME_BEFORE").map(std::path::PathBuf::from);
     let bare = Target { exchange: "", routing_key: &q, mandatory: false, props: bare_props(), body: &body };
     let same = Target {
@@ -336,6 +326,87 @@ pub async fn scenario(c: &Ctx) {
         "publish  chime enqueue --batch against the plain lapin program, both whole processes: {:.2}x",
         median(like)
     );
+}
+
+/// Opt-in `publish-cli`: `chime enqueue --batch` (and `BENCH_CHIME_BEFORE`'s build beside it)
+/// against the plain lapin program, each a whole process publishing `10,000 × --seconds` jobs,
+/// `--runs` rounds in rotated order: the median of the rounds' ratios with its quartiles, how
+/// many rounds reached 0.9, and the two builds paired round by round. Only these processes
+/// run, so that many rounds fit in a few minutes (single processes vary by ±10 % here).
+pub async fn cli_rounds(c: &Ctx) {
+    let conn = &c.conn;
+    let qt = c.o.queue_type.clone();
+    let n = 10_000 * c.o.seconds as usize;
+    let env = TestEnv::new("bench-pubcli");
+    let _declared = EnqueueClient::connect(bench_config(&env, &qt, "")).await.unwrap();
+    let q = env.names().work_queue("default");
+    let work = env.names().work_exchange();
+    let body = envelopes(1, false)[0].envelope.encode();
+    let text = env.config_text(&qt, "", "", "[[jobs]]\nname = \"noop\"\nhandler = \"noop\"\n");
+    let path = env.write_config(&text);
+    let (file, raw_file) = batch_files(&env, n, &body);
+    let before = std::env::var_os("BENCH_CHIME_BEFORE").map(std::path::PathBuf::from);
+    let variants = if before.is_some() { 3 } else { 2 };
+    // Wall times: the command, the plain program, the build before.
+    let mut walls: Vec<Vec<f64>> = vec![Vec::new(); variants];
+    for r in 0..c.o.runs {
+        for k in 0..variants {
+            let i = (k + r) % variants;
+            progress(&format!("publish-cli: round {}/{}", r + 1, c.o.runs));
+            let rate = match i {
+                0 => cli_batch(&env, &bin_path("chime"), &path, &file, None).await.0,
+                1 => raw_file_process(&work, "default", &raw_file).await.0,
+                _ => cli_batch(&env, before.as_ref().unwrap(), &path, &file, None).await.0,
+            };
+            walls[i].push(n as f64 / rate);
+            purge(conn, &q).await;
+        }
+    }
+    progress("");
+    let summary = |name: &str, w: &[f64]| {
+        let mut ratios: Vec<f64> = w.iter().zip(&walls[1]).map(|(own, plain)| plain / own).collect();
+        let reached = ratios.iter().filter(|r| **r >= 0.9).count();
+        ratios.sort_by(f64::total_cmp);
+        let q = |f: f64| ratios[((ratios.len() - 1) as f64 * f).round() as usize];
+        println!(
+            "publish-cli  {name:<22} median wall {:.3} s  against the plain program {:.3}x (quartiles {:.3}-{:.3}), rounds at 0.9x or more: {reached} of {}",
+            median(w.to_vec()),
+            q(0.5),
+            q(0.25),
+            q(0.75),
+            ratios.len()
+        );
+    };
+    println!(
+        "publish-cli  plain lapin program      median wall {:.3} s ({n} jobs a round)",
+        median(walls[1].clone())
+    );
+    summary("chime enqueue --batch", &walls[0]);
+    if let Some(b) = walls.get(2) {
+        summary("BENCH_CHIME_BEFORE", b);
+        let faster = walls[0].iter().zip(b).filter(|(new, old)| new < old).count();
+        let diff = median(walls[0].iter().zip(b).map(|(new, old)| (new - old) * 1000.0).collect());
+        println!(
+            "publish-cli  paired: this build faster in {faster} of {} rounds (median {diff:+.0} ms)",
+            b.len()
+        );
+    }
+}
+
+/// The command's batch file (`{"payload":{"i":N}}` lines, whose envelopes are `body`'s size)
+/// and the plain program's (each line one copy of `body`), `n` lines each, in `env`'s directory.
+fn batch_files(env: &TestEnv, n: usize, body: &[u8]) -> (std::path::PathBuf, std::path::PathBuf) {
+    let file = env.dir.join("batch.jsonl");
+    let lines: String = (0..n).map(|i| format!("{{\"payload\":{{\"i\":{i}}}}}\n")).collect();
+    std::fs::write(&file, lines).unwrap();
+    let raw_file = env.dir.join("raw.jsonl");
+    let mut raw_lines = Vec::with_capacity(n * (body.len() + 1));
+    for _ in 0..n {
+        raw_lines.extend_from_slice(body);
+        raw_lines.push(b'\n');
+    }
+    std::fs::write(&raw_file, raw_lines).unwrap();
+    (file, raw_file)
 }
 
 /// Opt-in `batch-memory`: peak RSS of `chime enqueue --batch` for 100,000 and 1,000,000
