@@ -670,6 +670,12 @@ impl Requests<'_> {
     }
 }
 
+/// Frees `jobs` on a thread of its own: tens of thousands of prepared jobs take ~10 ms to
+/// free, which publishing need not wait for (here, when no thread can be started).
+fn free_aside(jobs: Vec<Prepared>) {
+    let _ = std::thread::Builder::new().name("free".into()).spawn(move || drop(jobs));
+}
+
 /// What pass 2 of a batch has published so far.
 #[derive(Default)]
 struct Sent {
@@ -902,14 +908,12 @@ async fn enqueue_batch(
     for chunk in kept.chunks(step) {
         going = going && sent.publish(&client, chunk, fans_out, args.pack).await?;
     }
-    // Tens of thousands of jobs take ~10 ms to free: on a thread of their own, while
-    // publishing goes on.
-    std::thread::spawn(move || drop(kept));
+    free_aside(kept);
     let step = if fans_out { PUBLISH_CHUNK } else { second_kept.len().max(1) };
     for chunk in second_kept.chunks(step) {
         going = going && sent.publish(&client, chunk, fans_out, args.pack).await?;
     }
-    std::thread::spawn(move || drop(second_kept));
+    free_aside(second_kept);
     if let Some((mut rx, preparer)) = rest {
         while going && let Some(chunk) = rx.recv().await {
             going = sent.publish(&client, &chunk?, fans_out, args.pack).await?;
