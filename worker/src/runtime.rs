@@ -390,6 +390,7 @@ impl Worker {
             parks: Arc::new(crate::parks::Packer::new(
                 self.core.config.worker.park_pack.min(self.core.config.worker.concurrency),
                 self.core.config.amqp.max_message_bytes,
+                usize::from(self.prefetch.iter().copied().min().unwrap_or(1)).div_ceil(2),
             )),
         };
 
