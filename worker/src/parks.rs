@@ -16,9 +16,9 @@
 //! it holds the others' delivery. When a job's copies across all its open packs reach that
 //! bound, they all go at once: the worker may hold no more of the job's deliveries than
 //! that (its prefetch follows the job's concurrency), so waiting would only hold them. And
-//! when the copies in all open packs together reach half the smallest prefetch of the
-//! worker's consumers, every pack goes: lingering copies hold their deliveries, and a
-//! consumer whose prefetch they fill gets nothing else (other jobs included) until they go.
+//! when the copies in the open packs of one queue together reach half that queue's
+//! prefetch, every one of them goes: lingering copies hold their deliveries, and a consumer
+//! whose prefetch they fill gets nothing else (other jobs included) until they go.
 
 use chime_shared::amqp::AmqpError;
 use chime_shared::envelope::pack::{self, MemberHeaders};
@@ -45,6 +45,8 @@ pub(crate) struct Target {
     pub exchange: String,
     pub routing_key: String,
     pub job: String,
+    /// The queue whose delivery each copy holds meanwhile.
+    pub queue: String,
 }
 
 /// One parked copy waiting in an open pack.
@@ -130,8 +132,9 @@ struct Open {
 pub(crate) struct Packer {
     most: usize,
     max_bytes: usize,
-    /// Copies all open packs may hold together before every one of them is closed.
-    held: usize,
+    /// Copies the open packs of a queue may hold together before every one of them is
+    /// closed (a queue not named: no such bound).
+    held: HashMap<String, usize>,
     open: Mutex<HashMap<Target, Open>>,
     ids: AtomicU64,
 }
@@ -145,16 +148,10 @@ pub(crate) struct Added {
 }
 
 impl Packer {
-    /// At most `most` copies and `max_bytes` of body per pack, and `held` copies in all open
-    /// packs together.
-    pub fn new(most: usize, max_bytes: usize, held: usize) -> Self {
-        Self {
-            most: most.max(1),
-            max_bytes,
-            held: held.max(1),
-            open: Mutex::new(HashMap::new()),
-            ids: AtomicU64::new(0),
-        }
+    /// At most `most` copies and `max_bytes` of body per pack, and `held[queue]` copies in
+    /// the open packs of a queue together.
+    pub fn new(most: usize, max_bytes: usize, held: HashMap<String, usize>) -> Self {
+        Self { most: most.max(1), max_bytes, held, open: Mutex::new(HashMap::new()), ids: AtomicU64::new(0) }
     }
 
     /// Whether packing is on (`worker.park_pack` above 1).
@@ -167,7 +164,8 @@ impl Packer {
     /// in all its open packs reach that bound, every one of them is closed: a worker that
     /// holds that many of the job's deliveries at once (its prefetch, with the job's own
     /// concurrency) may get no more to fill them, and each copy's delivery waits unacked.
-    /// When all open packs hold the packer's `held` copies together, every pack is closed.
+    /// When the open packs of the copy's queue hold that queue's `held` copies together,
+    /// every one of them is closed.
     pub fn add(&self, target: Target, member: Member, most: usize) -> Added {
         let most = self.most.min(most.max(1));
         let mut closed = Vec::new();
@@ -190,9 +188,15 @@ impl Packer {
         let full_bytes = PACK_BYTES + o.bytes >= self.max_bytes;
         let waiting: usize =
             open.iter().filter(|(t, _)| t.job == target.job).map(|(_, o)| o.members.len()).sum();
-        let held: usize = open.values().map(|o| o.members.len()).sum();
-        if held >= self.held {
-            closed.extend(open.drain().map(|(t, o)| Closed { target: t, members: o.members }));
+        let held: usize =
+            open.iter().filter(|(t, _)| t.queue == target.queue).map(|(_, o)| o.members.len()).sum();
+        if self.held.get(&target.queue).is_some_and(|bound| held >= (*bound).max(1)) {
+            let queue: Vec<Target> = open.keys().filter(|t| t.queue == target.queue).cloned().collect();
+            for t in queue {
+                if let Some(o) = open.remove(&t) {
+                    closed.push(Closed { target: t, members: o.members });
+                }
+            }
         } else if waiting >= most {
             let job: Vec<Target> = open.keys().filter(|t| t.job == target.job).cloned().collect();
             for t in job {
@@ -237,12 +241,12 @@ mod tests {
     }
 
     fn target(rk: &str) -> Target {
-        Target { exchange: "chain".into(), routing_key: rk.into(), job: "j".into() }
+        Target { exchange: "chain".into(), routing_key: rk.into(), job: "j".into(), queue: "default".into() }
     }
 
     #[test]
     fn copies_for_one_key_share_a_pack_until_it_is_full() {
-        let packer = Packer::new(3, 1 << 20, usize::MAX);
+        let packer = Packer::new(3, 1 << 20, HashMap::new());
         let (a, _ra) = member(1, "10");
         let added = packer.add(target("1"), a, usize::MAX);
         let id = added.opened.expect("the first copy opens the pack");
@@ -274,7 +278,7 @@ mod tests {
 
     #[test]
     fn a_jobs_concurrency_bounds_its_packs_and_jobs_never_share_one() {
-        let packer = Packer::new(100, 1 << 20, usize::MAX);
+        let packer = Packer::new(100, 1 << 20, HashMap::new());
         let other = Target { job: "other".into(), ..target("1") };
         let (a, _ra) = member(1, "1");
         assert!(packer.add(target("1"), a, 2).opened.is_some());
@@ -283,10 +287,10 @@ mod tests {
         let (c, _rc) = member(3, "3");
         let added = packer.add(target("1"), c, 2);
         assert_eq!(added.closed.iter().map(Closed::len).collect::<Vec<_>>(), [2], "full at the job's 2");
-        assert!(!Packer::new(1, 1 << 20, usize::MAX).packs(), "park_pack = 1 sends each alone");
+        assert!(!Packer::new(1, 1 << 20, HashMap::new()).packs(), "park_pack = 1 sends each alone");
         // Copies of one job for different delays: when as many wait as the job's bound, every
         // open pack of the job goes (its deliveries may be all the worker gets).
-        let packer = Packer::new(100, 1 << 20, usize::MAX);
+        let packer = Packer::new(100, 1 << 20, HashMap::new());
         for (i, rk) in ["5", "6"].into_iter().enumerate() {
             let (m, _) = member(i as u32, rk);
             assert!(packer.add(target(rk), m, 3).closed.is_empty());
@@ -298,10 +302,14 @@ mod tests {
     }
 
     #[test]
-    fn copies_held_together_up_to_half_the_prefetch_close_every_pack() {
+    fn copies_held_together_up_to_half_the_prefetch_close_every_pack_of_their_queue() {
         // Half a prefetch of 8: four copies of two jobs for four delays, each job far below
-        // its own bound; the fourth closes all four packs (a consumer of 8 keeps 4 free).
-        let packer = Packer::new(100, 1 << 20, 4);
+        // its own bound; the fourth closes all four packs (a consumer of 8 keeps 4 free), not
+        // the pack of another queue.
+        let packer = Packer::new(100, 1 << 20, HashMap::from([("default".to_string(), 4)]));
+        let (m, _) = member(9, "1");
+        let elsewhere = Target { queue: "reports".into(), ..target("9") };
+        assert!(packer.add(elsewhere, m, 100).closed.is_empty());
         let other = |rk: &str| Target { job: "other".into(), ..target(rk) };
         for (i, t) in [target("1"), other("2"), target("3")].into_iter().enumerate() {
             let (m, _) = member(i as u32, "1");
@@ -322,7 +330,7 @@ mod tests {
     async fn every_member_hears_the_outcome_and_size_closes_a_pack() {
         let (a, _) = member(1, "1");
         let one = a.bytes();
-        let packer = Packer::new(100, PACK_BYTES + 2 * one, usize::MAX);
+        let packer = Packer::new(100, PACK_BYTES + 2 * one, HashMap::new());
         let (a, ra) = member(1, "1");
         let (b, rb) = member(2, "2");
         assert!(packer.add(target("k"), a, usize::MAX).closed.is_empty());

@@ -390,7 +390,13 @@ impl Worker {
             parks: Arc::new(crate::parks::Packer::new(
                 self.core.config.worker.park_pack.min(self.core.config.worker.concurrency),
                 self.core.config.amqp.max_message_bytes,
-                usize::from(self.prefetch.iter().copied().min().unwrap_or(1)).div_ceil(2),
+                // Half each queue's prefetch (its base level's: a priority level above takes
+                // twice as many).
+                self.queues
+                    .iter()
+                    .zip(&self.prefetch)
+                    .map(|(q, p)| (q.clone(), usize::from(*p).div_ceil(2)))
+                    .collect(),
             )),
         };
 

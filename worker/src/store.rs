@@ -386,7 +386,8 @@ impl Outbox for BrokerOutbox {
         }
         let (exchange, routing_key, props) = self.copy(queue, envelope, delay, headers);
         let (member, outcome) = Member::new(envelope.encode(), props);
-        let target = Target { exchange, routing_key, job: envelope.job.clone() };
+        let target =
+            Target { exchange, routing_key, job: envelope.job.clone(), queue: envelope.queue.clone() };
         let added = self.parks.add(target.clone(), member, most);
         if let Some(id) = added.opened {
             // A task of its own: the pack goes out even if this delivery's future is dropped.
