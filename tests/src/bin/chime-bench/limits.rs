@@ -56,22 +56,40 @@ async fn workers(path: &std::path::Path, procs: usize) -> (Vec<tokio::process::C
     (children, ports)
 }
 
-/// Publishes `per_tick` requests every 100 ms for `secs` seconds (`req(i)` makes the i-th);
-/// returns each key's publish time.
+/// Publishes `per_second` requests a second, in one batch every 100 ms, for `secs` seconds
+/// (`req(i)` makes the i-th); returns each key's publish time.
 async fn offer(
     client: &EnqueueClient,
     per_second: usize,
     secs: u64,
     req: impl Fn(usize) -> EnqueueRequest,
 ) -> HashMap<String, DateTime<Utc>> {
+    offer_every(client, per_second, secs, Duration::from_millis(100), req).await
+}
+
+/// [`offer`] in ticks of `every`: each tick publishes the requests due by its end (a rate
+/// that does not divide into ticks is spread over them).
+async fn offer_every(
+    client: &EnqueueClient,
+    per_second: usize,
+    secs: u64,
+    every: Duration,
+    req: impl Fn(usize) -> EnqueueRequest,
+) -> HashMap<String, DateTime<Utc>> {
     let mut sent = HashMap::new();
-    let per_tick = per_second / 10;
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let ticks = (Duration::from_secs(secs).as_micros() / every.as_micros().max(1)) as usize;
+    let due_by = |k: usize| (k * per_second * every.as_micros() as usize) / 1_000_000;
+    let mut tick = tokio::time::interval(every);
     let mut i = 0;
-    for _ in 0..secs * 10 {
+    for k in 0..ticks {
         tick.tick().await;
-        let reqs: Vec<EnqueueRequest> = (i..i + per_tick).map(&req).collect();
-        i += per_tick;
+        let due = due_by(k + 1);
+        if due == i {
+            continue;
+        }
+        let reqs: Vec<EnqueueRequest> = (i..due).map(&req).collect();
+        let per_tick = due - i;
+        i = due;
         let now = Utc::now();
         for r in &reqs {
             sent.insert(client.prepare(r).unwrap().envelope.key.to_string(), now);
@@ -232,66 +250,93 @@ enum Tenth {
 
 /// The p99 wait (publish to start) of nine tenants offering 10/s each under a 50/s limit per
 /// tenant: alone, while a tenth floods at 200/s, and two controls that tell the limiter's part
-/// from the load's (the tenth at its limit; 200/s of an unlimited job).
+/// from the load's (the tenth at its limit; 200/s of an unlimited job); `--runs` rounds in
+/// rotated order, medians. Every tenant publishes each 10 ms what is due by then (a steady
+/// stream); `BENCH_TENANT_TICK_MS=100` publishes in batches every 100 ms instead, as the
+/// figures before 2026-12-06 did (the flood's 20 copies then land with the quiet tenants' 9,
+/// each tick, and the quiet runs wait behind them).
 async fn tenants(c: &Ctx) {
     let secs = 2 * c.o.seconds;
-    let mut p = Vec::new();
-    for tenth in [Tenth::Idle, Tenth::Floods, Tenth::AtItsLimit, Tenth::Unlimited] {
-        let env = TestEnv::new("bench-tenant");
-        let jobs = "[[jobs]]\nname = \"call\"\nhandler = \"noop\"\nrate_limit = { rate = \"50/s\", key = \"tenant\" }\n\
+    let tick_ms: u64 = std::env::var("BENCH_TENANT_TICK_MS").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
+    let every = Duration::from_millis(tick_ms.max(1));
+    let variants = [Tenth::Idle, Tenth::Floods, Tenth::AtItsLimit, Tenth::Unlimited];
+    // Per variant, each round's (p50, p99).
+    let mut p: Vec<Vec<(f64, f64)>> = vec![Vec::new(); variants.len()];
+    for r in 0..c.o.runs {
+        for k in 0..variants.len() {
+            let v = (k + r) % variants.len();
+            let tenth = variants[v];
+            let env = TestEnv::new("bench-tenant");
+            let jobs = "[[jobs]]\nname = \"call\"\nhandler = \"noop\"\nrate_limit = { rate = \"50/s\", key = \"tenant\" }\n\
                     [[jobs]]\nname = \"bulk\"\nhandler = \"noop\"\n";
-        let text = env.config_text(&c.o.queue_type, "", "", jobs);
-        let path = env.write_config(&text);
-        let config = chime_shared::Config::from_toml_str(&text).unwrap();
-        let client = EnqueueClient::connect(config).await.unwrap();
-        let (procs, ports) = workers(&path, 2).await;
-        progress("limits: tenants");
-        let quiet = async {
-            offer(&client, 90, secs, |i| {
-                let t = 1 + i % 9;
-                EnqueueRequest::new("call").key(format!("t{t}-{i}")).payload(serde_json::json!({"tenant": t}))
-            })
-            .await
-        };
-        let loud = async {
-            let (job, rate) = match tenth {
-                Tenth::Idle => return HashMap::new(),
-                Tenth::Floods => ("call", 200),
-                Tenth::AtItsLimit => ("call", 50),
-                Tenth::Unlimited => ("bulk", 200),
+            let worker = format!("park_pack = {}", c.o.park_pack);
+            let text = env.config_text(&c.o.queue_type, "", &worker, jobs);
+            let path = env.write_config(&text);
+            let config = chime_shared::Config::from_toml_str(&text).unwrap();
+            let client = EnqueueClient::connect(config).await.unwrap();
+            let (procs, ports) = workers(&path, 2).await;
+            progress(&format!("limits: tenants, round {}/{}", r + 1, c.o.runs));
+            let quiet = async {
+                offer_every(&client, 90, secs, every, |i| {
+                    let t = 1 + i % 9;
+                    EnqueueRequest::new("call")
+                        .key(format!("t{t}-{i}"))
+                        .payload(serde_json::json!({"tenant": t}))
+                })
+                .await
             };
-            offer(&client, rate, secs, |i| {
-                EnqueueRequest::new(job).key(format!("t0-{i}")).payload(serde_json::json!({"tenant": 0}))
-            })
-            .await
-        };
-        let (sent, flooded) = tokio::join!(quiet, loud);
-        let n = sent.len() + flooded.len();
-        wait_succeeded(&ports, n, Duration::from_secs(secs * 12 + 600), "limits: tenants draining").await;
-        drop(procs);
-        let mut waits = latencies().lock().unwrap().clone();
-        for r in runs(&env).await.iter().filter(|r| r.outcome == Outcome::Succeeded) {
-            if let (Some(at), Some(start)) = (sent.get(&r.key), r.started_at) {
-                waits.record(((start - *at).num_microseconds().unwrap_or(0)).max(1) as u64).unwrap();
+            let loud = async {
+                let (job, rate) = match tenth {
+                    Tenth::Idle => return HashMap::new(),
+                    Tenth::Floods => ("call", 200),
+                    Tenth::AtItsLimit => ("call", 50),
+                    Tenth::Unlimited => ("bulk", 200),
+                };
+                offer_every(&client, rate, secs, every, |i| {
+                    EnqueueRequest::new(job).key(format!("t0-{i}")).payload(serde_json::json!({"tenant": 0}))
+                })
+                .await
+            };
+            let (sent, flooded) = tokio::join!(quiet, loud);
+            let n = sent.len() + flooded.len();
+            wait_succeeded(&ports, n, Duration::from_secs(secs * 12 + 600), "limits: tenants draining").await;
+            drop(procs);
+            let mut waits = latencies().lock().unwrap().clone();
+            for r in runs(&env).await.iter().filter(|r| r.outcome == Outcome::Succeeded) {
+                if let (Some(at), Some(start)) = (sent.get(&r.key), r.started_at) {
+                    waits.record(((start - *at).num_microseconds().unwrap_or(0)).max(1) as u64).unwrap();
+                }
             }
+            p[v].push((quantile_ms(&waits, 0.5), quantile_ms(&waits, 0.99)));
         }
-        p.push((quantile_ms(&waits, 0.5), quantile_ms(&waits, 0.99)));
     }
+    progress("");
+    let rounds = |v: usize| p[v].iter().map(|(a, b)| format!("{a:.1}/{b:.1}")).collect::<Vec<_>>().join(" ");
+    let p50 = |v: usize| median(p[v].iter().map(|x| x.0).collect());
+    let p99 = |v: usize| median(p[v].iter().map(|x| x.1).collect());
+    // Round by round: the flood's p99 over the same round's idle one.
+    let ratio = median(p[1].iter().zip(&p[0]).map(|(f, i)| f.1 / i.1).collect());
     println!(
-        "limits   9 tenants at 10/s each under 50/s per tenant, {secs} s, p50/p99 wait: {:.1}/{:.1} ms alone; \
-         {:.1}/{:.1} ms while a 10th floods at 200/s ({:.2}x p99 alone); controls: the 10th at its 50/s {:.1}/{:.1} ms, \
+        "limits   9 tenants at 10/s each under 50/s per tenant, {secs} s a variant, published every {tick_ms} ms, \
+         park_pack {}, {} round(s), medians of p50/p99 wait: {:.1}/{:.1} ms alone; {:.1}/{:.1} ms while a 10th floods at 200/s \
+         ({:.2}x p99 alone, median of the rounds' ratios); controls: the 10th at its 50/s {:.1}/{:.1} ms, \
          200/s of an unlimited job {:.1}/{:.1} ms (flood {:.2}x p99 of the unlimited control)",
-        p[0].0,
-        p[0].1,
-        p[1].0,
-        p[1].1,
-        p[1].1 / p[0].1,
-        p[2].0,
-        p[2].1,
-        p[3].0,
-        p[3].1,
-        p[1].1 / p[3].1
+        c.o.park_pack,
+        c.o.runs,
+        p50(0),
+        p99(0),
+        p50(1),
+        p99(1),
+        ratio,
+        p50(2),
+        p99(2),
+        p50(3),
+        p99(3),
+        p99(1) / p99(3)
     );
+    for (v, name) in ["alone", "flood", "at its limit", "unlimited"].iter().enumerate() {
+        println!("limits   tenants, {name}, p50/p99 per round (ms): {}", rounds(v));
+    }
 }
 
 /// The drain of unlimited `noop` jobs with a limited job and a circuit configured for another

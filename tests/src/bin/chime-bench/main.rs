@@ -106,7 +106,7 @@ pub struct Opts {
     /// Jobs a second offered to the 200/s limit of the `limits-rate` scenario.
     #[arg(long, default_value_t = 1000)]
     pub offer: usize,
-    /// `worker.park_pack` of the `limits-rate` scenario's workers (1: each parked copy alone).
+    /// `worker.park_pack` of the `limits-rate` and `limits-tenants` scenarios' workers (1: each parked copy alone).
     #[arg(long, default_value_t = 100)]
     pub park_pack: usize,
 }
