@@ -42,6 +42,23 @@ fn cpu_idle() -> Option<(u64, u64)> {
     Some((fields.get(3)? + fields.get(4).copied().unwrap_or(0), fields.iter().sum()))
 }
 
+/// `env`'s config with `jobs` and the run's `worker.park_pack`: a client, and `procs` workers
+/// consuming (with their health ports).
+async fn limited_workers(
+    c: &Ctx,
+    env: &TestEnv,
+    jobs: &str,
+    procs: usize,
+) -> (EnqueueClient, Vec<tokio::process::Child>, Vec<u16>) {
+    let worker = format!("park_pack = {}", c.o.park_pack);
+    let text = env.config_text(&c.o.queue_type, "", &worker, jobs);
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let client = EnqueueClient::connect(config).await.unwrap();
+    let (children, ports) = workers(&path, procs).await;
+    (client, children, ports)
+}
+
 /// `procs` chime-worker processes on `path` (logging warnings only), consuming.
 async fn workers(path: &std::path::Path, procs: usize) -> (Vec<tokio::process::Child>, Vec<u16>) {
     let ports: Vec<u16> = (0..procs).map(|_| free_port()).collect();
@@ -160,12 +177,7 @@ async fn accuracy(c: &Ctx) {
     let env = TestEnv::new("bench-rate");
     // Every park is a history entry too: keep them all (the default would cut the first minute).
     let jobs = "[history]\nmax_len = 100000000\n[[jobs]]\nname = \"paced\"\nhandler = \"noop\"\nrate_limit = \"200/s\"\n";
-    let worker = format!("park_pack = {}", c.o.park_pack);
-    let text = env.config_text(&c.o.queue_type, "", &worker, jobs);
-    let path = env.write_config(&text);
-    let config = chime_shared::Config::from_toml_str(&text).unwrap();
-    let client = EnqueueClient::connect(config).await.unwrap();
-    let (procs, ports) = workers(&path, 4).await;
+    let (client, procs, ports) = limited_workers(c, &env, jobs, 4).await;
     let secs = 6 * c.o.seconds;
     let rate = c.o.offer;
     progress(&format!(
@@ -269,12 +281,7 @@ async fn tenants(c: &Ctx) {
             let env = TestEnv::new("bench-tenant");
             let jobs = "[[jobs]]\nname = \"call\"\nhandler = \"noop\"\nrate_limit = { rate = \"50/s\", key = \"tenant\" }\n\
                     [[jobs]]\nname = \"bulk\"\nhandler = \"noop\"\n";
-            let worker = format!("park_pack = {}", c.o.park_pack);
-            let text = env.config_text(&c.o.queue_type, "", &worker, jobs);
-            let path = env.write_config(&text);
-            let config = chime_shared::Config::from_toml_str(&text).unwrap();
-            let client = EnqueueClient::connect(config).await.unwrap();
-            let (procs, ports) = workers(&path, 2).await;
+            let (client, procs, ports) = limited_workers(c, &env, jobs, 2).await;
             progress(&format!("limits: tenants, round {}/{}", r + 1, c.o.runs));
             let quiet = async {
                 offer_every(&client, 90, secs, every, |i| {
