@@ -147,6 +147,16 @@ pub(crate) struct Added {
     pub closed: Vec<Closed>,
 }
 
+/// Copies waiting in the open packs whose target is `of`.
+fn copies(open: &HashMap<Target, Open>, of: impl Fn(&Target) -> bool) -> usize {
+    open.iter().filter(|(t, _)| of(t)).map(|(_, o)| o.members.len()).sum()
+}
+
+/// Every open pack whose target is `of`, closed.
+fn close_where(open: &mut HashMap<Target, Open>, of: impl Fn(&Target) -> bool) -> Vec<Closed> {
+    open.extract_if(|t, _| of(t)).map(|(t, o)| Closed { target: t, members: o.members }).collect()
+}
+
 impl Packer {
     /// At most `most` copies and `max_bytes` of body per pack, and `held[queue]` copies in
     /// the open packs of a queue together.
@@ -186,24 +196,12 @@ impl Packer {
         o.bytes += bytes;
         o.members.push(member);
         let full_bytes = PACK_BYTES + o.bytes >= self.max_bytes;
-        let waiting: usize =
-            open.iter().filter(|(t, _)| t.job == target.job).map(|(_, o)| o.members.len()).sum();
-        let held: usize =
-            open.iter().filter(|(t, _)| t.queue == target.queue).map(|(_, o)| o.members.len()).sum();
-        if self.held.get(&target.queue).is_some_and(|bound| held >= (*bound).max(1)) {
-            let queue: Vec<Target> = open.keys().filter(|t| t.queue == target.queue).cloned().collect();
-            for t in queue {
-                if let Some(o) = open.remove(&t) {
-                    closed.push(Closed { target: t, members: o.members });
-                }
-            }
-        } else if waiting >= most {
-            let job: Vec<Target> = open.keys().filter(|t| t.job == target.job).cloned().collect();
-            for t in job {
-                if let Some(o) = open.remove(&t) {
-                    closed.push(Closed { target: t, members: o.members });
-                }
-            }
+        let same_queue = |t: &Target| t.queue == target.queue;
+        let same_job = |t: &Target| t.job == target.job;
+        if self.held.get(&target.queue).is_some_and(|bound| copies(&open, same_queue) >= *bound) {
+            closed.extend(close_where(&mut open, same_queue));
+        } else if copies(&open, same_job) >= most {
+            closed.extend(close_where(&mut open, same_job));
         } else if full_bytes && let Some(o) = open.remove(&target) {
             closed.push(Closed { target, members: o.members });
         }

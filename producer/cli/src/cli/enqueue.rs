@@ -495,14 +495,14 @@ fn check_second_half<'a>(
         found.jobs += 1;
         if keeping {
             kept_bytes += kept_cost(requests.last_len);
-            keeping = kept_bytes <= KEEP_BYTES && !first_full.load(std::sync::atomic::Ordering::Relaxed);
+            let useless = first_full.load(std::sync::atomic::Ordering::Relaxed);
+            keeping = kept_bytes <= KEEP_BYTES && !useless;
             if keeping {
                 found.kept.push(p);
                 found.kept_lines = i;
-            } else if first_full.load(std::sync::atomic::Ordering::Relaxed) {
+            } else if useless {
                 // Of no use to pass 2: the memory goes now.
-                found.kept = Vec::new();
-                found.kept_lines = 0;
+                (found.kept, found.kept_lines) = (Vec::new(), 0);
             }
         }
     }
@@ -840,10 +840,10 @@ async fn enqueue_batch(
             .map_err(|e| usage(anyhow::anyhow!("{source} line {line}: queue: {e}")))?;
     }
     // Pass 2: publish the kept jobs (the first half's, then the second's), then the rest
-    // PUBLISH_CHUNK jobs at a time. The rest is
-    // read and prepared on a thread of its own while the kept jobs and each chunk are
-    // published: a chunk's confirms are all awaited before the next is sent, and the broker
-    // would otherwise idle while the next one was parsed. At most two chunks are held at once.
+    // PUBLISH_CHUNK jobs at a time. The rest is read and prepared on a thread of its own while
+    // the kept jobs and each chunk are published: a chunk's confirms are all awaited before
+    // the next is sent, and the broker would otherwise idle while the next one was parsed. At
+    // most two chunks are held at once.
     let fans_out = config.job(args.job()).is_some_and(|j| j.shards.is_some() || j.broadcast);
     tracing::debug!(
         total,
@@ -902,18 +902,15 @@ async fn enqueue_batch(
         (rx, preparer)
     });
     let mut sent = Sent { total, ..Sent::default() };
-    // A fanned-out job's members are made a chunk at a time; other kept jobs go in one call.
-    let step = if fans_out { PUBLISH_CHUNK } else { kept.len().max(1) };
     let mut going = true;
-    for chunk in kept.chunks(step) {
-        going = going && sent.publish(&client, chunk, fans_out, args.pack).await?;
+    for jobs in [kept, second_kept] {
+        // A fanned-out job's members are made a chunk at a time; other kept jobs go in one call.
+        let step = if fans_out { PUBLISH_CHUNK } else { jobs.len().max(1) };
+        for chunk in jobs.chunks(step) {
+            going = going && sent.publish(&client, chunk, fans_out, args.pack).await?;
+        }
+        free_aside(jobs);
     }
-    free_aside(kept);
-    let step = if fans_out { PUBLISH_CHUNK } else { second_kept.len().max(1) };
-    for chunk in second_kept.chunks(step) {
-        going = going && sent.publish(&client, chunk, fans_out, args.pack).await?;
-    }
-    free_aside(second_kept);
     if let Some((mut rx, preparer)) = rest {
         while going && let Some(chunk) = rx.recv().await {
             going = sent.publish(&client, &chunk?, fans_out, args.pack).await?;
