@@ -58,8 +58,11 @@ impl TestEnv {
             Ok(conn) => Some(conn),
             Err(_) => Connection::connect(&amqp_url(), ConnectionProperties::default()).await.ok(),
         };
+        // Workers' own queues (broadcast jobs): a worker deletes its own as it stops, not
+        // when it is killed; the ids come from the workers' index, before the keys go.
+        let workers = self.worker_ids().await;
         if let Some(conn) = conn {
-            self.delete_topology(&conn).await;
+            self.delete_topology(&conn, &workers).await;
         }
         self.delete_keys().await;
         if keep_dir {
@@ -69,7 +72,19 @@ impl TestEnv {
         }
     }
 
-    async fn delete_topology(&self, conn: &Connection) {
+    async fn worker_ids(&self) -> Vec<String> {
+        let Ok(client) = redis::Client::open(self.redis_url.as_str()) else { return Vec::new() };
+        let Ok(mut r) = client.get_multiplexed_async_connection().await else { return Vec::new() };
+        redis::cmd("ZRANGE")
+            .arg(self.names().workers_index())
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut r)
+            .await
+            .unwrap_or_default()
+    }
+
+    async fn delete_topology(&self, conn: &Connection, workers: &[String]) {
         let names = self.names();
         // The prefix's own queues and exchanges; the delay chain is shared by every prefix on
         // the virtual host and stays.
@@ -87,6 +102,7 @@ impl TestEnv {
             })
             .collect();
         queues.push(names.unroutable_queue());
+        queues.extend(workers.iter().map(|id| names.work_queue(&chime_shared::envelope::worker_route(id))));
         for name in queues {
             if let Ok(ch) = conn.create_channel().await {
                 let _ = ch.queue_delete(name.as_str().into(), QueueDeleteOptions::default()).await;
