@@ -24,11 +24,13 @@
 //! its claims do; lapsed slots are dropped by the next taker. One script, one key: Redis
 //! Cluster works.
 
-use redis::{Script, Value};
+use redis::{Cmd, Script, Value};
+use std::collections::HashMap;
 use std::sync::LazyLock;
 use std::time::Duration;
+use tokio::sync::oneshot;
 
-use super::{IdemError, IdemStore, evalsha};
+use super::{IdemError, IdemStore, Op, evalsha};
 
 /// KEYS[1] the job's slots; ARGV owner, limit, lease_ms → `{1, 0}`: the owner holds a slot
 /// until now + lease (taken, or renewed when it held one already); `{0, ms}`: every slot is
@@ -48,36 +50,47 @@ return {0, math.max(0, tonumber(first[2]) - now)}",
     )
 });
 
-/// KEYS[1] a rate bucket; ARGV interval_us, burst, ticket_us (the run's ticket from an
-/// earlier ask, or 0 for a new one), horizon_us (how long it may wait in place) →
-/// `{ticket_us, admitted, wait_us}`: admitted 1, it starts in `wait_us` (≤ horizon; that start
-/// is its own); admitted 0, it comes back in about `wait_us` (its ticket is further off than
-/// the horizon, or it is due but every start within the horizon is taken).
+/// KEYS[1] a rate bucket; ARGV one or more asks of four values each, decided in order:
+/// interval_us, burst, ticket_us (the run's ticket from an earlier ask, or 0 for a new one),
+/// horizon_us (how long it may wait in place) → for each ask `ticket_us, admitted, wait_us`:
+/// admitted 1, it starts in `wait_us` (≤ horizon; that start is its own); admitted 0, it
+/// comes back in about `wait_us` (its ticket is further off than the horizon, or it is due
+/// but every start within the horizon is taken). The asks of one bucket that wait for the
+/// same pipeline are one call (a returning pack's members, a flood's copies): one read and
+/// one write of the bucket instead of one script each.
 static RATE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local T, b, ticket, horizon = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local v = redis.call('HMGET', KEYS[1], 't', 'a', 'h')
 local hold = tonumber(v[3]) or 0
 local q, a = tonumber(v[1]) or now, tonumber(v[2]) or now
-if ticket <= 0 then
-  q = math.max(q, now) + T
-  ticket = math.max(q - b * T, now, hold)
-  redis.call('HSET', KEYS[1], 't', string.format('%.0f', q))
-end
-local admitted, wait = 0, ticket - now
-if wait <= horizon then
-  local next = math.max(a, now) + T
-  local start = math.max(next - b * T, now, hold)
-  wait = start - now
-  if wait <= horizon then
-    admitted, a = 1, next
-    redis.call('HSET', KEYS[1], 'a', string.format('%.0f', a))
+local newq, newa = false, false
+local out = {}
+for i = 1, #ARGV, 4 do
+  local T, b, ticket, horizon = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+  if ticket <= 0 then
+    q = math.max(q, now) + T
+    ticket = math.max(q - b * T, now, hold)
+    newq = true
   end
+  local admitted, wait = 0, ticket - now
+  if wait <= horizon then
+    local next = math.max(a, now) + T
+    local start = math.max(next - b * T, now, hold)
+    wait = start - now
+    if wait <= horizon then
+      admitted, a, newa = 1, next, true
+    end
+  end
+  out[#out + 1] = string.format('%.0f', ticket)
+  out[#out + 1] = admitted
+  out[#out + 1] = string.format('%.0f', math.max(wait, 0))
 end
+if newq then redis.call('HSET', KEYS[1], 't', string.format('%.0f', q)) end
+if newa then redis.call('HSET', KEYS[1], 'a', string.format('%.0f', a)) end
 redis.call('PEXPIRE', KEYS[1], math.ceil((math.max(q, a, hold) - now) / 1000) + 1000)
-return {string.format('%.0f', ticket), admitted, string.format('%.0f', math.max(wait, 0))}",
+return out",
     )
 });
 
@@ -102,6 +115,80 @@ return string.format('%.0f', hold)",
 /// The scripts of this module (loaded again after a Redis restart, with the others).
 pub(crate) fn scripts() -> [&'static Script; 3] {
     [&TAKE, &RATE, &SLOW]
+}
+
+/// Who waits for one rate decision.
+pub(crate) type RateReply = oneshot::Sender<Result<RateTake, IdemError>>;
+
+/// One ask of [`IdemStore::take_rate`], as the rate script takes it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RateAsk {
+    interval_us: u64,
+    burst: u32,
+    ticket_us: u64,
+    horizon_us: u64,
+}
+
+/// The rate asks of one pipeline, by bucket, each bucket's in the order they came.
+#[derive(Default)]
+pub(crate) struct Merged {
+    buckets: Vec<(String, Vec<RateAsk>, Vec<RateReply>)>,
+    index: HashMap<String, usize>,
+}
+
+impl Merged {
+    pub(crate) fn add(&mut self, key: String, ask: RateAsk, reply: RateReply) {
+        let i = match self.index.get(&key) {
+            Some(&i) => i,
+            None => {
+                self.index.insert(key.clone(), self.buckets.len());
+                self.buckets.push((key, Vec::new(), Vec::new()));
+                self.buckets.len() - 1
+            }
+        };
+        self.buckets[i].1.push(ask);
+        self.buckets[i].2.push(reply);
+    }
+
+    /// One script call per bucket, with the callers it answers.
+    pub(crate) fn calls(self) -> impl Iterator<Item = (Cmd, Vec<RateReply>)> {
+        self.buckets.into_iter().map(|(key, asks, txs)| {
+            let mut cmd = evalsha(&RATE, key);
+            for a in asks {
+                cmd.arg(a.interval_us).arg(a.burst).arg(a.ticket_us).arg(a.horizon_us);
+            }
+            (cmd, txs)
+        })
+    }
+}
+
+/// Answers the callers of one merged rate call from its reply (three values per ask).
+pub(crate) fn answer_rates(txs: Vec<RateReply>, answer: Result<Value, IdemError>) {
+    let values = match answer {
+        Ok(Value::Array(values)) if values.len() == txs.len() * 3 => values,
+        Ok(other) => {
+            let e = IdemError::Protocol(format!("rate script replied {other:?} to {} asks", txs.len()));
+            return txs.into_iter().for_each(|tx| drop(tx.send(Err(e.clone()))));
+        }
+        Err(e) => return txs.into_iter().for_each(|tx| drop(tx.send(Err(e.clone())))),
+    };
+    for (tx, v) in txs.into_iter().zip(values.chunks(3)) {
+        let _ = tx.send(rate_take(v));
+    }
+}
+
+fn rate_take(v: &[Value]) -> Result<RateTake, IdemError> {
+    let parsed = (
+        redis::from_redis_value_ref::<String>(&v[0]).ok().and_then(|s| s.parse::<u64>().ok()),
+        redis::from_redis_value_ref::<u8>(&v[1]).ok(),
+        redis::from_redis_value_ref::<String>(&v[2]).ok().and_then(|s| s.parse::<u64>().ok()),
+    );
+    match parsed {
+        (Some(ticket_us), Some(admitted), Some(wait_us)) => {
+            Ok(RateTake { ticket_us, admitted: admitted == 1, wait: Duration::from_micros(wait_us) })
+        }
+        _ => Err(IdemError::Protocol(format!("rate script replied {v:?}"))),
+    }
 }
 
 /// Answer of [`IdemStore::take_rate`]: when the run may start.
@@ -156,16 +243,16 @@ impl IdemStore {
         ticket: Option<u64>,
         horizon: Duration,
     ) -> Result<RateTake, IdemError> {
-        let mut cmd = evalsha(&RATE, key);
-        cmd.arg(interval_us)
-            .arg(burst)
-            .arg(ticket.unwrap_or(0))
-            .arg(u64::try_from(horizon.as_micros()).unwrap_or(u64::MAX));
-        let (ticket, admitted, wait): (String, u8, String) = self.call(cmd).await?;
-        let (Ok(ticket_us), Ok(wait_us)) = (ticket.parse::<u64>(), wait.parse::<u64>()) else {
-            return Err(IdemError::Protocol(format!("rate script replied {ticket:?}, {admitted}, {wait:?}")));
+        let ask = RateAsk {
+            interval_us,
+            burst,
+            ticket_us: ticket.unwrap_or(0),
+            horizon_us: u64::try_from(horizon.as_micros()).unwrap_or(u64::MAX),
         };
-        Ok(RateTake { ticket_us, admitted: admitted == 1, wait: Duration::from_micros(wait_us) })
+        let (reply, answer) = oneshot::channel();
+        let stopped = || IdemError::Protocol("redis batcher stopped".into());
+        self.batcher().send(Op::Rate { key, ask, reply }).map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
     }
 
     /// Holds rate bucket `key` for `hold` (the downstream pushed back), for every worker.

@@ -526,7 +526,7 @@ impl Final {
 }
 
 /// Errors of the idempotency store.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum IdemError {
     /// Redis could not be reached or refused the command.
     #[error("redis: {0}")]
@@ -567,6 +567,9 @@ enum Op {
     /// A run for its queue's history stream, written at the head of the next pipeline, ahead
     /// of any call handed over after it (the finish that records its outcome).
     Run { stream: String, values: [String; 4], trim: Trim },
+    /// One rate decision ([`IdemStore::take_rate`]): the decisions of one bucket that wait
+    /// together are merged into one script call.
+    Rate { key: String, ask: limit::RateAsk, reply: limit::RateReply },
 }
 
 /// How a history stream is cut as runs are appended.
@@ -938,12 +941,29 @@ async fn batch_loop(mut conn: RedisConn, mut rx: mpsc::UnboundedReceiver<Op>) {
     }
 }
 
-type Reply = oneshot::Sender<Result<Value, IdemError>>;
+/// Who waits for one call of a pipeline.
+enum Reply {
+    /// The caller of that call.
+    One(oneshot::Sender<Result<Value, IdemError>>),
+    /// The callers of one merged rate call, in the order of their asks.
+    Rates(Vec<limit::RateReply>),
+}
+
+impl Reply {
+    fn send(self, answer: Result<Value, IdemError>) {
+        match self {
+            Reply::One(tx) => {
+                let _ = tx.send(answer);
+            }
+            Reply::Rates(txs) => limit::answer_rates(txs, answer),
+        }
+    }
+}
 
 /// Answers every call of a failed pipeline with the same error.
 fn fail_all(replies: Vec<Option<Reply>>, error: impl Fn() -> IdemError) {
     for reply in replies.into_iter().flatten() {
-        let _ = reply.send(Err(error()));
+        reply.send(Err(error()));
     }
 }
 
@@ -952,15 +972,18 @@ fn fail_all(replies: Vec<Option<Reply>>, error: impl Fn() -> IdemError) {
 ///
 /// The batch's history runs come first, as one `XADDS` call per stream (their replies are
 /// only logged: history is best-effort), so each run reaches Redis ahead of the finish that
-/// was handed over after it.
+/// was handed over after it. The rate decisions of one bucket are one call (in the order
+/// they were asked), after the other calls.
 async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
     let mut pipe = Pipeline::with_capacity(ops.len());
     let mut replies: Vec<Option<Reply>> = Vec::with_capacity(ops.len());
     let mut calls = Vec::with_capacity(ops.len());
     let mut streams: Vec<(String, Trim, Vec<[String; 4]>)> = Vec::new();
+    let mut rates = limit::Merged::default();
     for op in ops {
         match op {
             Op::Call { cmd, reply } => calls.push((cmd, reply)),
+            Op::Rate { key, ask, reply } => rates.add(key, ask, reply),
             Op::Run { stream, values, trim } => {
                 match streams.iter_mut().find(|(s, t, _)| *s == stream && *t == trim) {
                     Some((_, _, runs)) => runs.push(values),
@@ -983,7 +1006,11 @@ async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
     }
     for (cmd, reply) in calls {
         pipe.add_command(cmd);
-        replies.push(Some(reply));
+        replies.push(Some(Reply::One(reply)));
+    }
+    for (cmd, txs) in rates.calls() {
+        pipe.add_command(cmd);
+        replies.push(Some(Reply::Rates(txs)));
     }
     for round in 0..2 {
         let values = match conn.req_packed_commands(&pipe, 0, replies.len()).await {
@@ -1007,9 +1034,7 @@ async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
                 v => Ok(v),
             };
             match reply {
-                Some(reply) => {
-                    let _ = reply.send(answer);
-                }
+                Some(reply) => reply.send(answer),
                 None => {
                     if let Err(e) = answer {
                         tracing::debug!(error = %e, "run history not written");

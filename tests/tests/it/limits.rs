@@ -547,6 +547,72 @@ async fn copies_back_late_together_start_an_interval_apart() {
     assert!(!held.admitted && held.wait > Duration::from_secs(2), "{held:?}");
 }
 
+/// Asks of one bucket made at once share one script call (a returning pack's members, a
+/// flood's copies): each still gets its own place in line and its own start, exactly as if
+/// they had asked one after another. 50 fresh runs ask together, each allowed 200 ms in
+/// place, beside asks of another bucket in the same pipelines: tickets one interval apart,
+/// about 20 starts, one interval apart, the rest told to come back; the other bucket is
+/// untouched by them; and Redis ran a handful of script calls, not 53 (a private Redis,
+/// whose command counts are this test's alone).
+#[tokio::test]
+async fn asks_of_one_bucket_made_at_once_are_decided_as_if_one_after_another() {
+    let redis = PrivateRedis::start().await;
+    let mut env = TestEnv::new("rate-merged");
+    env.redis_url = redis.url();
+    let config = env.config("classic", "", "", "");
+    let store = chime_shared::idempotency::IdemStore::connect(&config.redis, env.names()).unwrap();
+    let (key, other) = (env.names().rate("b", "flood"), env.names().rate("b", "quiet"));
+    let (interval, burst) = (10_000u64, 1u32); // 100/s
+    let horizon = Duration::from_millis(200);
+    let ask = |key: &String| {
+        let (store, key) = (store.clone(), key.clone());
+        async move {
+            let sent = std::time::Instant::now();
+            let take = store.take_rate(key, interval, burst, None, horizon).await.unwrap();
+            (sent, std::time::Instant::now(), take)
+        }
+    };
+    let asks: Vec<_> = (0..50).map(|_| ask(&key)).collect();
+    let quiet: Vec<_> = (0..3).map(|_| ask(&other)).collect();
+    let (mut flood, quiet) = futures_util::future::join(
+        futures_util::future::join_all(asks),
+        futures_util::future::join_all(quiet),
+    )
+    .await;
+    flood.sort_by_key(|(_, _, take)| take.ticket_us);
+    let tickets: Vec<u64> = flood.iter().map(|(_, _, t)| t.ticket_us).collect();
+    assert!(tickets.windows(2).all(|w| w[1] >= w[0] + interval), "tickets in line: {tickets:?}");
+    let starts: Vec<_> = flood
+        .iter()
+        .filter(|(_, _, t)| t.admitted)
+        .map(|(sent, got, t)| (*sent + t.wait, *got + t.wait))
+        .collect();
+    assert!((19..=23).contains(&starts.len()), "{} of 50 admitted within 200 ms at 100/s", starts.len());
+    for w in starts.windows(2) {
+        let gap = w[1].1.saturating_duration_since(w[0].0);
+        assert!(gap >= Duration::from_micros(interval), "starts one interval apart: {gap:?} in {starts:?}");
+    }
+    for (_, _, t) in flood.iter().filter(|(_, _, t)| !t.admitted) {
+        assert!(t.wait > horizon, "told to come back later: {t:?}");
+    }
+    // The other bucket's three asks: its own line, from its first start (burst 1: at once).
+    let mut quiet: Vec<_> = quiet.into_iter().map(|(_, _, t)| t).collect();
+    quiet.sort_by_key(|t| t.ticket_us);
+    assert!(quiet.iter().all(|t| t.admitted), "{quiet:?}");
+    assert!(quiet[0].wait < Duration::from_millis(5), "the other bucket's first starts at once: {quiet:?}");
+    // One call per bucket and pipeline (the first may be refused NOSCRIPT and sent again).
+    let mut conn = connect_redis(&env.redis_url).await;
+    let stats: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
+    let calls = |cmd: &str| {
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
+            .and_then(|rest| rest.split(',').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    assert!(calls("evalsha") <= 8, "53 asks took {} script calls:\n{stats}", calls("evalsha"));
+}
+
 /// The broker (a private node) SIGKILLed and restarted while a queue sheds: every critical
 /// run is done, every sheddable key ran or was shed (none both, none lost), and sheddable
 /// runs enqueued after the backlog is gone all run.
