@@ -7,7 +7,7 @@
 //! member is decided on its own, and the pack is acked once all are settled.
 //!
 //! The first copy of a job for a routing key opens a pack and a timer; copies of that job
-//! for that key within [`LINGER`] join it; the timer, or the copy that fills it, publishes
+//! for that key within [`linger`] (a 64th of the delay, 50 to 500 ms) join it; the timer, or the copy that fills it, publishes
 //! it, and every member's caller gets the one confirm's outcome. A pack of one is sent as the
 //! plain message it would have been. A pack is full at `worker.park_pack` copies,
 //! `worker.concurrency`, the job's own concurrency (`jobs[].concurrency` or
@@ -30,9 +30,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::oneshot;
 
-/// How long an open pack waits for more copies with its routing key: a small part of the
-/// shortest park (1 s).
-pub(crate) const LINGER: Duration = Duration::from_millis(50);
+/// How long an open pack waits for more copies with its routing key, at least: a small part
+/// of the shortest park (1 s).
+const LINGER: Duration = Duration::from_millis(50);
+
+/// The most an open pack waits: half the second a rate-limited copy is parked early by.
+const MAX_LINGER: Duration = Duration::from_millis(500);
+
+/// How long a pack opened for copies parked `delay` waits for more: a 64th of the delay
+/// (it comes back at most that much later), at least [`LINGER`], at most [`MAX_LINGER`].
+/// Copies parked far ahead (a long rate-limit line) travel in bigger packs: fewer messages
+/// and fewer dead-letterings through the delay chain for the same copies.
+pub(crate) fn linger(delay: Duration) -> Duration {
+    (delay / 64).clamp(LINGER, MAX_LINGER)
+}
 
 /// Bytes a pack spends besides its members' bodies and headers (`{"v":1,"pack":[`, `]`,
 /// `,"headers":[`, `]}`), with room to spare.
@@ -222,6 +233,14 @@ impl Packer {
 mod tests {
     use super::*;
     use chime_shared::envelope::{Envelope, Source, adhoc_key, put_header};
+
+    #[test]
+    fn a_pack_lingers_a_64th_of_its_delay_within_50_and_500_ms() {
+        assert_eq!(linger(Duration::from_secs(1)), Duration::from_millis(50));
+        assert_eq!(linger(Duration::from_secs(16)), Duration::from_millis(250));
+        assert_eq!(linger(Duration::from_secs(60)), Duration::from_millis(500));
+        assert_eq!(linger(Duration::from_secs(3600)), Duration::from_millis(500));
+    }
 
     fn member(i: u32, at: &str) -> (Member, oneshot::Receiver<Result<(), String>>) {
         let env = Envelope::new(

@@ -3,7 +3,7 @@
 //! `process` is written against these traits, so the whole per-delivery decision is tested
 //! without services (`process/tests.rs`); the real implementations are below.
 
-use crate::parks::{Closed, LINGER, Member, Packer, Target};
+use crate::parks::{Closed, Member, Packer, Target};
 use chime_shared::amqp::{self, AmqpError};
 use chime_shared::circuit::{Admit, Ended, Limits, Recorded as CircuitRecorded};
 use chime_shared::config::QueueType;
@@ -393,7 +393,7 @@ impl Outbox for BrokerOutbox {
             // A task of its own: the pack goes out even if this delivery's future is dropped.
             let this = self.clone();
             tokio::spawn(async move {
-                tokio::time::sleep(LINGER).await;
+                tokio::time::sleep(crate::parks::linger(delay)).await;
                 if let Some(closed) = this.parks.take(&target, id) {
                     this.send(closed).await;
                 }
