@@ -60,11 +60,20 @@ impl TestEnv {
         };
         // Workers' own queues (broadcast jobs): a worker deletes its own as it stops, not
         // when it is killed; the ids come from the workers' index, before the keys go.
-        let workers = self.worker_ids().await;
+        let mut redis = match redis::Client::open(self.redis_url.as_str()) {
+            Ok(client) => client.get_multiplexed_async_connection().await.ok(),
+            Err(_) => None,
+        };
+        let workers = match redis.as_mut() {
+            Some(r) => Self::worker_ids(r, &self.names()).await,
+            None => Vec::new(),
+        };
         if let Some(conn) = conn {
             self.delete_topology(&conn, &workers).await;
         }
-        self.delete_keys().await;
+        if let Some(r) = redis.as_mut() {
+            self.delete_keys(r).await;
+        }
         if keep_dir {
             eprintln!("the failed test's files and logs are kept in {}", self.dir.display());
         } else {
@@ -72,14 +81,12 @@ impl TestEnv {
         }
     }
 
-    async fn worker_ids(&self) -> Vec<String> {
-        let Ok(client) = redis::Client::open(self.redis_url.as_str()) else { return Vec::new() };
-        let Ok(mut r) = client.get_multiplexed_async_connection().await else { return Vec::new() };
+    async fn worker_ids(r: &mut redis::aio::MultiplexedConnection, names: &Names) -> Vec<String> {
         redis::cmd("ZRANGE")
-            .arg(self.names().workers_index())
+            .arg(names.workers_index())
             .arg(0)
             .arg(-1)
-            .query_async(&mut r)
+            .query_async(r)
             .await
             .unwrap_or_default()
     }
@@ -116,31 +123,27 @@ impl TestEnv {
         let _ = conn.close(200, "cleanup".into()).await;
     }
 
-    async fn delete_keys(&self) {
-        if let Ok(client) = redis::Client::open(self.redis_url.as_str())
-            && let Ok(mut r) = client.get_multiplexed_async_connection().await
-        {
-            // SCAN in pages and unlink in batches: benchmarks leave hundreds of thousands of keys.
-            let pattern = format!("{}:*", self.prefix);
-            let mut cursor: u64 = 0;
-            loop {
-                let page: Result<(u64, Vec<String>), _> = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(10_000)
-                    .query_async(&mut r)
-                    .await;
-                let Ok((next, keys)) = page else { break };
-                if !keys.is_empty() {
-                    let _: Result<(), _> = redis::cmd("UNLINK").arg(keys).query_async(&mut r).await;
-                }
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
+    async fn delete_keys(&self, r: &mut redis::aio::MultiplexedConnection) {
+        // SCAN in pages and unlink in batches: benchmarks leave hundreds of thousands of keys.
+        let pattern = format!("{}:*", self.prefix);
+        let mut cursor: u64 = 0;
+        loop {
+            let page: Result<(u64, Vec<String>), _> = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(10_000)
+                .query_async(r)
+                .await;
+            let Ok((next, keys)) = page else { break };
+            if !keys.is_empty() {
+                let _: Result<(), _> = redis::cmd("UNLINK").arg(keys).query_async(r).await;
             }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
         }
     }
 }

@@ -7,8 +7,9 @@
 //! member is decided on its own, and the pack is acked once all are settled.
 //!
 //! The first copy of a job for a routing key opens a pack and a timer; copies of that job
-//! for that key within [`linger`] (a 64th of the delay, 50 to 500 ms) join it; the timer, or the copy that fills it, publishes
-//! it, and every member's caller gets the one confirm's outcome. A pack of one is sent as the
+//! for that key within [`linger`] (a 64th of the delay, 50 to 500 ms) join it; the timer,
+//! or the copy that fills it, publishes it, and every member's caller gets the one
+//! confirm's outcome. A pack of one is sent as the
 //! plain message it would have been. A pack is full at `worker.park_pack` copies,
 //! `worker.concurrency`, the job's own concurrency (`jobs[].concurrency` or
 //! `global_concurrency`, whichever is lower), or `amqp.max_message_bytes`: a worker that

@@ -250,9 +250,8 @@ impl IdemStore {
             horizon_us: u64::try_from(horizon.as_micros()).unwrap_or(u64::MAX),
         };
         let (reply, answer) = oneshot::channel();
-        let stopped = || IdemError::Protocol("redis batcher stopped".into());
-        self.batcher().send(Op::Rate { key, ask, reply }).map_err(|_| stopped())?;
-        answer.await.map_err(|_| stopped())?
+        self.batcher().send(Op::Rate { key, ask, reply }).map_err(|_| IdemError::batcher_stopped())?;
+        answer.await.map_err(|_| IdemError::batcher_stopped())?
     }
 
     /// Holds rate bucket `key` for `hold` (the downstream pushed back), for every worker.

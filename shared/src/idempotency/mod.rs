@@ -541,6 +541,11 @@ pub enum IdemError {
 }
 
 impl IdemError {
+    /// The batching task is gone (its runtime shut down) before a call was answered.
+    fn batcher_stopped() -> Self {
+        IdemError::Protocol("redis batcher stopped".into())
+    }
+
     /// A problem of one key's record, as opposed to Redis being unreachable.
     pub fn is_bad_record(&self) -> bool {
         matches!(self, IdemError::BadRecord(_))
@@ -719,8 +724,8 @@ impl IdemStore {
     pub(crate) async fn call<T: redis::FromRedisValue>(&self, cmd: Cmd) -> Result<T, IdemError> {
         let tx = self.batcher();
         let (reply, answer) = oneshot::channel();
-        tx.send(Op::Call { cmd, reply }).map_err(|_| IdemError::Protocol("redis batcher stopped".into()))?;
-        let value = answer.await.map_err(|_| IdemError::Protocol("redis batcher stopped".into()))??;
+        tx.send(Op::Call { cmd, reply }).map_err(|_| IdemError::batcher_stopped())?;
+        let value = answer.await.map_err(|_| IdemError::batcher_stopped())??;
         redis::from_redis_value(value).map_err(|e| IdemError::BadRecord(format!("unexpected reply: {e}")))
     }
 
