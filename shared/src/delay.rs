@@ -4,7 +4,8 @@
 //!
 //! Level L (0 ≤ L < 28) is a topic exchange and a queue `chime-delay.<type>.L` whose
 //! queue-level TTL is 2^L seconds and which dead-letters into level L−1 (level 0 into
-//! `chime-delay.deliver`). A delayed message is published to the top level with the routing
+//! `chime-delay.deliver`). A delayed message is published to the level of its highest set bit
+//! ([`entry_level`]; every level above would route it straight on) with the routing
 //! key `b27.b26.….b0.<prefix>.<queue>` (the delay's bits, most significant first, then the
 //! prefix and queue as one word each, dots spelled `~`). At each level a set bit routes the
 //! message into that level's queue, where it waits 2^L s; a clear bit routes it straight on
@@ -71,8 +72,19 @@ pub fn target_with(
 ) -> (String, String) {
     match seconds(delay) {
         0 => (work(), queue),
-        secs => (names::delay_level(queue_type, LEVELS - 1), routing_key(secs, names.prefix(), &queue)),
+        secs => {
+            (names::delay_level(queue_type, entry_level(secs)), routing_key(secs, names.prefix(), &queue))
+        }
     }
+}
+
+/// The level whose exchange a delay of `secs` (> 0) is published to: its highest set bit,
+/// where it waits first. Every level above routes a clear bit straight on, so publishing to
+/// the top level would end in the same queue after the broker had matched the key against up
+/// to 27 more exchanges' bindings (a delay of a minute: 6 levels instead of 28). Delays beyond
+/// [`MAX_DELAY`] keep the top level (their bits above it are not in the key).
+pub fn entry_level(secs: u64) -> u32 {
+    first_level(secs).map_or(LEVELS - 1, |l| l.min(LEVELS - 1))
 }
 
 /// `n` topic wildcards for the higher levels' bits (binding keys of the chain).
@@ -104,6 +116,21 @@ mod tests {
         assert_eq!(first_level(7), Some(2));
         assert_eq!(first_level(365 * 86_400), Some(24));
         assert_eq!(first_level(MAX_DELAY.as_secs()), Some(27));
+    }
+
+    #[test]
+    fn a_delay_enters_the_chain_at_its_highest_bit_and_never_above_the_top() {
+        assert_eq!(entry_level(1), 0);
+        assert_eq!(entry_level(37), 5);
+        assert_eq!(entry_level(MAX_DELAY.as_secs()), LEVELS - 1);
+        assert_eq!(entry_level(MAX_DELAY.as_secs() + 1), LEVELS - 1);
+        assert_eq!(entry_level(u64::MAX), LEVELS - 1);
+        let names = Names::new("p");
+        let (exchange, key) = target(&names, QueueType::Quorum, "default", Duration::from_secs(37));
+        assert_eq!(exchange, names::delay_level(QueueType::Quorum, 5));
+        assert_eq!(key, routing_key(37, "p", "default"));
+        let (exchange, key) = target(&names, QueueType::Classic, "default", Duration::ZERO);
+        assert_eq!((exchange, key), (names.work_exchange(), "default".to_string()));
     }
 
     #[test]

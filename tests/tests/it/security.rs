@@ -494,9 +494,13 @@ async fn a_prefix_user_reaches_no_other_prefix_through_the_delay_chain() {
     // Every way into prefix B is refused by the broker.
     let b_key = delay::routing_key(1, &b.prefix, "default");
     let top = chime_shared::names::delay_level(chime_shared::config::QueueType::Quorum, delay::LEVELS - 1);
+    // A delay enters the chain at its highest bit's level: level 0 for this one.
+    let entry =
+        chime_shared::names::delay_level(chime_shared::config::QueueType::Quorum, delay::entry_level(1));
     let conn = connect_amqp_to(&a.amqp_url).await;
     for (exchange, key) in [
         (top.as_str(), b_key.as_str()),
+        (entry.as_str(), b_key.as_str()),
         (chime_shared::names::DELAY_DELIVER, b_key.as_str()),
         ("", &b.names().work_queue("default")),
     ] {
