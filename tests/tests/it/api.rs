@@ -91,13 +91,15 @@ async fn jobs_enqueued_with_curl_run_and_every_bad_request_is_named() {
     assert_eq!(done["key"], key.to_string());
     assert_eq!(done["delivery"], "confirmed");
     assert_eq!(done["job"], "echo");
-    // The same key again: accepted, and absorbed by the worker (one run).
-    let (status, again, _) = post(port, "echo", Some(LIMITED), r#"{"payload": {"n": 7}, "key": "order-7"}"#);
-    assert_eq!((status, &again["key"]), (202, &done["key"]), "{again}");
     wait_until("the job ran", Duration::from_secs(30), || async {
         idem_state(&env, &key.to_string()).await.as_deref() == Some("done")
     })
     .await;
+    // The same key again, once the first is done: accepted, and absorbed by the worker (one
+    // run). (Sent while the first still ran, the copy would find the key busy and come round
+    // again after the rest of the run's lease, up to `redis.lease`, 30 s, later.)
+    let (status, again, _) = post(port, "echo", Some(LIMITED), r#"{"payload": {"n": 7}, "key": "order-7"}"#);
+    assert_eq!((status, &again["key"]), (202, &done["key"]), "{again}");
     let (status, view, _) = get(port, &format!("/api/v1/keys/{key}"), LIMITED);
     assert_eq!(status, 200, "{view}");
     assert_eq!(view["record"]["state"], "done", "{view}");
