@@ -602,6 +602,29 @@ mod tests {
     }
 
     #[test]
+    fn queue_and_attempts_over_are_those_of_over() {
+        let entry = |extra: &str| {
+            let text = format!("[[jobs]]\nname = \"j\"\nhandler = \"noop\"\n{extra}\n");
+            Config::from_toml_str(&text).unwrap().job("j").cloned().unwrap()
+        };
+        let own = [
+            None,
+            Some(chime_job::JobOptions::default()),
+            Some(chime_job::JobOptions::default().queue("mine").max_attempts(7)),
+        ];
+        for e in [entry(""), entry("queue = \"theirs\"\nmax_attempts = 2"), entry("max_attempts = 3")] {
+            for o in &own {
+                let over = e.over(&o.clone().unwrap_or_default());
+                assert_eq!(
+                    e.queue_and_attempts_over(o.as_ref()),
+                    (over.queue_name(), over.attempts()),
+                    "{o:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn promote_after_needs_levels_and_whole_seconds() {
         let job = |extra: &str| format!("[[jobs]]\nname = \"bulk\"\nhandler = \"noop\"\n{extra}\n");
         let ok = Config::from_toml_str(&job("priority = \"low\"\npromote_after = \"30s\"")).unwrap();

@@ -69,7 +69,7 @@ impl Fan {
             .into_iter()
             .map(|m| {
                 let mut e = base.clone();
-                e.id = Uuid::now_v7();
+                e.id = crate::envelope::new_id();
                 e.key = m.key;
                 e.group = Some(base.key);
                 e.shard = m.shard;

@@ -25,7 +25,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span, debug, error, info, info_span, warn};
-use uuid::Uuid;
 
 use crate::ack::{AckSink, Ticket};
 use crate::decision::{self, AfterClaim, HeldPlan, KeyMark, Park, Plan, Redelay, RunEnd, Settled};
@@ -1352,7 +1351,7 @@ impl<S: KeyStore, O: Outbox> Settle<'_, S, O> {
             HeldPlan::Retry { delay } => {
                 let mut next = env.clone();
                 next.attempt += 1;
-                next.id = Uuid::now_v7();
+                next.id = chime_shared::envelope::new_id();
                 let mut headers = FieldTable::default();
                 if let Some(this) = trace::current() {
                     put_header(&mut headers, PREVIOUS_SPAN, &this.traceparent);
@@ -1538,7 +1537,7 @@ fn dead_letter_properties(core: &Core, incoming: &Incoming, dead: &DeadInfo) -> 
     put_header(&mut headers, "x-chime-failed-at", &Utc::now().to_rfc3339());
     put_header(&mut headers, "x-chime-worker", &core.worker_id);
     put_header(&mut headers, "x-chime-queue", &incoming.queue);
-    put_header(&mut headers, "x-chime-dead-id", &Uuid::now_v7().to_string());
+    put_header(&mut headers, "x-chime-dead-id", &chime_shared::envelope::new_id().to_string());
     incoming.properties.clone().with_headers(headers)
 }
 

@@ -1175,9 +1175,10 @@ fn prepare_with(
         return Err(EnqueueError::Invalid { field: field.clone(), message: message.clone() });
     }
     let entry = config.job(&req.job);
-    let options = match (&req.options, entry) {
-        (_, Some(entry)) => entry.over(&req.options.clone().unwrap_or_default()),
-        (Some(own), None) => own.clone(),
+    // The queue and attempts its options give (an entry's over a typed job's own).
+    let (own_queue, attempts) = match (req.options.as_ref(), entry) {
+        (own, Some(entry)) => entry.queue_and_attempts_over(own),
+        (Some(own), None) => (own.queue_name(), own.attempts()),
         (None, None) => return Err(EnqueueError::UnknownJob(req.job.clone())),
     };
     if !valid_name(&req.job) {
@@ -1186,14 +1187,14 @@ fn prepare_with(
             message: format!("{:?} must be 1-100 letters, digits, '-', '_' or '.'", req.job),
         });
     }
-    let queue = req.queue.as_deref().unwrap_or(options.queue_name());
+    let queue = req.queue.as_deref().unwrap_or(own_queue);
     if !valid_name(queue) {
         return Err(EnqueueError::Invalid {
             field: "queue".into(),
             message: format!("{queue:?} must be 1-100 letters, digits, '-', '_' or '.'"),
         });
     }
-    let max_attempts = req.max_attempts.unwrap_or(options.attempts());
+    let max_attempts = req.max_attempts.unwrap_or(attempts);
     if max_attempts == 0 || max_attempts > envelope::MAX_ATTEMPTS {
         return Err(EnqueueError::Invalid {
             field: "max_attempts".into(),

@@ -58,7 +58,7 @@ impl WorkflowRequest {
     pub fn workflow_key(&self) -> Uuid {
         match &self.key {
             Some(k) => Uuid::new_v5(&NAMESPACE, format!("workflow#{k}").as_bytes()),
-            None => Uuid::now_v7(),
+            None => chime_shared::envelope::new_id(),
         }
     }
 }

@@ -425,6 +425,14 @@ impl JobConfig {
         o
     }
 
+    /// The queue and attempts of [`Self::over`]`(base)` (`None`: the defaults), nothing
+    /// cloned: all an enqueue needs of them, once per job of a batch.
+    pub fn queue_and_attempts_over<'a>(&'a self, base: Option<&'a JobOptions>) -> (&'a str, u32) {
+        let queue = self.queue.as_deref().or_else(|| base.and_then(|b| b.queue.as_deref()));
+        let attempts = self.max_attempts.or_else(|| base.and_then(|b| b.max_attempts));
+        (queue.unwrap_or(DEFAULT_QUEUE), attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS))
+    }
+
     /// The job's queue (`default` unless set).
     pub fn queue(&self) -> &str {
         self.queue.as_deref().unwrap_or(DEFAULT_QUEUE)

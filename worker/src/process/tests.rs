@@ -1346,7 +1346,7 @@ static STEP_SAW: Mutex<Vec<serde_json::Value>> = Mutex::new(Vec::new());
 async fn a_workflow_step_waits_for_its_upstream_and_runs_with_its_result() {
     use chime_shared::envelope::{Step, Upstream, Wait};
     let h = harness();
-    let wf = Uuid::now_v7();
+    let wf = chime_shared::envelope::new_id();
     let mut up = envelope("resumable", "", 1, 3);
     up.payload = serde_json::json!({"to": 2});
     up.key = chime_shared::envelope::step_key(wf, "extract");

@@ -275,7 +275,28 @@ pub fn adhoc_key(job: &str, key: &str) -> Uuid {
 
 /// Key of an ad-hoc run without a caller key: random (UUIDv7).
 pub fn random_key() -> Uuid {
-    Uuid::now_v7()
+    new_id()
+}
+
+thread_local! {
+    /// This thread's UUIDv7 counter. `Uuid::now_v7` takes one mutex shared by the whole
+    /// process: two threads preparing a batch's halves spent ~12 % of their time on it.
+    static IDS: uuid::ContextV7 = const { uuid::ContextV7::new() };
+}
+
+/// A new UUIDv7 (its first 48 bits the time in milliseconds, then a counter reseeded at
+/// random each millisecond and random bits): ordered among the ids of one thread, unique
+/// across threads and processes by its random bits.
+pub fn new_id() -> Uuid {
+    IDS.with(|c| Uuid::new_v7(uuid::Timestamp::now(c)))
+}
+
+/// [`new_id`] and the instant it was made, the clock read once.
+fn new_id_at() -> (Uuid, DateTime<Utc>) {
+    let now = std::time::SystemTime::now();
+    let since = now.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let id = IDS.with(|c| Uuid::new_v7(uuid::Timestamp::from_unix(c, since.as_secs(), since.subsec_nanos())));
+    (id, DateTime::<Utc>::from(now))
 }
 
 /// Key of shard `shard` of `shards` of the run keyed `base`: UUIDv5(ns,
@@ -333,15 +354,16 @@ impl Envelope {
         max_attempts: u32,
         source: Source,
     ) -> Self {
+        let (id, enqueued_at) = new_id_at();
         Self {
             v: VERSION,
-            id: Uuid::now_v7(),
+            id,
             key,
             job: job.to_string(),
             queue: queue.to_string(),
             payload,
             slot,
-            enqueued_at: Utc::now(),
+            enqueued_at,
             attempt: 1,
             max_attempts,
             source,
@@ -561,6 +583,26 @@ mod tests {
         newer.extra.insert("later".into(), serde_json::json!("x".repeat(2000)));
         assert_eq!(newer.len_bound(), None);
         assert_eq!(newer.check_len(2000), Err(newer.encoded_len()));
+    }
+
+    #[test]
+    fn new_ids_are_version_7_ordered_on_a_thread_and_unique_across_threads() {
+        let made = |n| (0..n).map(|_| new_id()).collect::<Vec<_>>();
+        let threads: Vec<_> = (0..4).map(|_| std::thread::spawn(move || made(20_000))).collect();
+        let mut all = std::collections::HashSet::new();
+        for t in threads {
+            let ids = t.join().unwrap();
+            assert!(ids.windows(2).all(|w| w[0] < w[1]), "ordered on their thread");
+            assert!(ids.iter().all(|id| id.get_version_num() == 7));
+            all.extend(ids);
+        }
+        assert_eq!(all.len(), 80_000, "no id made twice");
+        // An envelope's id carries the instant it was enqueued, to the millisecond.
+        let env = Envelope::new("j", "q", random_key(), serde_json::Value::Null, None, 1, Source::Adhoc);
+        let (secs, nanos) = env.id.get_timestamp().unwrap().to_unix();
+        let millis = |s: u64, n: u32| s * 1000 + u64::from(n / 1_000_000);
+        let at = env.enqueued_at;
+        assert_eq!(millis(secs, nanos), millis(at.timestamp() as u64, at.timestamp_subsec_nanos()));
     }
 
     #[test]

@@ -82,7 +82,7 @@ pub fn properties_at(ts: u64, jobs: usize) -> BasicProperties {
     BasicProperties::default()
         .with_content_type(ShortString::from("application/json"))
         .with_delivery_mode(2)
-        .with_message_id(ShortString::from(uuid::Uuid::now_v7().to_string()))
+        .with_message_id(ShortString::from(super::new_id().to_string()))
         .with_type(ShortString::from(PACK_TYPE))
         .with_timestamp(ts)
         .with_headers(headers)
