@@ -176,6 +176,49 @@ async fn a_large_batch_file_is_validated_in_two_halves() {
     wait_depth(&queue, 19_998, std::time::Duration::from_secs(30)).await;
 }
 
+/// A batch line with a byte that is not UTF-8 (inside a JSON string, where a lossy reading
+/// would replace it unseen) is refused by its line and column, in either half of a split file,
+/// and nothing is published; a byte order mark opening a batch file, standard input or a
+/// payload file (as some Windows tools write) is ignored.
+#[tokio::test]
+async fn a_batch_line_that_is_not_utf8_is_refused_and_a_byte_order_mark_is_ignored() {
+    let env = TestEnv::new("utf8batch");
+    let (path, queue) = declared(&env, JOBS).await;
+    let file = env.dir.join("batch.jsonl");
+    let file_arg = file.to_str().unwrap();
+    let good = |i: usize| format!("{{\"payload\":{{\"i\":{i}}}}}\n").into_bytes();
+    let latin1 = b"{\"payload\":{\"s\":\"caf\xe9\"}}\n".to_vec();
+    for (lines, at) in [(3, 2), (20_000, 2), (20_000, 19_000)] {
+        let bytes: Vec<u8> =
+            (1..=lines).flat_map(|i| if i == at { latin1.clone() } else { good(i) }).collect();
+        std::fs::write(&file, bytes).unwrap();
+        let (code, out, err) = chime(&path, &["enqueue", "greet", "--batch", file_arg], None);
+        assert_eq!(code, 2, "{out}{err}");
+        assert!(err.contains(&format!("line {at}: not UTF-8 (the byte at column 21)")), "{err}");
+        assert_eq!(depth(&queue).await, 0, "nothing published");
+    }
+    let bom = "\u{feff}";
+    std::fs::write(&file, format!("{bom}{{\"payload\":{{\"i\":1}}}}\n{{\"payload\":{{\"i\":2}}}}\n"))
+        .unwrap();
+    let (code, out, err) = chime(&path, &["enqueue", "greet", "--batch", file_arg], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("confirmed 2 of 2 jobs"), "{out}");
+    let stdin = format!("{bom}{{\"payload\":{{\"i\":3}}}}\n");
+    let (code, _, err) = chime(&path, &["enqueue", "greet", "--batch", "-"], Some(&stdin));
+    assert_eq!(code, 0, "{err}");
+    let payload = env.dir.join("payload.json");
+    std::fs::write(&payload, format!("{bom}{{\"i\":4}}")).unwrap();
+    let (code, _, err) =
+        chime(&path, &["enqueue", "greet", "--payload-file", payload.to_str().unwrap()], None);
+    assert_eq!(code, 0, "{err}");
+    let got: Vec<u64> = take_envelopes(&queue, 4, std::time::Duration::from_secs(30))
+        .await
+        .iter()
+        .map(|e| e.payload["i"].as_u64().unwrap())
+        .collect();
+    assert_eq!(got, [1, 2, 3, 4]);
+}
+
 /// Both halves of a large batch file keep the jobs they prepared (each within its memory
 /// budget) and the publishing pass reads again only what was not kept: whether both keep
 /// everything, the second runs out of room, or the first does (the second's jobs are then

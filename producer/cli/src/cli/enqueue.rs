@@ -101,11 +101,31 @@ fn read_source(path: &str, limit: usize) -> Result<String, Failure> {
     if bytes.len() > limit {
         return Err(usage(anyhow::anyhow!("{path} is larger than amqp.max_message_bytes ({limit} bytes)")));
     }
-    String::from_utf8(bytes).with_context(|| format!("{path} is not UTF-8")).map_err(usage)
+    let mut text = String::from_utf8(bytes).with_context(|| format!("{path} is not UTF-8")).map_err(usage)?;
+    strip_bom(&mut text);
+    Ok(text)
 }
 
-/// The next line of `reader` (without its newline), at most `limit` bytes; `None` at the end.
-fn bounded_line(reader: &mut dyn BufRead, limit: usize) -> std::io::Result<Option<Result<String, usize>>> {
+/// Drops a UTF-8 byte order mark that starts `text` (some Windows tools write one; JSON
+/// readers may ignore it, RFC 8259 §8.1).
+fn strip_bom(text: &mut String) {
+    if text.starts_with('\u{feff}') {
+        text.drain(..'\u{feff}'.len_utf8());
+    }
+}
+
+/// A line [`bounded_line`] could not return.
+#[derive(Debug, PartialEq)]
+enum BadLine {
+    /// Longer than the limit: its length.
+    TooLong(usize),
+    /// Not UTF-8: the column (from 1) of its first byte that is not.
+    NotUtf8(usize),
+}
+
+/// The next line of `reader` (without its newline), at most `limit` bytes and UTF-8 (never
+/// altered: a byte that is not UTF-8 refuses the line); `None` at the end.
+fn bounded_line(reader: &mut dyn BufRead, limit: usize) -> std::io::Result<Option<Result<String, BadLine>>> {
     let mut buf = Vec::new();
     let n = (&mut *reader).take(limit as u64 + 1).read_until(b'\n', &mut buf)?;
     if n == 0 {
@@ -134,9 +154,9 @@ fn bounded_line(reader: &mut dyn BufRead, limit: usize) -> std::io::Result<Optio
                 }
             }
         }
-        return Ok(Some(Err(skipped)));
+        return Ok(Some(Err(BadLine::TooLong(skipped))));
     }
-    Ok(Some(Ok(String::from_utf8_lossy(&buf).into_owned())))
+    Ok(Some(String::from_utf8(buf).map_err(|e| BadLine::NotUtf8(e.utf8_error().valid_up_to() + 1))))
 }
 
 /// Parses `--delay` and `--at` into the request.
@@ -639,11 +659,20 @@ impl Requests<'_> {
             if i <= self.skip_to {
                 continue;
             }
-            let line = line.map_err(|len| {
-                usage(anyhow::anyhow!(
-                    "{source} line {i}: {len} bytes, above amqp.max_message_bytes ({limit})"
-                ))
+            let mut line = line.map_err(|bad| {
+                usage(match bad {
+                    BadLine::TooLong(len) => anyhow::anyhow!(
+                        "{source} line {i}: {len} bytes, above amqp.max_message_bytes ({limit})"
+                    ),
+                    BadLine::NotUtf8(column) => anyhow::anyhow!(
+                        "{source} line {i}: not UTF-8 (the byte at column {column}); JSON is UTF-8: \
+                         convert the file first (iconv -f LATIN1 -t UTF-8, say)"
+                    ),
+                })
             })?;
+            if i == 1 {
+                strip_bom(&mut line);
+            }
             if let Some(w) = self.spool.as_mut() {
                 writeln!(w, "{line}")
                     .context("spooling standard input to a temporary file")
