@@ -96,9 +96,22 @@ pub const COUNT_JOB: &str = "[[jobs]]\nname = \"count\"\nhandler = \"count\"\n";
 
 pub struct Running {
     pub token: CancellationToken,
-    pub handle: JoinHandle<Result<(), WorkerError>>,
+    /// The worker's task (taken by `stop`).
+    handle: Option<JoinHandle<Result<(), WorkerError>>>,
     pub stats: Arc<Stats>,
     pub health: Health,
+}
+
+impl Drop for Running {
+    /// A worker dropped without `stop` (at a test's end, or as a failed test unwinds) is
+    /// stopped at once: its test's `TestEnv`, declared before it and so dropped after it,
+    /// then deletes the topology, which a worker still running could declare again.
+    fn drop(&mut self) {
+        self.token.cancel();
+        if let Some(h) = self.handle.take() {
+            h.abort();
+        }
+    }
 }
 
 impl Running {
@@ -122,12 +135,13 @@ impl Running {
             async move { h.get("consuming") }
         })
         .await;
-        Self { token, handle, stats, health }
+        Self { token, handle: Some(handle), stats, health }
     }
 
-    pub async fn stop(self) {
+    pub async fn stop(mut self) {
         self.token.cancel();
-        let r = tokio::time::timeout(Duration::from_secs(60), self.handle).await;
+        let handle = self.handle.take().expect("stopped once");
+        let r = tokio::time::timeout(Duration::from_secs(60), handle).await;
         r.expect("worker stops within 60s").expect("worker task").expect("worker run ok");
     }
 
