@@ -156,9 +156,13 @@ pub async fn main() {
         return;
     }
     // A plain lapin publisher as a program of its own, timed as a whole process beside `chime
-    // enqueue --batch`: chime-bench raw-publish-file EXCHANGE ROUTING_KEY FILE
+    // enqueue --batch`: chime-bench raw-publish-file EXCHANGE ROUTING_KEY FILE [contract]
     if args.get(1).map(String::as_str) == Some("raw-publish-file") {
-        let n = publish::raw_publish_file(&args[2], &args[3], std::path::Path::new(&args[4])).await;
+        let plain = match args.get(5).map(String::as_str) {
+            Some("contract") => publish::Plain::Contract,
+            _ => publish::Plain::Bare,
+        };
+        let n = publish::raw_publish_file(&args[2], &args[3], std::path::Path::new(&args[4]), plain).await;
         println!("{n}");
         return;
     }

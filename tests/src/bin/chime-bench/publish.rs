@@ -93,10 +93,25 @@ async fn confirm_down_to(pending: &mut VecDeque<lapin::PublisherConfirm>, keep: 
     n
 }
 
+/// What the plain program's messages carry.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Plain {
+    /// Persistent JSON, nothing else.
+    Bare,
+    /// The wire contract's message as chime sends it: mandatory, a fresh `message_id` (a
+    /// UUID, as the key of an unkeyed job), `type` (the job) and `timestamp` besides.
+    Contract,
+}
+
 /// A plain lapin publisher, as a user would write one in place of `chime enqueue --batch`:
 /// connect, read `file` a line at a time and publish each line as a persistent message in the
 /// fastest shape ([`FASTEST`]), every confirm awaited; returns how many were confirmed.
-pub async fn raw_publish_file(exchange: &str, routing_key: &str, file: &std::path::Path) -> u64 {
+pub async fn raw_publish_file(
+    exchange: &str,
+    routing_key: &str,
+    file: &std::path::Path,
+    plain: Plain,
+) -> u64 {
     use std::io::BufRead;
     let conn = connect_amqp().await;
     let ch = conn.create_channel().await.unwrap();
@@ -112,8 +127,18 @@ pub async fn raw_publish_file(exchange: &str, routing_key: &str, file: &std::pat
             break;
         }
         let publishes = group.iter().map(|line| {
-            let opts = lapin::options::BasicPublishOptions::default();
-            ch.basic_publish(exchange.into(), routing_key.into(), opts, line.as_bytes(), props.clone())
+            let (opts, props) = match plain {
+                Plain::Bare => (lapin::options::BasicPublishOptions::default(), props.clone()),
+                Plain::Contract => (
+                    lapin::options::BasicPublishOptions { mandatory: true, ..Default::default() },
+                    props
+                        .clone()
+                        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+                        .with_type("noop".into())
+                        .with_timestamp(chrono::Utc::now().timestamp() as u64),
+                ),
+            };
+            ch.basic_publish(exchange.into(), routing_key.into(), opts, line.as_bytes(), props)
         });
         for p in futures_util::future::join_all(publishes).await {
             pending.push_back(p.unwrap());
@@ -127,11 +152,19 @@ pub async fn raw_publish_file(exchange: &str, routing_key: &str, file: &std::pat
 
 /// [`raw_publish_file`] started as a process of its own (this binary) and timed as one, as
 /// [`cli_batch`] times the command: messages a second from start to exit.
-pub async fn raw_file_process(exchange: &str, routing_key: &str, file: &std::path::Path) -> (f64, Cost) {
+pub async fn raw_file_process(
+    exchange: &str,
+    routing_key: &str,
+    file: &std::path::Path,
+    plain: Plain,
+) -> (f64, Cost) {
     let time_out = file.with_extension("time");
     let exe = std::env::current_exe().unwrap();
-    let args: Vec<std::ffi::OsString> =
+    let mut args: Vec<std::ffi::OsString> =
         vec!["raw-publish-file".into(), exchange.into(), routing_key.into(), file.into()];
+    if plain == Plain::Contract {
+        args.push("contract".into());
+    }
     let (wall, stdout, syscalls) = timed_process(&exe, &args, &time_out).await;
     let n: f64 = String::from_utf8_lossy(&stdout).trim().parse().unwrap();
     (n / wall, process_cost(&time_out, n, syscalls))
@@ -297,7 +330,7 @@ pub async fn scenario(c: &Ctx) {
                 4 => chime_publish(&client, &batch).await,
                 5 => cli_batch(&env, &bin_path("chime"), &path, &file, None).await,
                 6 => cli_batch(&env, &bin_path("chime"), &path, &file, Some(100)).await,
-                7 => raw_file_process(&work, "default", &raw_file).await,
+                7 => raw_file_process(&work, "default", &raw_file, Plain::Bare).await,
                 _ => cli_batch(&env, before.as_ref().unwrap(), &path, &file, None).await,
             };
             runs[i].broker.push(broker.per_message(n as u64)[0]);
@@ -332,7 +365,9 @@ pub async fn scenario(c: &Ctx) {
 /// against the plain lapin program, each a whole process publishing `10,000 × --seconds` jobs,
 /// `--runs` rounds in rotated order: the median of the rounds' ratios with its quartiles, how
 /// many rounds reached 0.9, and the two builds paired round by round. Only these processes
-/// run, so that many rounds fit in a few minutes (single processes vary by ±10 % here).
+/// run, so that many rounds fit in a few minutes (single processes vary by ±10 % here). The
+/// plain program runs twice a round: with bare messages (the ratios' baseline) and with the
+/// wire contract's message ([`Plain::Contract`]), the command's ratio to which is printed too.
 pub async fn cli_rounds(c: &Ctx) {
     let conn = &c.conn;
     let qt = c.o.queue_type.clone();
@@ -346,8 +381,9 @@ pub async fn cli_rounds(c: &Ctx) {
     let path = env.write_config(&text);
     let (file, raw_file) = batch_files(&env, n, &body);
     let before = std::env::var_os("BENCH_CHIME_BEFORE").map(std::path::PathBuf::from);
-    let variants = if before.is_some() { 3 } else { 2 };
-    // Wall times: the command, the plain program, the build before.
+    let variants = if before.is_some() { 4 } else { 3 };
+    // Wall times: the command, the plain program, the plain program sending the contract's
+    // message, the build before.
     let mut walls: Vec<Vec<f64>> = vec![Vec::new(); variants];
     for r in 0..c.o.runs {
         for k in 0..variants {
@@ -355,7 +391,8 @@ pub async fn cli_rounds(c: &Ctx) {
             progress(&format!("publish-cli: round {}/{}", r + 1, c.o.runs));
             let rate = match i {
                 0 => cli_batch(&env, &bin_path("chime"), &path, &file, None).await.0,
-                1 => raw_file_process(&work, "default", &raw_file).await.0,
+                1 => raw_file_process(&work, "default", &raw_file, Plain::Bare).await.0,
+                2 => raw_file_process(&work, "default", &raw_file, Plain::Contract).await.0,
                 _ => cli_batch(&env, before.as_ref().unwrap(), &path, &file, None).await.0,
             };
             walls[i].push(n as f64 / rate);
@@ -363,14 +400,15 @@ pub async fn cli_rounds(c: &Ctx) {
         }
     }
     progress("");
-    let summary = |name: &str, w: &[f64]| {
-        let mut ratios: Vec<f64> = w.iter().zip(&walls[1]).map(|(own, plain)| plain / own).collect();
+    let summary = |name: &str, w: &[f64], base: usize| {
+        let mut ratios: Vec<f64> = w.iter().zip(&walls[base]).map(|(own, plain)| plain / own).collect();
         let reached = ratios.iter().filter(|r| **r >= 0.9).count();
         ratios.sort_by(f64::total_cmp);
         let q = |f: f64| ratios[((ratios.len() - 1) as f64 * f).round() as usize];
         println!(
-            "publish-cli  {name:<22} median wall {:.3} s  against the plain program {:.3}x (quartiles {:.3}-{:.3}), rounds at 0.9x or more: {reached} of {}",
+            "publish-cli  {name:<22} median wall {:.3} s  against the plain program{} {:.3}x (quartiles {:.3}-{:.3}), rounds at 0.9x or more: {reached} of {}",
             median(w.to_vec()),
+            if base == 2 { " (contract's message)" } else { "" },
             q(0.5),
             q(0.25),
             q(0.75),
@@ -381,9 +419,14 @@ pub async fn cli_rounds(c: &Ctx) {
         "publish-cli  plain lapin program      median wall {:.3} s ({n} jobs a round)",
         median(walls[1].clone())
     );
-    summary("chime enqueue --batch", &walls[0]);
-    if let Some(b) = walls.get(2) {
-        summary("BENCH_CHIME_BEFORE", b);
+    println!(
+        "publish-cli  plain program, contract  median wall {:.3} s (mandatory, message_id, type, timestamp)",
+        median(walls[2].clone())
+    );
+    summary("chime enqueue --batch", &walls[0], 1);
+    summary("chime enqueue --batch", &walls[0], 2);
+    if let Some(b) = walls.get(3) {
+        summary("BENCH_CHIME_BEFORE", b, 1);
         let faster = walls[0].iter().zip(b).filter(|(new, old)| new < old).count();
         let diff = median(walls[0].iter().zip(b).map(|(new, old)| (new - old) * 1000.0).collect());
         println!(
