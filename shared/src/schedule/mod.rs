@@ -89,6 +89,34 @@ pub enum ScheduleError {
     Zone(String),
 }
 
+/// The macros croner knows (`@reboot` and the like are not schedules).
+const MACROS: &str = "@yearly, @annually, @monthly, @weekly, @daily, @midnight, @hourly";
+
+/// croner's message for a rejected expression, with the field it rejects named: each field is
+/// tried alone (the others `*`) and the first one refused is the culprit, with its range.
+fn explain(parser: &CronParser, fields: &[&str], expr: &str, message: &str) -> String {
+    if expr.trim_start().starts_with('@') {
+        return format!("{:?} is not a macro chime knows ({MACROS})", expr.trim());
+    }
+    let names: &[(&str, &str)] = &[
+        ("second", "0-59"),
+        ("minute", "0-59"),
+        ("hour", "0-23"),
+        ("day of month", "1-31, L, W"),
+        ("month", "1-12 or JAN-DEC"),
+        ("day of week", "0-7 or SUN-SAT, 0 and 7 both Sunday, L and # allowed"),
+    ];
+    let names = &names[names.len() - fields.len()..];
+    for (i, (name, range)) in names.iter().enumerate() {
+        let alone: Vec<&str> = (0..fields.len()).map(|j| if j == i { fields[i] } else { "*" }).collect();
+        if parser.parse(&alone.join(" ")).is_err() {
+            let message = message.trim_end_matches('.');
+            return format!("{name} field {:?}: {message} (expected {range})", fields[i]);
+        }
+    }
+    message.to_string()
+}
+
 /// Upper bound on offset transitions crossed while looking for one wildcard slot (tzdb has
 /// about two a year; a schedule that matches nothing for centuries is rejected at parse time).
 const MAX_TRANSITIONS: usize = 2_000;
@@ -124,13 +152,12 @@ impl Schedule {
             let (dom, dow) = (fields[time_fields], fields[time_fields + 2]);
             (kind, star(dom) || star(dow), star(dom) && star(dow) && !dom.contains('/') && !dow.contains('/'))
         };
-        let cron = CronParser::builder()
+        let parser = CronParser::builder()
             .seconds(Seconds::Optional)
             .year(Year::Disallowed)
             .dom_and_dow(dom_and_dow)
-            .build()
-            .parse(expr)
-            .map_err(|e| bad(e.to_string()))?;
+            .build();
+        let cron = parser.parse(expr).map_err(|e| bad(explain(&parser, &fields, expr, &e.to_string())))?;
         let tz = match zone {
             Some(z) => Tz::from_str(z).map_err(|_| ScheduleError::Zone(z.to_string()))?,
             None => Tz::UTC,

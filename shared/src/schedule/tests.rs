@@ -264,6 +264,15 @@ fn expressions_that_cannot_be_planned_are_rejected_by_name() {
         ("0 0 31 4,6 *", "never fires"),
         ("0 0 0 1 1 * 2030", "7 fields"),
         ("0 0 1", "3 fields"),
+        ("0 25 * * *", "hour field \"25\""),
+        ("0 25 * * *", "expected 0-23"),
+        ("60 * * * *", "minute field \"60\""),
+        ("0 0 * * 8", "day of week field \"8\""),
+        ("0 0 0 32 * *", "day of month field \"32\""),
+        ("*/0 * * * *", "minute field \"*/0\""),
+        ("61 0 0 * * *", "second field \"61\""),
+        ("0 0 * FOO *", "month field \"FOO\""),
+        ("@reboot", "not a macro chime knows"),
     ] {
         let e = Schedule::parse(expr, None).unwrap_err().to_string();
         assert!(e.contains(says) && e.contains(expr), "{expr}: {e}");
