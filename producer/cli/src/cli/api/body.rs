@@ -26,11 +26,39 @@ struct JobBody {
 }
 
 /// Seconds, or a duration as the config spells them (`"90s"`, `"5m"`).
-#[derive(Debug, serde::Deserialize)]
-#[serde(untagged)]
+#[derive(Debug)]
 enum Delay {
     Seconds(u64),
     Text(String),
+}
+
+impl<'de> serde::Deserialize<'de> for Delay {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Delay;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a duration (\"30s\", \"5m\") or a whole number of seconds")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Delay, E> {
+                Ok(Delay::Seconds(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Delay, E> {
+                u64::try_from(v)
+                    .map(Delay::Seconds)
+                    .map_err(|_| E::custom(format!("{v}: a delay is not negative")))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Delay, E> {
+                Err(E::custom(format!(
+                    "{v}: a number of seconds is whole; for less, give a duration such as \"1500ms\""
+                )))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Delay, E> {
+                Ok(Delay::Text(v.to_string()))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
 }
 
 /// A bad body: the field at fault (`None`: the body as a whole), and what is wrong.
@@ -51,6 +79,7 @@ struct BatchBody {
 
 /// Reads `bytes` (empty: `{}`) as the body of an enqueue of `job`.
 pub fn request(job: &str, bytes: &[u8]) -> Result<EnqueueRequest, BodyError> {
+    let bytes = without_bom(bytes);
     let text = if bytes.iter().all(u8::is_ascii_whitespace) { &b"{}"[..] } else { bytes };
     let body: JobBody = object(text, "{\"payload\": ..., \"key\": ...}")?;
     into_request(job, body)
@@ -81,6 +110,7 @@ pub fn batch(job: &str, bytes: &[u8]) -> Result<(Vec<EnqueueRequest>, Option<usi
 /// `text` read as one JSON object of type `T`; an error names the field at fault (an unknown
 /// one by its name), `shape` shows what is expected.
 fn object<T: serde::de::DeserializeOwned>(text: &[u8], shape: &str) -> Result<T, BodyError> {
+    let text = without_bom(text);
     if text.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err((None, format!("bad body: a JSON object is expected ({shape})")));
     }
@@ -100,6 +130,12 @@ fn object<T: serde::de::DeserializeOwned>(text: &[u8], shape: &str) -> Result<T,
     Ok(body)
 }
 
+/// `bytes` without a leading UTF-8 byte order mark, which JSON parsers may ignore (RFC 8259,
+/// section 8.1) and some Windows tools write.
+fn without_bom(bytes: &[u8]) -> &[u8] {
+    bytes.strip_prefix(b"\xef\xbb\xbf").unwrap_or(bytes)
+}
+
 /// The enqueue of `job` a body asks for.
 fn into_request(job: &str, body: JobBody) -> Result<EnqueueRequest, BodyError> {
     let mut req = EnqueueRequest::new(job);
@@ -114,7 +150,7 @@ fn into_request(job: &str, body: JobBody) -> Result<EnqueueRequest, BodyError> {
     }
     if let Some(p) = body.priority {
         let level: Priority =
-            p.parse().map_err(|e: String| (Some("priority".to_string()), format!("priority {p:?}: {e}")))?;
+            p.parse().map_err(|e: String| (Some("priority".to_string()), format!("priority {e}")))?;
         req = req.priority(level);
     }
     if body.delay.is_some() && body.at.is_some() {

@@ -90,6 +90,22 @@ fn bodies_are_read_with_every_error_naming_its_field() {
     assert!(message.contains("not valid JSON"), "{message}");
     assert!(bad(b"[1]").1.contains("bad body"));
     assert!(bad(br#"{"key": "a"} trailing"#).1.contains("not valid JSON"));
+    // A delay that is neither a duration nor whole seconds says what it must be.
+    for (body, says) in [
+        (&br#"{"delay": 1.5}"#[..], "whole"),
+        (br#"{"delay": -3}"#, "not negative"),
+        (br#"{"delay": true}"#, "a whole number of seconds"),
+    ] {
+        let (field, message) = bad(body);
+        assert_eq!(field.as_deref(), Some("delay"), "{message}");
+        assert!(message.contains(says) && !message.contains("untagged"), "{message}");
+    }
+    assert_eq!(bad(br#"{"priority": "urgent"}"#).1, r#"priority "urgent": high, normal or low"#);
+    // A byte order mark before the object is ignored (RFC 8259 allows it), in a batch too.
+    let bom = |b: &[u8]| [&b"\xef\xbb\xbf"[..], b].concat();
+    assert_eq!(body::request("j", &bom(br#"{"key": "k"}"#)).unwrap().key.as_deref(), Some("k"));
+    assert_eq!(body::request("j", &bom(b"")).unwrap().key, None);
+    assert_eq!(body::batch("j", &bom(br#"{"jobs": [{"key": "k"}]}"#)).unwrap().0.len(), 1);
 }
 
 #[test]
