@@ -28,13 +28,20 @@ impl Rate {
         let (n, per) = s.split_once('/').ok_or_else(|| {
             format!("{s:?}: a rate is a count, '/', then a period (\"100/s\", \"20/m\", \"5/10s\")")
         })?;
-        let limit: u32 =
+        let limit: u64 =
             n.trim().parse().map_err(|_| format!("{s:?}: {n:?} is not a whole number of runs"))?;
+        let limit = u32::try_from(limit).unwrap_or(u32::MAX);
         let per = match per.trim() {
             "s" => Duration::from_secs(1),
             "m" => Duration::from_secs(60),
             "h" => Duration::from_secs(3600),
             "d" => Duration::from_secs(86_400),
+            // A unit alone, spelt out (`sec`, `minute`, `hour`): one of it.
+            unit if unit.starts_with(|c: char| c.is_ascii_alphabetic()) => {
+                duration::parse(&format!("1{unit}")).map_err(|e| {
+                    format!("{s:?}: the period {unit:?} is not s, m, h, d or a duration ({e})")
+                })?
+            }
             other => duration::parse(other)
                 .map_err(|e| format!("{s:?}: the period {other:?} is not s, m, h, d or a duration ({e})"))?,
         };
@@ -88,6 +95,10 @@ impl LimitKey {
         if let Some(rest) = s.strip_prefix('/') {
             if rest.is_empty() || rest.split('/').any(str::is_empty) {
                 return Err(format!("{s:?}: a JSON pointer with an empty step can never match a field"));
+            }
+            // RFC 6901: `~` is only the start of `~0` (a `~`) or `~1` (a `/`).
+            if rest.split('~').skip(1).any(|after| !after.starts_with(['0', '1'])) {
+                return Err(format!("{s:?}: in a JSON pointer `~` is written ~0 and `/` ~1 (RFC 6901)"));
             }
             return Ok(LimitKey::Pointer(s.to_string()));
         }
@@ -311,7 +322,15 @@ mod tests {
         assert_eq!((r.limit, r.per, r.burst, r.interval_us()), (100, Duration::from_secs(1), 1, 10_000));
         assert_eq!(Rate::parse("20/m").unwrap().interval_us(), 3_000_000);
         assert_eq!(Rate::parse("5/10s").unwrap().per, Duration::from_secs(10));
+        // A unit spelt out is one of it.
+        for (text, secs) in
+            [("100/sec", 1), ("100/second", 1), ("20/min", 60), ("20/minute", 60), ("5/hour", 3600)]
+        {
+            assert_eq!(Rate::parse(text).unwrap().per, Duration::from_secs(secs), "{text}");
+        }
         for (bad, says) in [
+            ("1000000000000/s", "1 to 1,000,000 runs"),
+            ("99999999999999999999999/s", "not a whole number"),
             ("100", "a count, '/'"),
             ("x/s", "not a whole number"),
             ("0/s", "1 to 1,000,000"),
@@ -376,5 +395,9 @@ mod tests {
         assert_eq!(LimitKey::parse("account_id").unwrap().tenant(&serde_json::json!([1])), NO_TENANT);
         assert!(LimitKey::parse("/a//b").unwrap_err().contains("can never match"));
         assert!(LimitKey::parse("").is_err());
+        assert!(LimitKey::parse("/a/~2").unwrap_err().contains("RFC 6901"));
+        assert!(LimitKey::parse("/a~").unwrap_err().contains("RFC 6901"));
+        let escaped = serde_json::json!({"a/b": {"~c": "t"}});
+        assert_eq!(LimitKey::parse("/a~1b/~0c").unwrap().tenant(&escaped), "t");
     }
 }
