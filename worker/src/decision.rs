@@ -263,7 +263,10 @@ pub(crate) fn unknown_job(
         },
         _ => Plan::DeadLetter(dead_info(
             DeadReason::UnknownJob,
-            &format!("no handler for job {job:?} on any worker within worker.unknown_job_grace ({grace:?})"),
+            &format!(
+                "no handler for job {job:?} on any worker within worker.unknown_job_grace ({})",
+                chime_shared::duration::format(grace)
+            ),
             attempt.saturating_sub(1),
         )),
     }

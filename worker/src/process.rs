@@ -692,7 +692,20 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
             .unwrap_or(now);
         let plan =
             decision::unknown_job(&env.job, env.attempt, since, now, core.config.worker.unknown_job_grace);
-        warn!(plan = ?plan, "no handler for this job on this worker");
+        let grace = chime_shared::duration::format(core.config.worker.unknown_job_grace);
+        match &plan {
+            Plan::Redelay { delay, .. } => warn!(
+                retry_in = %chime_shared::duration::format(*delay),
+                unknown_since = %since,
+                %grace,
+                "no handler for this job on this worker: sent round again until worker.unknown_job_grace has passed (a rolling deploy may bring its handler)"
+            ),
+            _ => warn!(
+                unknown_since = %since,
+                %grace,
+                "no handler for this job on any worker within worker.unknown_job_grace: dead-lettered as unknown_job"
+            ),
+        }
         return Verdict::unheld(plan, env, None);
     };
     // A backfilled slot is past on purpose: its deadline runs from the backfill.
