@@ -124,8 +124,9 @@ async fn a_large_batch_on_stdin_is_validated_whole_then_published_in_chunks() {
 /// A batch file of 256 KiB or more is validated in two halves at once (the second on a thread
 /// of its own): a bad line in either half is reported by its line in the file, the first one
 /// when both halves have one, and publishes nothing; a queue nobody declares, named only in
-/// the second half, is refused by that line; keys that already ran are counted in both halves;
-/// a good file arrives whole, each line once.
+/// the second half, is refused by that line; keys that already ran are counted in both halves,
+/// and so are lines repeating an earlier line's key (within a half and across them); a good
+/// file arrives whole, each line once.
 #[tokio::test]
 async fn a_large_batch_file_is_validated_in_two_halves() {
     let env = TestEnv::new("halfbatch");
@@ -169,11 +170,34 @@ async fn a_large_batch_file_is_validated_in_two_halves() {
             .await
             .unwrap();
     }
-    let (code, out, err) = run(&[(10_001, ""), (10_002, "")]);
+    // Lines 7 and 12 repeat line 3's key (the first half), line 19,500 line 100's (across the
+    // halves), line 19,600 line 15,000's (the second half).
+    let again = |i: usize| format!("{{\"payload\":{{\"again\":{i}}},\"key\":\"h{i}\"}}");
+    let (a, b, c) = (again(2), again(99), again(14_999));
+    let edits = [(10_001, ""), (10_002, ""), (7, a.as_str()), (12, &a), (19_500, &b), (19_600, &c)];
+    let (code, out, err) = run(&edits);
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with("confirmed 19998 of 19998 jobs"), "{out}");
     assert!(err.contains("warning: 3 of these keys already ran to an end"), "{err}");
-    wait_depth(&queue, 19_998, std::time::Duration::from_secs(30)).await;
+    assert!(
+        err.contains(&format!("warning: 4 lines of {file_arg} repeat the key of an earlier line (the first: line 7, the key of line 3)")),
+        "{err}"
+    );
+    // One repeat in a small file (validated in one piece).
+    let small = env.dir.join("small.jsonl");
+    std::fs::write(
+        &small,
+        "{\"payload\":1,\"key\":\"a\"}\n{\"payload\":1,\"key\":\"b\"}\n{\"payload\":2,\"key\":\"a\"}\n",
+    )
+    .unwrap();
+    let small_arg = small.to_str().unwrap();
+    let (code, _, err) = chime(&path, &["enqueue", "greet", "--batch", small_arg], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains(&format!("warning: {small_arg} line 3 repeats the key of line 1: each key runs once")),
+        "{err}"
+    );
+    wait_depth(&queue, 19_998 + 3, std::time::Duration::from_secs(30)).await;
 }
 
 /// A batch line with a byte that is not UTF-8 (inside a JSON string, where a lossy reading

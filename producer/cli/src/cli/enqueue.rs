@@ -447,6 +447,8 @@ struct Checked {
     queues: std::collections::BTreeMap<String, usize>,
     /// Its keys that already ran to an end.
     settled: SettledTally,
+    /// Its keys given on more than one line.
+    repeats: Repeats,
     /// The jobs of its first lines, up to `kept_lines` (numbered in the whole file), kept for
     /// pass 2 while they fit in `KEEP_BYTES` (none once the first half could not keep all of
     /// its own: pass 2 then reads on from the first half's last kept line).
@@ -462,14 +464,69 @@ fn check_line(
     i: usize,
     req: EnqueueRequest,
     queues: &mut std::collections::BTreeMap<String, usize>,
-) -> Result<(Prepared, Option<String>), Failure> {
+) -> Result<(Prepared, Option<uuid::Uuid>), Failure> {
     let keyed = req.key.is_some();
     let p = prepare_owned(config, req).map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?;
     if let Some(q) = &p.unverified_queue {
         queues.entry(q.clone()).or_insert(i);
     }
-    let key = keyed.then(|| p.envelope.key.to_string());
+    let key = keyed.then_some(p.envelope.key);
     Ok((p, key))
+}
+
+/// The keys a batch gives on more than one line. Each key runs once, so of the lines sharing
+/// one only a single job runs (whichever copy a worker claims first): worth a warning, as the
+/// lines may well have meant different jobs. Each keyed line is remembered as 16 bytes (64 bits
+/// of its key, which are UUIDv5 hashes: a false repeat among a million keys has odds of about
+/// 1 in 30 million; and its line), sorted once the whole batch is read: ~16 MiB for a million
+/// keyed lines, nothing for lines without a key.
+#[derive(Default)]
+struct Repeats {
+    /// `key bits << 64 | line`, in the order of the lines.
+    seen: Vec<u128>,
+}
+
+impl Repeats {
+    fn add(&mut self, key: uuid::Uuid, line: usize) {
+        let (hi, lo) = key.as_u64_pair();
+        self.seen.push(u128::from(hi ^ lo) << 64 | line as u128);
+    }
+
+    /// The lines of a later part of the file (`later`) added.
+    fn merge(&mut self, mut later: Repeats) {
+        self.seen.append(&mut later.seen);
+    }
+
+    /// How many lines repeat a key given on an earlier line, and the first of them with the
+    /// earlier line whose key it repeats.
+    fn found(mut self) -> (usize, Option<(usize, usize)>) {
+        self.seen.sort_unstable();
+        let (mut count, mut first) = (0, None::<(usize, usize)>);
+        let key = |v: u128| (v >> 64) as u64;
+        let line = |v: u128| (v as u64) as usize;
+        for group in self.seen.chunk_by(|a, b| key(*a) == key(*b)).filter(|g| g.len() > 1) {
+            count += group.len() - 1;
+            let (earlier, repeat) = (line(group[0]), line(group[1]));
+            if first.is_none_or(|(l, _)| repeat < l) {
+                first = Some((repeat, earlier));
+            }
+        }
+        (count, first)
+    }
+
+    fn warn(self, source: &str) {
+        let (count, Some((line, earlier))) = self.found() else { return };
+        let lines = match count {
+            1 => format!("{source} line {line} repeats the key of line {earlier}"),
+            n => format!(
+                "{n} lines of {source} repeat the key of an earlier line (the first: line {line}, the key of line {earlier})"
+            ),
+        };
+        eprintln!(
+            "warning: {lines}: each key runs once, so of the lines sharing a key only one job runs \
+             (whichever copy a worker claims first); give each job its own key"
+        );
+    }
 }
 
 /// Validates the lines of `path` from byte `from` to the end (read by `requests`), numbered as
@@ -510,7 +567,8 @@ fn check_second_half<'a>(
     {
         let (p, key) = check_line(config, requests.source, i, req, &mut found.queues)?;
         if let Some(key) = key {
-            handle.block_on(found.settled.add(config, key));
+            found.repeats.add(key, i);
+            handle.block_on(found.settled.add(config, key.to_string()));
         }
         found.jobs += 1;
         if keeping {
@@ -819,12 +877,14 @@ async fn enqueue_batch(
     let mut total = 0usize;
     let mut queues: std::collections::BTreeMap<String, usize> = Default::default();
     let mut settled = SettledTally::default();
+    let mut repeats = Repeats::default();
     // The jobs of lines 1..=kept_lines, kept for pass 2 while they fit in KEEP_BYTES.
     let (mut kept, mut kept_lines, mut kept_bytes, mut keeping) = (Vec::<Prepared>::new(), 0, 0, true);
     while let Some((i, req)) = requests.next()? {
         let (p, key) = check_line(&config, source, i, req, &mut queues)?;
         if let Some(key) = key {
-            settled.add(&config, key).await;
+            repeats.add(key, i);
+            settled.add(&config, key.to_string()).await;
         }
         total += 1;
         kept_bytes += kept_cost(requests.last_len);
@@ -855,6 +915,7 @@ async fn enqueue_batch(
         }
         settled.count += found.settled.count;
         settled.first = settled.first.or(found.settled.first);
+        repeats.merge(found.repeats);
     }
     let client = connecting
         .await
@@ -949,6 +1010,7 @@ async fn enqueue_batch(
     }
     let Sent { total, confirmed, spooled, error } = sent;
     warn_settled(settled.first.as_ref(), settled.count);
+    repeats.warn(source);
     let secs = started.elapsed().as_secs_f64();
     if args.json {
         println!(
