@@ -768,6 +768,30 @@ mod tests {
             err("[amqp]\nqueue_type = \"classic\"\nquorum_replicas = 3\n").contains("amqp.quorum_replicas")
         );
         assert!(err("[worker]\nthreads = 5000\n").contains("worker.threads"));
+        // A URL that cannot connect anywhere is refused here, saying why, its password hidden.
+        for (toml, says) in [
+            (
+                "[redis]\nurl = \"redis://h:99999\"\n",
+                "redis.url: \"redis://h:99999\" does not parse (invalid port number)",
+            ),
+            ("[redis]\nurl = \"redis://:6379\"\n", "(empty host)"),
+            ("[redis]\nurl = \"redis://h/abc\"\n", "(Invalid database number)"),
+            (
+                "[redis]\nurl = \"redis://u:secretpw@[::1\"\n",
+                "\"redis://u:***@[::1\" does not parse (invalid IPv6 address)",
+            ),
+            (
+                "[amqp]\nurl = \"amqp://h:99999/%2f\"\n",
+                "amqp.url: \"amqp://h:99999/%2f\" does not parse (invalid port number)",
+            ),
+            (
+                "[amqp]\nurl = [\"amqp://a/%2f\", \"amqp://u:secretpw@[::1\"]\n",
+                "\"amqp://u:***@[::1\" does not parse",
+            ),
+        ] {
+            let e = err(toml);
+            assert!(e.contains(says) && !e.contains("secretpw"), "{toml}: {e}");
+        }
         for (line, key) in [
             ("concurrency = 0", "jobs[0] (a).concurrency: must be between 1 and 10000"),
             ("global_concurrency = 0", "jobs[0] (a).global_concurrency: must be between 1 and 10000"),

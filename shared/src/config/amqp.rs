@@ -85,6 +85,16 @@ impl AmqpConfig {
                     format!("{:?} must start with amqp:// or amqps://", redact(u)),
                 ));
             }
+            if let Err(e) = u.parse::<lapin::uri::AMQPUri>() {
+                return Err(ConfigError::invalid(
+                    "amqp.url",
+                    format!(
+                        "{:?} does not parse ({e}): expected amqp://host[:port][/vhost] (the vhost / is %2f), \
+                         with user and password before the host",
+                        redact(u)
+                    ),
+                ));
+            }
         }
         let tls_urls = urls.iter().filter(|u| u.starts_with("amqps://")).count();
         if tls_urls != 0 && tls_urls != urls.len() {

@@ -77,6 +77,21 @@ impl RedisConfig {
                 ),
             ));
         }
+        if let Err(e) = redis::IntoConnectionInfo::into_connection_info(self.url.as_str()) {
+            // redis says "did not parse" alone; the URL parser says what is wrong.
+            let why = match url::Url::parse(&self.url) {
+                Err(u) => u.to_string(),
+                Ok(_) => e.to_string().split(" - ").next().unwrap_or_default().to_string(),
+            };
+            return Err(ConfigError::invalid(
+                "redis.url",
+                format!(
+                    "{:?} does not parse ({why}): expected redis://host[:port][/database], with user and \
+                     password before the host if the server asks for them",
+                    redact(&self.url)
+                ),
+            ));
+        }
         no_tls_in_this_build("redis.url", scheme == "rediss")?;
         if self.url.contains("#insecure") {
             return Err(ConfigError::invalid(

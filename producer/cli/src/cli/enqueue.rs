@@ -115,7 +115,7 @@ fn strip_bom(text: &mut String) {
 }
 
 /// A line [`bounded_line`] could not return.
-#[derive(Debug, PartialEq)]
+#[derive(Debug)]
 enum BadLine {
     /// Longer than the limit: its length.
     TooLong(usize),
