@@ -286,6 +286,26 @@ fn key_at(text: &str, offset: usize) -> Option<String> {
     Some(if table.is_empty() { key.to_string() } else { format!("{table}.{key}") })
 }
 
+/// A TOML error in `text`, in one line: the key and position at fault, then toml's message
+/// (without the source line toml would quote, which may hold a password; any URL redacted).
+pub fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let at = e.span().map(|span| {
+        let before = &text[..span.start.min(text.len())];
+        let line = before.matches('\n').count() + 1;
+        let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+        match key_at(text, span.start) {
+            Some(key) => format!("{key} (line {line}, column {column}): "),
+            None => format!("line {line}, column {column}: "),
+        }
+    });
+    crate::redact::escape_control(&format!(
+        "{}{}",
+        at.unwrap_or_default(),
+        redact_text(e.message().trim_end())
+    ))
+    .into_owned()
+}
+
 impl Config {
     /// Resolves the path (`--config` > `$CHIME_CONFIG` > `./chime.toml`), reads, parses,
     /// applies environment overrides and validates.
@@ -317,26 +337,8 @@ impl Config {
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
         // toml's own message quotes the offending source line, which may hold a password:
         // report the position and the message alone, with any URL in it redacted.
-        toml::from_str(text).map_err(|e| {
-            let at = e.span().map(|span| {
-                let before = &text[..span.start.min(text.len())];
-                let line = before.matches('\n').count() + 1;
-                let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-                match key_at(text, span.start) {
-                    Some(key) => format!("{key} (line {line}, column {column}): "),
-                    None => format!("line {line}, column {column}: "),
-                }
-            });
-            ConfigError::Parse {
-                path: origin.to_string(),
-                message: crate::redact::escape_control(&format!(
-                    "{}{}",
-                    at.unwrap_or_default(),
-                    redact_text(e.message().trim_end())
-                ))
-                .into_owned(),
-            }
-        })
+        toml::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: origin.to_string(), message: toml_error(text, &e) })
     }
 
     /// Parses and validates TOML text, applying no environment overrides (tests, embedding).

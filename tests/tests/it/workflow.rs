@@ -178,7 +178,11 @@ async fn an_adhoc_workflow_runs_in_order_and_a_dead_step_blocks_until_replayed()
         ),
         ("[[steps]]\nname = \"a\"\nafter = [\"zz\"]\njob = \"load\"\n", "\"zz\", which is not a step"),
         ("[[steps]]\nname = \"a\"\njob = \"nope\"\n", "steps.a.job"),
-        ("[[steps]]\nname = \"a\"\njob = \"load\"\ncolour = 1\n", "colour"),
+        (
+            "[[steps]]\nname = \"a\"\njob = \"load\"\ncolour = 1\n",
+            "steps[0].colour (line 4, column 1): unknown field",
+        ),
+        ("", "bad.toml: line 1, column 1: missing field `steps`"),
     ] {
         std::fs::write(&bad, text).unwrap();
         let (code, out, err) = chime(&path, &["enqueue", "--workflow", bad.to_str().unwrap()], None);

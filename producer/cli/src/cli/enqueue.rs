@@ -1038,9 +1038,10 @@ async fn workflow(config: ValidConfig, args: &EnqueueArgs, file: &str) -> Result
     let parsed = if file.ends_with(".json") {
         serde_json::from_str::<chime_producer::WorkflowRequest>(&text).map_err(|e| e.to_string())
     } else {
-        toml::from_str::<chime_producer::WorkflowRequest>(&text).map_err(|e| e.to_string())
+        toml::from_str::<chime_producer::WorkflowRequest>(&text)
+            .map_err(|e| chime_shared::config::toml_error(&text, &e))
     };
-    let wf = parsed.map_err(|e| usage(anyhow::anyhow!("{file}: {e}")))?;
+    let wf = parsed.map_err(|e| usage(anyhow::anyhow!("workflow {file}: {e}")))?;
     // Asked before publishing (a worker may settle these very copies a moment later).
     let settled = if wf.key.is_some() {
         let key = wf.workflow_key();
