@@ -1260,6 +1260,15 @@ fn prepare_with(
     }
     let payload =
         payload.or_else(|| entry.and_then(|j| j.payload.clone())).unwrap_or(serde_json::Value::Null);
+    if envelope::too_deep(&payload) {
+        return Err(EnqueueError::Invalid {
+            field: "payload".into(),
+            message: format!(
+                "nests deeper than {} levels (arrays and objects within one another): a worker could not read it",
+                envelope::MAX_PAYLOAD_DEPTH
+            ),
+        });
+    }
     let mut env = Envelope::new(&req.job, queue, key, payload, None, max_attempts, Source::Adhoc);
     if let Some(t) = req.trace.clone().or_else(trace::current) {
         env.trace_id = Some(t.traceparent);
@@ -1393,6 +1402,13 @@ mod tests {
                 other => panic!("{other}"),
             })
         };
+        // A payload nested deeper than a worker reads is refused by name, however it was built.
+        let nested = |depth: usize| (0..depth).fold(serde_json::json!(1), |v, _| serde_json::json!([v]));
+        assert!(prepare(&c, &EnqueueRequest::new("j").payload(nested(envelope::MAX_PAYLOAD_DEPTH))).is_ok());
+        for depth in [envelope::MAX_PAYLOAD_DEPTH + 1, 500] {
+            let e = prepare(&c, &EnqueueRequest::new("j").payload(nested(depth))).unwrap_err();
+            assert!(matches!(&e, EnqueueError::Invalid { field, .. } if field == "payload"), "{e}");
+        }
         let base = len(0).unwrap();
         assert_eq!(len(2048 - base), Ok(2048));
         assert_eq!(len(2049 - base), Err(2049));

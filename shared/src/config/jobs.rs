@@ -460,6 +460,15 @@ impl JobConfig {
             crate::schedule::Schedule::parse(s, None)
                 .map_err(|e| ConfigError::invalid(key("schedule"), e.to_string()))?;
         }
+        if self.payload.as_ref().is_some_and(crate::envelope::too_deep) {
+            return Err(ConfigError::invalid(
+                key("payload"),
+                format!(
+                    "nests deeper than {} levels (arrays and objects within one another): a worker could not read it",
+                    crate::envelope::MAX_PAYLOAD_DEPTH
+                ),
+            ));
+        }
         if let Some(tz) = &self.timezone {
             chrono_tz::Tz::from_str(tz).map_err(|_| {
                 ConfigError::invalid(key("timezone"), format!("{tz:?} is not an IANA time zone"))

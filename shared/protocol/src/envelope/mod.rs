@@ -322,6 +322,25 @@ pub fn priority_route(queue: &str, priority: Priority) -> String {
     }
 }
 
+/// How deep a payload may nest (arrays and objects within one another; `[]` is one level).
+/// Workers read a body with serde_json's limit of 128 levels, and the payload sits one level
+/// down in an envelope, three in a pack: 100 leaves room for both.
+pub const MAX_PAYLOAD_DEPTH: usize = 100;
+
+/// Whether `payload` nests deeper than [`MAX_PAYLOAD_DEPTH`]; it looks no further down than
+/// that, so a value built deeper in code costs no more (and cannot exhaust the stack).
+pub fn too_deep(payload: &serde_json::Value) -> bool {
+    fn deeper(v: &serde_json::Value, left: usize) -> bool {
+        use serde_json::Value;
+        match v {
+            Value::Array(a) => left == 0 || a.iter().any(|x| deeper(x, left - 1)),
+            Value::Object(m) => left == 0 || m.values().any(|x| deeper(x, left - 1)),
+            _ => false,
+        }
+    }
+    deeper(payload, MAX_PAYLOAD_DEPTH)
+}
+
 /// What an envelope's body spends, at most, on its keys, punctuation, and values of a fixed
 /// size (numbers of up to 10 digits, ids of 38 bytes, instants of up to 35, names of enums,
 /// `null`s and the quotes of its strings): 463 bytes at most today, with room to spare.
@@ -603,6 +622,27 @@ mod tests {
         let millis = |s: u64, n: u32| s * 1000 + u64::from(n / 1_000_000);
         let at = env.enqueued_at;
         assert_eq!(millis(secs, nanos), millis(at.timestamp() as u64, at.timestamp_subsec_nanos()));
+    }
+
+    #[test]
+    fn the_deepest_payload_allowed_is_read_back_alone_and_in_a_pack() {
+        let nested = |depth: usize, inner: serde_json::Value| {
+            (0..depth).fold(inner, |v, i| {
+                if i % 2 == 0 { serde_json::json!([v]) } else { serde_json::json!({"k": v}) }
+            })
+        };
+        let deepest = nested(MAX_PAYLOAD_DEPTH, serde_json::json!(1));
+        assert!(!too_deep(&deepest));
+        assert!(too_deep(&nested(MAX_PAYLOAD_DEPTH + 1, serde_json::json!(1))));
+        assert!(too_deep(&nested(MAX_PAYLOAD_DEPTH, serde_json::json!([]))), "[] is a level");
+        let env = Envelope::new("j", "q", random_key(), deepest.clone(), None, 1, Source::Adhoc);
+        let body = env.encode();
+        assert_eq!(Envelope::decode(&body).unwrap().payload, deepest);
+        let packed = pack::encode(&[&body]);
+        let members = pack::split(&packed).unwrap();
+        assert_eq!(Envelope::decode(members[0]).unwrap().payload, deepest);
+        // Deeper values, as code can build them, are judged without recursing through them.
+        assert!(too_deep(&nested(1_000, serde_json::Value::Null)));
     }
 
     #[test]
