@@ -765,6 +765,11 @@ mod tests {
         let e = err("[[jobs]]\nname='a'\nhandler='noop'\n[[jobs]]\nname='a'\nhandler='noop'\n");
         assert!(e.contains("duplicate"), "{e}");
         assert!(err("[amqp]\ndelivery_limit = 0\n").contains("amqp.delivery_limit"));
+        assert!(
+            err("[amqp]\nmax_message_bytes = 1073741824\n")
+                .contains("amqp.max_message_bytes: 1073741824: RabbitMQ")
+        );
+        assert!(Config::from_toml_str("[amqp]\nmax_message_bytes = 536870912\n").is_ok());
         assert!(err("[amqp]\nquorum_replicas = 0\n").contains("amqp.quorum_replicas"));
         assert!(
             err("[amqp]\nqueue_type = \"classic\"\nquorum_replicas = 3\n").contains("amqp.quorum_replicas")

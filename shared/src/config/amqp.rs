@@ -130,6 +130,16 @@ impl AmqpConfig {
         if self.max_message_bytes < 1024 {
             return Err(ConfigError::invalid("amqp.max_message_bytes", "must be at least 1024"));
         }
+        if self.max_message_bytes > 512 << 20 {
+            return Err(ConfigError::invalid(
+                "amqp.max_message_bytes",
+                format!(
+                    "{}: RabbitMQ takes no message above 512 MiB (536870912); its own default limit, \
+                     max_message_size, is 128 MiB on 3.x and 16 MiB on 4.x",
+                    self.max_message_bytes
+                ),
+            ));
+        }
         Ok(())
     }
 }
