@@ -573,7 +573,8 @@ impl HistoryReader {
             Some((id, i)) => (id.to_string(), i.parse::<usize>().ok()),
             None => ("+".to_string(), None),
         };
-        let floor = q.since.map(|t| t.timestamp_millis().to_string()).unwrap_or_else(|| "-".into());
+        // A window reaching before 1970 starts at the stream's beginning (ids are not negative).
+        let floor = q.since.map(|t| t.timestamp_millis().max(0).to_string()).unwrap_or_else(|| "-".into());
         let (mut out, mut scanned) = (Vec::new(), 0usize);
         // Without a filter beyond the range, the first entries hold the answer.
         let page_size = if q.job.is_none() && q.outcome.is_none() {

@@ -122,6 +122,12 @@ async fn backfill_runs_a_holiday_weeks_rolled_slots_once_and_jobs_next_says_why(
     let path = env.write_config(&text);
     let config = chime_shared::Config::from_toml_str(&text).unwrap();
 
+    // A count is 1 to 10,000 (a mistyped one would compute slots until memory ran out).
+    for count in ["0", "100000000"] {
+        let (code, _, err) = chime(&path, &["jobs", "next", "pay", "--count", count], None);
+        assert_eq!(code, 2, "{count}: {err}");
+        assert!(err.contains("is not in 1..=10000"), "{err}");
+    }
     let (code, out, err) =
         chime(&path, &["jobs", "next", "pay", "--after", "2026-11-25T00:00:00Z", "--count", "3"], None);
     assert_eq!(code, 0, "{err}");

@@ -82,6 +82,10 @@ async fn hundred_dead_letters_listed_then_replayed_by_two_operators_at_once() {
     assert_eq!(ids(&second), first, "listing neither loses nor reorders");
     let (code, table, _) = chime_cli(&path, &["dlq", "list", "--limit", "2"]).await;
     assert_eq!(code, 0);
+    // A limit of none is refused, not answered "no dead letters".
+    let (code, out, err) = chime_cli(&path, &["dlq", "list", "--limit", "0"]).await;
+    assert_eq!(code, 2, "{out}");
+    assert!(err.contains("--limit must be at least 1"), "{err}");
     assert!(table.contains("permanent") && table.contains("gate closed"), "{table}");
     let (code, shown, err) = chime_cli(&path, &["dlq", "show", &first[7]]).await;
     assert_eq!(code, 0, "{err}");

@@ -209,6 +209,10 @@ async fn history_after_a_sigkill_counts_every_done_key() {
     let (code, out, err) = chime(&path, &["history", "--since", "1h", "--totals", "--json"], None);
     assert_eq!(code, 0, "{err}");
     assert_eq!(json(&out)["by_job"]["tick"]["succeeded"], u64::try_from(succeeded.len()).unwrap(), "{out}");
+    // A window reaching back before 1970 is the whole history (not a negative stream id).
+    let (code, all, err) = chime(&path, &["history", "--since", "100000d", "--totals", "--json"], None);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json(&all)["by_job"]["tick"], json(&out)["by_job"]["tick"], "{all}");
     drop(b);
 }
 

@@ -72,6 +72,9 @@ pub async fn run(config: ValidConfig, cmd: DlqCommand) -> Result<(), Failure> {
 async fn dispatch(client: &DlqClient, cmd: DlqCommand) -> Result<(), Failure> {
     match cmd {
         DlqCommand::List { queue, job, limit, json } => {
+            if limit == Some(0) {
+                return Err(usage(anyhow::anyhow!("--limit must be at least 1")));
+            }
             let filter = Filter { job, ..Default::default() };
             let mut all = Vec::new();
             for q in client.queues(queue.as_deref()).map_err(usage)? {

@@ -31,8 +31,9 @@ pub enum JobsCommand {
         /// Start after this instant (default: now)
         #[arg(long, value_name = "RFC3339")]
         after: Option<String>,
-        #[arg(long, default_value_t = 5)]
-        count: usize,
+        /// How many (1 to 10,000)
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u16).range(1..=10_000))]
+        count: u16,
         #[arg(long)]
         json: bool,
     },
@@ -92,7 +93,7 @@ pub fn jobs(config: &Config, cmd: JobsCommand) -> Result<(), Failure> {
                     .with_timezone(&Utc),
                 None => Utc::now(),
             };
-            let runs = s.upcoming(after, count);
+            let runs = s.upcoming(after, usize::from(count));
             if json {
                 let slots: Vec<String> = runs.iter().map(|t| rfc3339(*t)).collect();
                 println!("{}", serde_json::to_string(&slots).unwrap_or_default());
