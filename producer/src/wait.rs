@@ -55,7 +55,7 @@ pub struct MemberFinished {
 #[derive(Debug, thiserror::Error)]
 pub enum WaitError {
     /// The job did not end within the wait.
-    #[error("job {key} did not finish within {waited:?} (its key is {})", state.as_ref().map_or("not claimed yet: queued, delayed or not enqueued", KeyState::as_str))]
+    #[error("job {key} did not finish within {} (its key is {})", chime_shared::duration::format(*waited), state.as_ref().map_or("not claimed yet: queued, delayed or not enqueued", KeyState::as_str))]
     Timeout {
         /// The key waited for.
         key: Uuid,
@@ -66,7 +66,8 @@ pub enum WaitError {
     },
     /// A fanned-out run had members that did not end within the wait.
     #[error(
-        "job {key} did not finish within {waited:?} (a fanned-out run with {open} of {members} members not ended)"
+        "job {key} did not finish within {} (a fanned-out run with {open} of {members} members not ended)",
+        chime_shared::duration::format(*waited)
     )]
     GroupTimeout {
         /// The run's key.
@@ -172,5 +173,18 @@ impl EnqueueClient {
             tokio::time::sleep(pause.min(left)).await;
             pause = (pause * 2).min(Duration::from_millis(500));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timeout_says_how_long_in_the_configs_units() {
+        let e = WaitError::Timeout { key: Uuid::nil(), waited: Duration::from_secs(90), state: None };
+        assert!(e.to_string().contains("did not finish within 1m 30s (its key is not claimed yet"), "{e}");
+        let e = WaitError::Timeout { key: Uuid::nil(), waited: Duration::ZERO, state: None };
+        assert!(e.to_string().contains("within 0s"), "{e}");
     }
 }

@@ -241,6 +241,9 @@ fn print_totals(totals: &chime_shared::history::Totals) {
 pub async fn inspect(config: ValidConfig, args: InspectArgs) -> Result<(), Failure> {
     let key = match (&args.key, &args.job, &args.user_key, &args.slot) {
         (Some(k), _, _, _) => parse_key(k)?,
+        (None, Some(_), Some(k), _) if k.is_empty() => {
+            return Err(usage(anyhow::anyhow!("--key: must not be empty (as chime enqueue --key)")));
+        }
         (None, Some(job), Some(k), _) => chime_shared::envelope::adhoc_key(job, k),
         (None, Some(job), None, Some(slot)) => {
             let slot = slot
