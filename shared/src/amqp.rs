@@ -54,8 +54,9 @@ pub enum AmqpError {
     },
     /// No confirm within `amqp.publish_timeout`: the message may or may not be in a queue.
     #[error(
-        "no publisher confirm within {0:?} (amqp.publish_timeout): the broker may be blocking publishers \
-         (memory or disk alarm) or be unreachable; the message may still arrive, so retry with the same key"
+        "no publisher confirm within {} (amqp.publish_timeout): the broker may be blocking publishers \
+         (memory or disk alarm) or be unreachable; the message may still arrive, so retry with the same key",
+        crate::duration::format(*.0)
     )]
     ConfirmTimeout(Duration),
     /// A publish channel could not be opened (or put in confirm mode).

@@ -497,8 +497,9 @@ impl Config {
             return Err(ConfigError::invalid(
                 "redis.done_retention",
                 format!(
-                    "must exceed the longest job timeout ({longest:?}, {job}) plus worker.cancel_grace and \
-                     redis.lease ({floor:?} in all)"
+                    "must exceed the longest job timeout ({}, {job}) plus worker.cancel_grace and redis.lease ({} in all)",
+                    duration::format(longest),
+                    duration::format(floor)
                 ),
             ));
         }

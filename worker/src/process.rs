@@ -998,10 +998,17 @@ async fn run_handler<S: KeyStore>(
         (
             Stop::Timeout,
             Some(RunEnd::Failed(_, e) | RunEnd::RetryAfter(_, e) | RunEnd::RateLimited(_, e)),
-        ) => RunEnd::Failed(Failure::Timeout, format!("timeout after {:?}: {e}", spec.timeout)),
+        ) => RunEnd::Failed(
+            Failure::Timeout,
+            format!("timeout after {}: {e}", chime_shared::duration::format(spec.timeout)),
+        ),
         (Stop::Timeout, _) => RunEnd::Failed(
             Failure::Timeout,
-            format!("timeout: no result within {:?} (plus {grace:?} after cancellation)", spec.timeout),
+            format!(
+                "timeout: no result within {} (plus {} after cancellation)",
+                chime_shared::duration::format(spec.timeout),
+                chime_shared::duration::format(grace)
+            ),
         ),
         (_, _) => RunEnd::Stopped,
     }

@@ -588,7 +588,10 @@ impl EnqueueClient {
             Ok(Err(e)) if e.is_broker() => self.spool_members(spooler, p, &members, e.to_string()).await,
             Ok(Err(e)) => Err(e),
             Err(_) => {
-                let why = format!("no confirm within {timeout:?} (amqp.publish_timeout)");
+                let why = format!(
+                    "no confirm within {} (amqp.publish_timeout)",
+                    chime_shared::duration::format(timeout)
+                );
                 self.spool_members(spooler, p, &members, why).await
             }
         }

@@ -73,7 +73,10 @@ pub fn classify(status: u16, retry_after: Option<&str>, what: &str) -> Result<()
         (200..=299, _) => Ok(()),
         (429, wait) | (503, wait @ Some(_)) => {
             let wait = wait.unwrap_or(std::time::Duration::from_secs(1));
-            Err(JobError::rate_limited(wait, format!("{what}: HTTP {status} (retry after {wait:?})")))
+            Err(JobError::rate_limited(
+                wait,
+                format!("{what}: HTTP {status} (retry after {})", chime_shared::duration::format(wait)),
+            ))
         }
         (408 | 425 | 500..=599, _) => Err(JobError::transient(format!("{what}: HTTP {status}"))),
         _ => Err(JobError::permanent(format!("{what}: HTTP {status}"))),
