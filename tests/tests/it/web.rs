@@ -73,6 +73,14 @@ async fn the_dashboard_in_a_real_browser_shows_runs_replays_a_dead_letter_and_pa
     browser.get(&format!("a[href=\"/keys/{receipt_key}\"]")).await.click().await;
     let text = browser.get("#record").await.text().await;
     assert!(text.contains("done: later copies are absorbed"), "{text}");
+    // A bad filter is named as the form's field, not as the command line's flag.
+    let text = browser
+        .open_until(&format!("{base}/history?outcome=nosuch"), "expected one of", Duration::from_secs(30))
+        .await;
+    assert!(
+        text.contains("outcome \"nosuch\": expected one of succeeded") && !text.contains("--outcome"),
+        "{text}"
+    );
 
     // The payment run fails into the DLQ; its error is shown as text, not markup.
     let (code, out, err) = chime(&path, &["enqueue", "payment-run", "--key", "2026-12-01", "--json"], None);

@@ -50,7 +50,8 @@ pub async fn history(State(web): State<Arc<Web>>, Query(form): Query<HistoryForm
         _ => None,
     };
     let results = match query {
-        Err(f) => html! { p.warn { (t(&f.error.to_string())) } },
+        // The command line's message, named as the form's field (`outcome`, not `--outcome`).
+        Err(f) => html! { p.warn { (t(f.error.to_string().trim_start_matches("--"))) } },
         Ok(q) => match web.reader.search(&web.config.all_queues(), &q).await {
             Err(e) => return failed(&web, "History", e),
             Ok(found) => {
