@@ -9,7 +9,7 @@ use chime_shared::config::Priority;
 pub const FIELDS: [&str; 6] = ["payload", "key", "delay", "at", "priority", "max_attempts"];
 
 #[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "an object such as {\"payload\": ..., \"key\": ...}")]
 struct JobBody {
     #[serde(default)]
     payload: Option<serde_json::Value>,
@@ -49,9 +49,7 @@ impl<'de> serde::Deserialize<'de> for Delay {
                     .map_err(|_| E::custom(format!("{v}: a delay is not negative")))
             }
             fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Delay, E> {
-                Err(E::custom(format!(
-                    "{v}: a number of seconds is whole; for less, give a duration such as \"1500ms\""
-                )))
+                Err(E::custom(format!("{v}: a delay is a whole number of seconds")))
             }
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Delay, E> {
                 Ok(Delay::Text(v.to_string()))

@@ -92,7 +92,7 @@ fn bodies_are_read_with_every_error_naming_its_field() {
     assert!(bad(br#"{"key": "a"} trailing"#).1.contains("not valid JSON"));
     // A delay that is neither a duration nor whole seconds says what it must be.
     for (body, says) in [
-        (&br#"{"delay": 1.5}"#[..], "whole"),
+        (&br#"{"delay": 1.5}"#[..], "1.5: a delay is a whole number of seconds"),
         (br#"{"delay": -3}"#, "not negative"),
         (br#"{"delay": true}"#, "a whole number of seconds"),
     ] {
@@ -162,4 +162,11 @@ fn a_batch_body_names_the_element_at_fault() {
     assert_eq!(field(br#"{"jobs": [{}], "pack": "ten"}"#).as_deref(), Some("pack"));
     assert_eq!(field(b"[]"), None);
     assert_eq!(field(b"{}"), None);
+    // An element that is not an object says what it should be, not a Rust type's name.
+    let (field, message) = body::batch("j", br#"{"jobs": [1]}"#).unwrap_err();
+    assert_eq!(field.as_deref(), Some("jobs[0]"));
+    assert!(
+        message.contains(r#"expected an object such as {"payload": ..."#) && !message.contains("JobBody"),
+        "{message}"
+    );
 }
