@@ -257,6 +257,24 @@ fn key_at(text: &str, offset: usize) -> Option<String> {
     let offset = offset.min(text.len());
     let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
     let end = text[offset..].find('\n').map_or(text.len(), |i| offset + i);
+    let line = text[start..end].split('#').next().unwrap_or("").trim();
+    // A table's header (`[jobs]`, `[[amqp]]`): the table's name.
+    if let Some(name) = line.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+        let list = name.starts_with('[');
+        let name = name.trim_start_matches('[').trim_end_matches(']').trim();
+        if !bare(name) {
+            return None;
+        }
+        // An entry of a list: its index, from the entries above it.
+        let header = format!("[[{name}]]");
+        return Some(if list {
+            let n =
+                text[..start].lines().filter(|l| l.split('#').next().unwrap_or("").trim() == header).count();
+            format!("{name}[{n}]")
+        } else {
+            name.to_string()
+        });
+    }
     let key = text[start..end].split_once('=')?.0.trim();
     if !bare(key) {
         return None;
@@ -298,12 +316,37 @@ pub fn toml_error(text: &str, e: &toml::de::Error) -> String {
             None => format!("line {line}, column {column}: "),
         }
     });
-    crate::redact::escape_control(&format!(
-        "{}{}",
-        at.unwrap_or_default(),
-        redact_text(e.message().trim_end())
-    ))
-    .into_owned()
+    let message = plain_types(e.message().trim_end());
+    // A list written as one table, or a table as a list: say which brackets.
+    let on_list_header = e.span().is_some_and(|span| {
+        let start = text[..span.start.min(text.len())].rfind('\n').map_or(0, |i| i + 1);
+        text[start..].trim_start().starts_with("[[")
+    });
+    let about_fields = ["missing field", "unknown field", "duplicate"].iter().any(|m| message.contains(m));
+    let hint = match message.as_str() {
+        "invalid type: map, expected a sequence" => {
+            " (a list of tables is written [[name]], each entry with its own [[name]])"
+        }
+        _ if on_list_header && !about_fields => " (one table is written [name]: [[name]] makes a list)",
+        _ => "",
+    };
+    crate::redact::escape_control(&format!("{}{}{hint}", at.unwrap_or_default(), redact_text(&message)))
+        .into_owned()
+}
+
+/// `message` with serde's `expected struct Name` (a Rust type's name, which says nothing to a
+/// user) as `expected a table`.
+pub fn plain_types(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(i) = rest.find("expected struct ") {
+        out.push_str(&rest[..i]);
+        out.push_str("expected a table");
+        rest = &rest[i + "expected struct ".len()..];
+        rest = rest.trim_start_matches(|c: char| c.is_ascii_alphanumeric() || c == '_');
+    }
+    out.push_str(rest);
+    out
 }
 
 impl Config {
@@ -823,6 +866,31 @@ mod tests {
         assert!(!e.contains("secret"), "{e}");
         assert!(err("[worker]\nconcurrency = -1\n").contains("worker.concurrency (line 2"));
         assert_eq!(key_at("[[jobs]]\nurls = [\n 'a=b',\n]\n", 20), None, "an array's element is no key");
+        // An error on a table's header names the table (a list's entry by its index), and one
+        // written with the wrong brackets says which; no Rust type's name reaches the user.
+        for (text, says) in [
+            (
+                "[[jobs]]\nname='a'\nhandler='noop'\n[[jobs]]\nhandler='noop'\n",
+                "jobs[1] (line 4, column 1): missing field `name`",
+            ),
+            (
+                "[jobs]\nname='a'\n",
+                "jobs (line 1, column 1): invalid type: map, expected a sequence (a list of tables is written [[name]]",
+            ),
+            (
+                "[[amqp]]\nurl='amqp://h'\n",
+                "amqp[0] (line 1, column 1): a URL (\"amqp://host/%2f\") or a list of URLs (one table is written [name]",
+            ),
+            ("[amqp]\nurl = 5\n", "amqp.url (line 2, column 7): a URL"),
+            ("amqp = 5\n", "expected a table"),
+        ] {
+            let e = err(text);
+            assert!(e.contains(says) && !e.contains("struct ") && !e.contains("untagged"), "{text}: {e}");
+        }
+        assert_eq!(
+            plain_types("invalid type: integer `1`, expected struct StepRequest at 3"),
+            "invalid type: integer `1`, expected a table at 3"
+        );
     }
 
     #[test]

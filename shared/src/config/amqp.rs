@@ -4,7 +4,7 @@ use super::*;
 
 /// One URL or a list of URLs tried in turn (cluster nodes).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a URL (\"amqp://host/%2f\") or a list of URLs")]
 pub enum Urls {
     /// A single URL.
     One(String),

@@ -53,7 +53,7 @@ pub enum Shards {
 impl<'de> Deserialize<'de> for Shards {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         #[derive(Deserialize)]
-        #[serde(untagged)]
+        #[serde(untagged, expecting = "a number of shards (1 to 1000), or \"workers\"")]
         enum Raw {
             N(i64),
             S(String),

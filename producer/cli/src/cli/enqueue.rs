@@ -1036,7 +1036,8 @@ async fn enqueue_batch(
 async fn workflow(config: ValidConfig, args: &EnqueueArgs, file: &str) -> Result<(), Failure> {
     let text = read_source(file, 4 << 20)?;
     let parsed = if file.ends_with(".json") {
-        serde_json::from_str::<chime_producer::WorkflowRequest>(&text).map_err(|e| e.to_string())
+        serde_json::from_str::<chime_producer::WorkflowRequest>(&text)
+            .map_err(|e| chime_shared::config::plain_types(&e.to_string()).replace("a table", "an object"))
     } else {
         toml::from_str::<chime_producer::WorkflowRequest>(&text)
             .map_err(|e| chime_shared::config::toml_error(&text, &e))
