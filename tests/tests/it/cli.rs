@@ -294,7 +294,7 @@ async fn a_closed_pipe_ends_a_command_quietly() {
     let mut child = std::process::Command::new(bin("chime"))
         .arg("--config")
         .arg(&path)
-        .args(["jobs", "next", "tick", "--count", "1000000"])
+        .args(["jobs", "next", "tick", "--count", "10000"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
