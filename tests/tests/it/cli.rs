@@ -241,6 +241,13 @@ async fn a_batch_line_that_is_not_utf8_is_refused_and_a_byte_order_mark_is_ignor
         .map(|e| e.payload["i"].as_u64().unwrap())
         .collect();
     assert_eq!(got, [1, 2, 3, 4]);
+    // A payload file that is not one JSON value is named as the file, not as --payload.
+    std::fs::write(&payload, "{\"i\":5} {\"i\":6}").unwrap();
+    let file = payload.to_str().unwrap();
+    let (code, _, err) = chime(&path, &["enqueue", "greet", "--payload-file", file], None);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains(&format!("--payload-file {file} is not valid JSON: trailing characters")), "{err}");
+    assert_eq!(depth(&queue).await, 0, "nothing published");
 }
 
 /// Both halves of a large batch file keep the jobs they prepared (each within its memory

@@ -194,10 +194,14 @@ pub async fn run(config: ValidConfig, args: EnqueueArgs) -> Result<(), Failure> 
         (None, Some(f)) => Some(read_source(f, config.amqp.max_message_bytes)?),
         (None, None) => None,
     };
+    let what = match &args.payload_file {
+        Some(f) if args.payload.is_none() => format!("--payload-file {f}"),
+        _ => "--payload".to_string(),
+    };
     let payload = payload_text
         .map(|t| serde_json::from_str::<serde_json::Value>(&t))
         .transpose()
-        .context("--payload is not valid JSON")
+        .with_context(|| format!("{what} is not valid JSON"))
         .map_err(usage)?;
     let mut req = EnqueueRequest::new(args.job());
     req.payload = payload;
