@@ -69,9 +69,10 @@ pub struct InspectArgs {
 }
 
 pub async fn reader(config: &Config) -> Result<HistoryReader, Failure> {
-    HistoryReader::connect(&config.redis, Names::new(&config.prefix))
-        .await
-        .map_err(|e| runtime(anyhow::anyhow!("redis: {}", chime_shared::redact::redact_text(&e.to_string()))))
+    HistoryReader::connect(&config.redis, Names::new(&config.prefix)).await.map_err(|e| {
+        let e = chime_shared::redact::redact_text(&e.to_string());
+        runtime(anyhow::anyhow!("Redis at {}: {e}", config.redis.endpoint()))
+    })
 }
 
 /// A `--key` argument: a UUID.
