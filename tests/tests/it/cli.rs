@@ -318,14 +318,19 @@ async fn a_closed_pipe_ends_a_command_quietly() {
 }
 
 /// A command that needs Redis and cannot reach it names the server it tried, whichever
-/// command it is (history, workers, circuits, inspect: each used to say `redis: …` alone).
+/// command it is (history, workers, circuits, inspect, dlq: each used to say `redis: …` alone).
 #[tokio::test]
 async fn a_redis_that_does_not_answer_is_named_by_every_command() {
     let env = TestEnv::new("redisdown");
     let closed = "redis://127.0.0.1:1/0";
     let path = env.write_config(&env.config_text("quorum", "", "", JOBS).replace(&env.redis_url, closed));
-    for args in [&["history"][..], &["workers"], &["circuits"], &["inspect", "--job", "greet", "--key", "a"]]
-    {
+    for args in [
+        &["history"][..],
+        &["workers"],
+        &["circuits"],
+        &["inspect", "--job", "greet", "--key", "a"],
+        &["dlq", "list"],
+    ] {
         let (code, out, err) = chime(&path, args, None);
         assert_ne!(code, 0, "{args:?}: {out}");
         assert!(err.contains(&format!("Redis at {closed}: ")), "{args:?}: {err}");

@@ -71,7 +71,7 @@ impl PassLock {
                 .arg(ms(TTL))
                 .query_async(&mut c)
                 .await
-                .map_err(|e| DlqError::Lock(e.to_string()))?;
+                .map_err(DlqError::Lock)?;
             if set.is_some() {
                 break;
             }

@@ -84,8 +84,9 @@ pub enum DlqError {
     UnknownQueue(String),
     #[error("another pass over the DLQ of {queue} is still running ({holder}); try again when it ends")]
     Busy { queue: String, holder: String },
-    #[error("redis (DLQ lock): {0}")]
-    Lock(String),
+    /// The lock that keeps two passes over one DLQ apart could not be taken (Redis failed).
+    #[error("taking the DLQ's lock in Redis")]
+    Lock(#[source] redis::RedisError),
 }
 
 impl From<lapin::Error> for DlqError {
