@@ -316,7 +316,7 @@ pub fn toml_error(text: &str, e: &toml::de::Error) -> String {
             None => format!("line {line}, column {column}: "),
         }
     });
-    let message = plain_types(e.message().trim_end());
+    let message = plain_types(e.message().trim_end(), "a table");
     // A list written as one table, or a table as a list: say which brackets.
     let on_list_header = e.span().is_some_and(|span| {
         let start = text[..span.start.min(text.len())].rfind('\n').map_or(0, |i| i + 1);
@@ -335,13 +335,14 @@ pub fn toml_error(text: &str, e: &toml::de::Error) -> String {
 }
 
 /// `message` with serde's `expected struct Name` (a Rust type's name, which says nothing to a
-/// user) as `expected a table`.
-pub fn plain_types(message: &str) -> String {
+/// user) as `expected <noun>` (`a table` in TOML, `an object` in JSON).
+pub fn plain_types(message: &str, noun: &str) -> String {
     let mut out = String::with_capacity(message.len());
     let mut rest = message;
     while let Some(i) = rest.find("expected struct ") {
         out.push_str(&rest[..i]);
-        out.push_str("expected a table");
+        out.push_str("expected ");
+        out.push_str(noun);
         rest = &rest[i + "expected struct ".len()..];
         rest = rest.trim_start_matches(|c: char| c.is_ascii_alphanumeric() || c == '_');
     }
@@ -888,7 +889,7 @@ mod tests {
             assert!(e.contains(says) && !e.contains("struct ") && !e.contains("untagged"), "{text}: {e}");
         }
         assert_eq!(
-            plain_types("invalid type: integer `1`, expected struct StepRequest at 3"),
+            plain_types("invalid type: integer `1`, expected struct StepRequest at 3", "a table"),
             "invalid type: integer `1`, expected a table at 3"
         );
     }

@@ -1264,13 +1264,7 @@ fn prepare_with(
     let payload =
         payload.or_else(|| entry.and_then(|j| j.payload.clone())).unwrap_or(serde_json::Value::Null);
     if envelope::too_deep(&payload) {
-        return Err(EnqueueError::Invalid {
-            field: "payload".into(),
-            message: format!(
-                "nests deeper than {} levels (arrays and objects within one another): a worker could not read it",
-                envelope::MAX_PAYLOAD_DEPTH
-            ),
-        });
+        return Err(EnqueueError::Invalid { field: "payload".into(), message: envelope::too_deep_message() });
     }
     let mut env = Envelope::new(&req.job, queue, key, payload, None, max_attempts, Source::Adhoc);
     if let Some(t) = req.trace.clone().or_else(trace::current) {

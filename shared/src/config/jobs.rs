@@ -461,13 +461,7 @@ impl JobConfig {
                 .map_err(|e| ConfigError::invalid(key("schedule"), e.to_string()))?;
         }
         if self.payload.as_ref().is_some_and(crate::envelope::too_deep) {
-            return Err(ConfigError::invalid(
-                key("payload"),
-                format!(
-                    "nests deeper than {} levels (arrays and objects within one another): a worker could not read it",
-                    crate::envelope::MAX_PAYLOAD_DEPTH
-                ),
-            ));
+            return Err(ConfigError::invalid(key("payload"), crate::envelope::too_deep_message()));
         }
         if let Some(tz) = &self.timezone {
             chrono_tz::Tz::from_str(tz).map_err(|_| {

@@ -1041,7 +1041,7 @@ async fn workflow(config: ValidConfig, args: &EnqueueArgs, file: &str) -> Result
     let text = read_source(file, 4 << 20)?;
     let parsed = if file.ends_with(".json") {
         serde_json::from_str::<chime_producer::WorkflowRequest>(&text)
-            .map_err(|e| chime_shared::config::plain_types(&e.to_string()).replace("a table", "an object"))
+            .map_err(|e| chime_shared::config::plain_types(&e.to_string(), "an object"))
     } else {
         toml::from_str::<chime_producer::WorkflowRequest>(&text)
             .map_err(|e| chime_shared::config::toml_error(&text, &e))

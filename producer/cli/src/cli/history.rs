@@ -69,10 +69,8 @@ pub struct InspectArgs {
 }
 
 pub async fn reader(config: &Config) -> Result<HistoryReader, Failure> {
-    HistoryReader::connect(&config.redis, Names::new(&config.prefix)).await.map_err(|e| {
-        let e = chime_shared::redact::redact_text(&e.to_string());
-        runtime(anyhow::anyhow!("Redis at {}: {e}", config.redis.endpoint()))
-    })
+    // The Redis error stays the cause: the command names the server it came from.
+    HistoryReader::connect(&config.redis, Names::new(&config.prefix)).await.map_err(runtime)
 }
 
 /// A `--key` argument: a UUID.

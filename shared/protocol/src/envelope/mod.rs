@@ -327,6 +327,13 @@ pub fn priority_route(queue: &str, priority: Priority) -> String {
 /// down in an envelope, three in a pack: 100 leaves room for both.
 pub const MAX_PAYLOAD_DEPTH: usize = 100;
 
+/// Why a payload nesting deeper than [`MAX_PAYLOAD_DEPTH`] is refused (see [`too_deep`]).
+pub fn too_deep_message() -> String {
+    format!(
+        "nests deeper than {MAX_PAYLOAD_DEPTH} levels (arrays and objects within one another): a worker could not read it"
+    )
+}
+
 /// Whether `payload` nests deeper than [`MAX_PAYLOAD_DEPTH`]; it looks no further down than
 /// that, so a value built deeper in code costs no more (and cannot exhaust the stack).
 pub fn too_deep(payload: &serde_json::Value) -> bool {
