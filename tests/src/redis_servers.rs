@@ -224,16 +224,19 @@ impl PrivateSentinels {
         format!("sentinels = [{list}]\nmaster_name = \"{}\"\n", Self::MASTER)
     }
 
-    /// The master's port as the first sentinel reports it.
-    pub async fn master_port(&self) -> u16 {
-        let mut c = connect_redis(&format!("redis://127.0.0.1:{}", self.ports[0])).await;
+    /// The master's port as the first sentinel reports it; None when the sentinel does not
+    /// answer in time (a failover on a loaded machine can keep it busy past a connection's
+    /// timeout).
+    pub async fn master_port(&self) -> Option<u16> {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.ports[0])).ok()?;
+        let mut c = client.get_multiplexed_async_connection().await.ok()?;
         let addr: Vec<String> = redis::cmd("SENTINEL")
             .arg("get-master-addr-by-name")
             .arg(Self::MASTER)
             .query_async(&mut c)
             .await
-            .unwrap();
-        addr[1].parse().unwrap()
+            .ok()?;
+        addr.get(1)?.parse().ok()
     }
 
     /// `SENTINEL FAILOVER`, then waits until the sentinels name the replica as master and it
@@ -249,11 +252,14 @@ impl PrivateSentinels {
     /// `failover`, or after the master died).
     pub async fn wait_promoted(&self) {
         let port = self.replica.port;
+        // A sentinel or replica that does not answer yet counts as not promoted yet.
+        let writable = || async move {
+            let client = redis::Client::open(format!("redis://127.0.0.1:{port}/0")).ok()?;
+            let mut r = client.get_multiplexed_async_connection().await.ok()?;
+            redis::cmd("SET").arg("chime:failover-probe").arg(1).query_async::<()>(&mut r).await.ok()
+        };
         wait_until("the replica is the master", Duration::from_secs(30), || async move {
-            self.master_port().await == port && {
-                let mut r = connect_redis(&format!("redis://127.0.0.1:{port}/0")).await;
-                redis::cmd("SET").arg("chime:failover-probe").arg(1).query_async::<()>(&mut r).await.is_ok()
-            }
+            self.master_port().await == Some(port) && writable().await.is_some()
         })
         .await;
     }
