@@ -54,6 +54,22 @@ pub struct StepRequest {
 }
 
 impl WorkflowRequest {
+    /// A workflow from its JSON form (a byte-order mark ignored): an object with `steps`
+    /// (and an optional `key`). Anything else is refused saying what a workflow is, with no
+    /// Rust type names.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, String> {
+        let bytes = bytes.strip_prefix("\u{feff}".as_bytes()).unwrap_or(bytes);
+        let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+        // serde would take an array as the fields in order ("expected a string").
+        if first.is_some_and(|b| *b != b'{') {
+            return Err(
+                "a workflow is a JSON object: {\"key\": \"…\", \"steps\": [{\"name\": \"…\"}, …]}".into()
+            );
+        }
+        serde_json::from_slice(bytes)
+            .map_err(|e| chime_shared::config::plain_types(&e.to_string(), "an object"))
+    }
+
     /// The workflow's key: UUIDv5(ns, "workflow#{key}"), or a random one.
     pub fn workflow_key(&self) -> Uuid {
         match &self.key {
@@ -170,5 +186,24 @@ impl EnqueueClient {
             |e: redis::RedisError| EnqueueError::Redis(format!("writing the workflow's record: {e}"));
         let mut conn = self.redis_conn().await.map_err(redis_err)?;
         record.write(&mut conn, &self.names, self.config.redis.done_retention).await.map_err(redis_err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WorkflowRequest;
+
+    #[test]
+    fn from_json_takes_an_object_and_names_anything_else() {
+        let wf = WorkflowRequest::from_json("\u{feff} {\"steps\": [{\"name\": \"a\"}]}".as_bytes()).unwrap();
+        assert_eq!(wf.steps[0].name, "a");
+        for text in [r#"[{"name": "a"}]"#, r#""steps""#, "42", "null"] {
+            let e = WorkflowRequest::from_json(text.as_bytes()).unwrap_err();
+            assert!(e.starts_with("a workflow is a JSON object"), "{text}: {e}");
+        }
+        let e = WorkflowRequest::from_json(br#"{"steps": 3}"#).unwrap_err();
+        assert!(e.contains("invalid type: integer `3`, expected a sequence"), "{e}");
+        let e = WorkflowRequest::from_json(b"{").unwrap_err();
+        assert!(!e.contains("struct"), "{e}");
     }
 }

@@ -203,6 +203,21 @@ async fn jobs_enqueued_with_curl_run_and_every_bad_request_is_named() {
         (&3.into(), &3.into(), &0.into()),
         "{done}"
     );
+    assert!(done.get("warning").is_none(), "{done}");
+    // Elements repeating an earlier element's key are all published, with a warning naming
+    // the first of them.
+    let (status, repeated, _) = batch(
+        TOKEN,
+        "echo",
+        r#"{"jobs": [{"key": "r-1"}, {"key": "r-2"}, {}, {"key": "r-1"}, {"key": "r-2"}]}"#,
+    );
+    assert_eq!((status, &repeated["confirmed"]), (202, &5.into()), "{repeated}");
+    assert!(
+        repeated["warning"].as_str().is_some_and(|w| w.starts_with(
+            "2 elements repeat the key of an earlier element (the first: jobs[3], the key of jobs[0]): each key runs once"
+        )),
+        "{repeated}"
+    );
     let (status, packed, _) =
         batch(TOKEN, "echo", r#"{"jobs": [{"key": "p-1"}, {"key": "p-2"}], "pack": 10}"#);
     assert_eq!((status, &packed["confirmed"]), (202, &2.into()), "{packed}");

@@ -253,7 +253,8 @@ async fn a_batch_line_that_is_not_utf8_is_refused_and_a_byte_order_mark_is_ignor
 /// Both halves of a large batch file keep the jobs they prepared (each within its memory
 /// budget) and the publishing pass reads again only what was not kept: whether both keep
 /// everything, the second runs out of room, or the first does (the second's jobs are then
-/// read again from the file), every line arrives once, in the file's order.
+/// read again from the file), every line arrives once, in the file's order; so it does from a
+/// pipe, which is copied aside to be read again.
 #[tokio::test]
 async fn a_large_batch_file_arrives_whole_and_in_order_whatever_each_half_keeps() {
     let env = TestEnv::new("keptbatch");
@@ -288,6 +289,37 @@ async fn a_large_batch_file_arrives_whole_and_in_order_whatever_each_half_keeps(
         assert_eq!(got, (0..jobs as u64).collect::<Vec<_>>(), "{case}: every line once, in order");
         assert_eq!(depth(&queue).await, 0, "{case}: nothing more");
     }
+    // A pipe (`--batch <(…)`, here a named one) is read once: copied aside as it is validated,
+    // so that the jobs not kept are read again from the copy, not from the pipe (whose end
+    // would publish nothing more, and say so with exit 0).
+    let fifo = env.dir.join("batch.fifo");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    let jobs = 6_000;
+    let text: String = (0..jobs).map(|i| line(i, 3_000) + "\n").collect();
+    let writer = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::write(fifo, text))
+    };
+    let tmp = env.dir.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let (code, out, err) = chime_env(
+        &path,
+        &["enqueue", "greet", "--batch", fifo.to_str().unwrap()],
+        None,
+        &[("TMPDIR", tmp.as_os_str())],
+    );
+    writer.join().unwrap().unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with(&format!("confirmed {jobs} of {jobs} jobs")), "a pipe: {out}");
+    let got: Vec<u64> = take_envelopes(&queue, jobs, std::time::Duration::from_secs(60))
+        .await
+        .iter()
+        .map(|e| e.payload["i"].as_u64().unwrap())
+        .collect();
+    assert_eq!(got, (0..jobs as u64).collect::<Vec<_>>(), "a pipe: every line once, in order");
+    assert_eq!(depth(&queue).await, 0, "a pipe: nothing more");
+    assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0, "the pipe's copy is removed");
 }
 
 /// `chime … | head`: the reader going away ends the command quietly (SIGPIPE), never with a

@@ -189,6 +189,12 @@ async fn an_adhoc_workflow_runs_in_order_and_a_dead_step_blocks_until_replayed()
         assert_ne!(code, 0, "{text}: {out}");
         assert!(err.contains(says), "{text}: {err}");
     }
+    // A JSON workflow that is not an object says what one is.
+    let bad_json = env.dir.join("bad.json");
+    std::fs::write(&bad_json, r#"[{"name": "a", "job": "load"}]"#).unwrap();
+    let (code, out, err) = chime(&path, &["enqueue", "--workflow", bad_json.to_str().unwrap()], None);
+    assert_ne!(code, 0, "{out}");
+    assert!(err.contains("bad.json: a workflow is a JSON object: {\"key\""), "{err}");
     wait_depth(&env.names().work_queue("default"), 0, Duration::from_secs(30)).await;
     let again: Vec<String> = runs(&ledger).into_iter().map(|r| r.0).collect();
     assert_eq!(again.len(), 4, "nothing ran again: {again:?}");

@@ -485,13 +485,13 @@ fn check_line(
 /// 1 in 30 million; and its line), sorted once the whole batch is read: ~16 MiB for a million
 /// keyed lines, nothing for lines without a key.
 #[derive(Default)]
-struct Repeats {
+pub(crate) struct Repeats {
     /// `key bits << 64 | line`, in the order of the lines.
     seen: Vec<u128>,
 }
 
 impl Repeats {
-    fn add(&mut self, key: uuid::Uuid, line: usize) {
+    pub(crate) fn add(&mut self, key: uuid::Uuid, line: usize) {
         let (hi, lo) = key.as_u64_pair();
         self.seen.push(u128::from(hi ^ lo) << 64 | line as u128);
     }
@@ -518,18 +518,37 @@ impl Repeats {
         (count, first)
     }
 
-    fn warn(self, source: &str) {
-        let (count, Some((line, earlier))) = self.found() else { return };
-        let lines = match count {
-            1 => format!("{source} line {line} repeats the key of line {earlier}"),
-            n => format!(
-                "{n} lines of {source} repeat the key of an earlier line (the first: line {line}, the key of line {earlier})"
-            ),
+    /// The warning, if any line repeats an earlier one's key: `one` names a repeat and the
+    /// line it repeats, `many` a count of them (and the first), `lines` what the batch's
+    /// elements are called.
+    pub(crate) fn warning(
+        self,
+        one: impl Fn(usize, usize) -> String,
+        many: impl Fn(usize, usize, usize) -> String,
+        lines: &str,
+    ) -> Option<String> {
+        let (count, Some((line, earlier))) = self.found() else { return None };
+        let repeats = match count {
+            1 => one(line, earlier),
+            n => many(n, line, earlier),
         };
-        eprintln!(
-            "warning: {lines}: each key runs once, so of the lines sharing a key only one job runs \
+        Some(format!(
+            "{repeats}: each key runs once, so of the {lines} sharing a key only one job runs \
              (whichever copy a worker claims first); give each job its own key"
+        ))
+    }
+
+    fn warn(self, source: &str) {
+        let warning = self.warning(
+            |line, earlier| format!("{source} line {line} repeats the key of line {earlier}"),
+            |n, line, earlier| {
+                format!("{n} lines of {source} repeat the key of an earlier line (the first: line {line}, the key of line {earlier})")
+            },
+            "lines",
         );
+        if let Some(w) = warning {
+            eprintln!("warning: {w}");
+        }
     }
 }
 
@@ -602,8 +621,9 @@ impl Drop for StopOnDrop {
 }
 
 /// A batch's lines, read twice: once to validate every one (nothing is published when one is
-/// bad), once to publish. Standard input cannot be read twice, so the first pass copies it to
-/// a temporary file, removed when this is dropped. Memory does not grow with the batch.
+/// bad), once to publish. Standard input, a pipe (`--batch <(…)`) or a device cannot be read
+/// twice, so the first pass copies it to a temporary file, removed when this is dropped.
+/// Memory does not grow with the batch.
 struct BatchFile {
     path: std::path::PathBuf,
     spooled: bool,
@@ -712,7 +732,7 @@ impl Requests<'_> {
                 .map_err(usage)?
             else {
                 if let Some(w) = self.spool.as_mut() {
-                    w.flush().context("spooling standard input to a temporary file").map_err(usage)?;
+                    w.flush().context("copying the batch to a temporary file").map_err(usage)?;
                 }
                 return Ok(None);
             };
@@ -736,9 +756,7 @@ impl Requests<'_> {
                 strip_bom(&mut line);
             }
             if let Some(w) = self.spool.as_mut() {
-                writeln!(w, "{line}")
-                    .context("spooling standard input to a temporary file")
-                    .map_err(usage)?;
+                writeln!(w, "{line}").context("copying the batch to a temporary file").map_err(usage)?;
             }
             if line.trim().is_empty() {
                 continue;
@@ -829,7 +847,10 @@ async fn enqueue_batch(
             )));
         }
     }
-    let file = if source == "-" {
+    // Only a regular file can be read again; anything else is copied aside as it is read. (A
+    // path that cannot be looked at is opened as a file: its error names it.)
+    let once = source == "-" || std::fs::metadata(source).is_ok_and(|m| !m.is_file());
+    let file = if once {
         let name = format!(
             "chime-batch-{}-{}.jsonl",
             std::process::id(),
@@ -850,8 +871,15 @@ async fn enqueue_batch(
             .open(&file.path)
             .with_context(|| format!("creating {}", file.path.display()))
             .map_err(usage)?;
-        let stdin = std::io::BufReader::with_capacity(1 << 16, std::io::stdin());
-        (Box::new(stdin), Some(std::io::BufWriter::with_capacity(1 << 16, out)))
+        let input: Box<dyn std::io::Read> = if source == "-" {
+            Box::new(std::io::stdin())
+        } else {
+            Box::new(std::fs::File::open(source).with_context(|| format!("opening {source}")).map_err(usage)?)
+        };
+        (
+            Box::new(std::io::BufReader::with_capacity(1 << 16, input)),
+            Some(std::io::BufWriter::with_capacity(1 << 16, out)),
+        )
     } else {
         (file.reader(split)?, None)
     };
@@ -957,6 +985,9 @@ async fn enqueue_batch(
             Some(at) if keeping => (at, first_part_lines, second_kept_lines),
             _ => (0, 0, kept_lines),
         };
+        // Exactly the lines pass 1 validated: lines added to the file since are not read; a
+        // file that ends before them changed meanwhile.
+        let mut remaining = total - kept.len() - second_kept.len();
         let preparer = tokio::task::spawn_blocking(move || {
             let reader = match open_batch(&path, from..u64::MAX) {
                 Ok(r) => r,
@@ -969,18 +1000,22 @@ async fn enqueue_batch(
             let mut requests =
                 Requests { skip_to, line, ..Requests::new(reader, source, limit, &owned_args, timing) };
             loop {
-                let mut chunk = Vec::with_capacity(PUBLISH_CHUNK.min(total));
-                while chunk.len() < PUBLISH_CHUNK {
+                let mut chunk = Vec::with_capacity(PUBLISH_CHUNK.min(remaining));
+                while chunk.len() < PUBLISH_CHUNK && remaining > 0 {
                     // Validated in pass 1: this fails only if the file changed meanwhile.
                     let next = requests.next().and_then(|r| match r {
                         Some((i, req)) => prepare_owned(&cfg, req)
-                            .map(Some)
                             .map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}"))),
-                        None => Ok(None),
+                        None => Err(runtime(anyhow::anyhow!(
+                            "{source} changed while it was enqueued: it ends before the {total} jobs \
+                             validated ({remaining} not found when it was read again)"
+                        ))),
                     });
                     match next {
-                        Ok(Some(p)) => chunk.push(p),
-                        Ok(None) => break,
+                        Ok(p) => {
+                            chunk.push(p);
+                            remaining -= 1;
+                        }
                         Err(f) => {
                             let _ = tx.blocking_send(Err(f));
                             return;
@@ -1005,9 +1040,17 @@ async fn enqueue_batch(
         }
         free_aside(jobs);
     }
+    // Pass 2 stopped by its own reading (the file changed): reported after what was published.
+    let mut unread = None;
     if let Some((mut rx, preparer)) = rest {
         while going && let Some(chunk) = rx.recv().await {
-            going = sent.publish(&client, &chunk?, fans_out, args.pack).await?;
+            match chunk {
+                Ok(chunk) => going = sent.publish(&client, &chunk, fans_out, args.pack).await?,
+                Err(f) => {
+                    unread = Some(f);
+                    break;
+                }
+            }
         }
         drop(rx);
         let _ = preparer.await;
@@ -1027,6 +1070,9 @@ async fn enqueue_batch(
         let and_spooled = if spooled > 0 { format!(", {spooled} spooled") } else { String::new() };
         println!("confirmed {confirmed} of {total} jobs in {secs:.2}s ({rate:.0}/s){and_spooled}");
     }
+    if let Some(f) = unread {
+        return Err(f);
+    }
     match error {
         None => spool_verdict(&config, args.allow_spool, Some(spooled)),
         Some(e) => Err(runtime(anyhow::anyhow!(
@@ -1040,8 +1086,7 @@ async fn enqueue_batch(
 async fn workflow(config: ValidConfig, args: &EnqueueArgs, file: &str) -> Result<(), Failure> {
     let text = read_source(file, 4 << 20)?;
     let parsed = if file.ends_with(".json") {
-        serde_json::from_str::<chime_producer::WorkflowRequest>(&text)
-            .map_err(|e| chime_shared::config::plain_types(&e.to_string(), "an object"))
+        chime_producer::WorkflowRequest::from_json(text.as_bytes())
     } else {
         toml::from_str::<chime_producer::WorkflowRequest>(&text)
             .map_err(|e| chime_shared::config::toml_error(&text, &e))

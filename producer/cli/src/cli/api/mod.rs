@@ -366,7 +366,7 @@ async fn post_workflow(
         Ok(b) => b,
         Err(r) => return *r,
     };
-    let wf: chime_producer::WorkflowRequest = match serde_json::from_slice(&bytes) {
+    let wf = match chime_producer::WorkflowRequest::from_json(&bytes) {
         Ok(w) => w,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("the body is not a workflow: {e}"), None),
     };
@@ -483,6 +483,19 @@ async fn post_batch(
         }
     }
     let keys: Vec<String> = prepared.iter().map(|p| p.envelope.key.to_string()).collect();
+    let mut repeats = super::enqueue::Repeats::default();
+    for (i, (r, p)) in reqs.iter().zip(&prepared).enumerate() {
+        if r.key.is_some() {
+            repeats.add(p.envelope.key, i);
+        }
+    }
+    let warning = repeats.warning(
+        |i, earlier| format!("jobs[{i}] repeats the key of jobs[{earlier}]"),
+        |n, i, earlier| {
+            format!("{n} elements repeat the key of an earlier element (the first: jobs[{i}], the key of jobs[{earlier}])")
+        },
+        "elements",
+    );
     let messages = match client.fan_out(&prepared).await {
         Ok(m) => m,
         Err(e) => return enqueue_error(&e),
@@ -494,6 +507,10 @@ async fn post_batch(
     let mut answer = serde_json::json!({
         "job": job, "total": report.total, "confirmed": report.confirmed, "spooled": report.spooled, "keys": keys,
     });
+    if let Some(w) = warning {
+        tracing::warn!(job = %job, token = %token.name, "batch over http: {w}");
+        answer["warning"] = w.into();
+    }
     match report.error {
         None => {
             tracing::info!(job = %job, jobs = keys.len(), confirmed = report.confirmed, spooled = report.spooled,
