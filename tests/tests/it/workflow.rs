@@ -195,6 +195,10 @@ async fn an_adhoc_workflow_runs_in_order_and_a_dead_step_blocks_until_replayed()
     let (code, out, err) = chime(&path, &["enqueue", "--workflow", bad_json.to_str().unwrap()], None);
     assert_ne!(code, 0, "{out}");
     assert!(err.contains("bad.json: a workflow is a JSON object: {\"key\""), "{err}");
+    // Read from a pipe (no name to tell), JSON is known by its first character.
+    let (code, out, err) = chime(&path, &["enqueue", "--workflow", "-"], Some(r#"{"steps": 3}"#));
+    assert_ne!(code, 0, "{out}");
+    assert!(err.contains("workflow -: invalid type: integer `3`, expected a sequence"), "{err}");
     wait_depth(&env.names().work_queue("default"), 0, Duration::from_secs(30)).await;
     let again: Vec<String> = runs(&ledger).into_iter().map(|r| r.0).collect();
     assert_eq!(again.len(), 4, "nothing ran again: {again:?}");

@@ -84,9 +84,9 @@ impl EnqueueArgs {
     }
 }
 
-/// Reads a payload from a file or `-` (stdin), at most `limit` bytes: a larger one is
-/// rejected without being read whole.
-fn read_source(path: &str, limit: usize) -> Result<String, Failure> {
+/// Reads a payload from a file or `-` (stdin), at most `limit` bytes (what `limit_name`
+/// names): a larger one is rejected without being read whole.
+fn read_source(path: &str, limit: usize, limit_name: &str) -> Result<String, Failure> {
     let source: Box<dyn Read> = if path == "-" {
         Box::new(std::io::stdin())
     } else {
@@ -99,7 +99,7 @@ fn read_source(path: &str, limit: usize) -> Result<String, Failure> {
         .with_context(|| format!("reading {path}"))
         .map_err(usage)?;
     if bytes.len() > limit {
-        return Err(usage(anyhow::anyhow!("{path} is larger than amqp.max_message_bytes ({limit} bytes)")));
+        return Err(usage(anyhow::anyhow!("{path} is larger than {limit_name} ({limit} bytes)")));
     }
     let mut text = String::from_utf8(bytes).with_context(|| format!("{path} is not UTF-8")).map_err(usage)?;
     strip_bom(&mut text);
@@ -191,7 +191,7 @@ pub async fn run(config: ValidConfig, args: EnqueueArgs) -> Result<(), Failure> 
     }
     let payload_text = match (&args.payload, &args.payload_file) {
         (Some(p), _) => Some(p.clone()),
-        (None, Some(f)) => Some(read_source(f, config.amqp.max_message_bytes)?),
+        (None, Some(f)) => Some(read_source(f, config.amqp.max_message_bytes, "amqp.max_message_bytes")?),
         (None, None) => None,
     };
     let what = match &args.payload_file {
@@ -1082,10 +1082,16 @@ async fn enqueue_batch(
     }
 }
 
+/// The largest workflow file read.
+const WORKFLOW_BYTES: usize = 4 << 20;
+
 /// `chime enqueue --workflow FILE`.
 async fn workflow(config: ValidConfig, args: &EnqueueArgs, file: &str) -> Result<(), Failure> {
-    let text = read_source(file, 4 << 20)?;
-    let parsed = if file.ends_with(".json") {
+    let text = read_source(file, WORKFLOW_BYTES, "a workflow file's limit")?;
+    // JSON by its name, or by its first character (`{`, which no TOML document starts with):
+    // a workflow from a pipe (`--workflow <(…)`, `-`) has no name to tell.
+    let json = file.ends_with(".json") || text.trim_start().starts_with('{');
+    let parsed = if json {
         chime_producer::WorkflowRequest::from_json(text.as_bytes())
     } else {
         toml::from_str::<chime_producer::WorkflowRequest>(&text)
