@@ -457,6 +457,18 @@ impl Config {
                 ),
             ));
         }
+        // Its names would be the delay chain's (`chime-delay.deliver`, `chime-delay.orphans`),
+        // and tools that act on a prefix's resources would act on every prefix's delays.
+        if self.prefix == chime_protocol::names::DELAY_PREFIX {
+            return Err(ConfigError::invalid(
+                "prefix",
+                format!(
+                    "{:?} is reserved: it names the delay chain every prefix shares ({}.*)",
+                    self.prefix,
+                    chime_protocol::names::DELAY_PREFIX
+                ),
+            ));
+        }
         self.history.validate()?;
         self.results.validate()?;
         self.checkpoints.validate()?;
@@ -632,7 +644,17 @@ impl NameOrTable {
         table: toml::Table,
         into: impl FnOnce(Raw) -> Result<T, String>,
     ) -> Result<T, String> {
-        Raw::deserialize(toml::Value::Table(table)).map_err(|e| e.to_string()).and_then(into)
+        Raw::deserialize(toml::Value::Table(table)).map_err(|e| one_line(&e.to_string())).and_then(into)
+    }
+}
+
+/// A table's error as one line, the field it names first: toml writes `message\nin `field``
+/// (`on_open: unknown variant `drop`, expected `park` or `dead_letter``).
+fn one_line(message: &str) -> String {
+    let message = message.trim_end();
+    match message.rsplit_once("\nin `") {
+        Some((what, field)) => format!("{}: {what}", field.trim_end_matches('`')),
+        None => message.replace('\n', " "),
     }
 }
 
@@ -756,6 +778,9 @@ mod tests {
         )
         .unwrap();
         Config::from_toml_str("prefix = \"billing-eu_2\"\n").unwrap();
+        // Nor take the shared delay chain's names.
+        let e = err("prefix = \"chime-delay\"\n");
+        assert!(e.contains("prefix: \"chime-delay\" is reserved: it names the delay chain"), "{e}");
     }
 
     #[test]

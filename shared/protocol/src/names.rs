@@ -31,6 +31,9 @@ impl QueueType {
     }
 }
 
+/// What every name of the shared delay chain starts with (`chime-delay.`): no prefix may be it.
+pub const DELAY_PREFIX: &str = "chime-delay";
+
 /// Exchange (topic) through which the delay chain hands messages to work queues. Messages it
 /// cannot route go to its alternate exchange, [`DELAY_UNROUTABLE`], never back up the chain.
 pub const DELAY_DELIVER: &str = "chime-delay.deliver";
@@ -50,7 +53,7 @@ pub const UNROUTABLE_SOURCE: &str = "(unroutable)";
 
 /// Level `level` of the shared delay chain of `queue_type` (exchange and queue share it).
 pub fn delay_level(queue_type: QueueType, level: u32) -> String {
-    format!("chime-delay.{}.{level}", queue_type.as_str())
+    format!("{DELAY_PREFIX}.{}.{level}", queue_type.as_str())
 }
 
 /// A name as one routing-key word: dots (allowed in names) become `~` (which is not).

@@ -321,7 +321,10 @@ mod tests {
             (job("charge", "circuit = { failures = 3, window = \"0s\" }"), "window 0s: must be 1s to 1 day"),
             (job("charge", "circuit = { failures = 3, window = 10 }"), "window"),
             (job("charge", "circuit = { failures = 3, probes = 0 }"), "probes 0"),
-            (job("charge", "circuit = { failures = 3, on_open = \"drop\" }"), "on_open"),
+            (
+                job("charge", "circuit = { failures = 3, on_open = \"drop\" }"),
+                "): on_open: unknown variant `drop`, expected `park` or `dead_letter`",
+            ),
             (job("charge", "circuit = { failures = 3, cooldown = \"1s\" }"), "unknown field `cooldown`"),
             (job("charge", "circuit = 3"), "the name of a [[circuits]] entry, or a table"),
             (

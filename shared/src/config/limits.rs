@@ -55,7 +55,7 @@ impl Rate {
             return Err(format!("limit {}: must be 1 to 1,000,000 runs", self.limit));
         }
         if self.per < Duration::from_millis(1) || self.per > Duration::from_secs(86_400) {
-            return Err(format!("per {:?}: must be 1 ms to 1 day", self.per));
+            return Err(format!("per {}: must be 1 ms to 1 day", duration::format(self.per)));
         }
         if !(1..=1_000_000).contains(&self.burst) {
             return Err(format!("burst {}: must be 1 to 1,000,000", self.burst));
@@ -363,6 +363,8 @@ mod tests {
             (job("rate_limit = \"0/s\""), "1 to 1,000,000"),
             (job("rate_limit = \"100/s\"\n[[limits]]\nname = \"x\"\nrate = \"1/s\"\nwindow = 3"), "window"),
             (job("rate_limit = { rate = \"5/s\", burst = 0 }"), "burst 0"),
+            (job("rate_limit = { limit = 5, per = \"0s\" }"), "per 0s: must be 1 ms to 1 day"),
+            (job("rate_limit = { limit = \"5\", per = \"1s\" }"), "limit: invalid type: string \"5\""),
             (job("rate_limit = { rate = \"5/s\", window = 3 }"), "unknown field `window`"),
             (job("rate_limit = { limit = 5, rate = \"5/s\" }"), "not both"),
             (job("rate_limit = { rate = \"5/s\", key = \"/a//b\" }"), "can never match"),
