@@ -61,8 +61,9 @@ impl CalendarConfig {
     fn resolve(&self, i: usize) -> Result<ResolvedCalendar, ConfigError> {
         let key = |field: &str| format!("calendars[{i}] ({}).{field}", self.name);
         let zone = match &self.zone {
-            Some(z) => Tz::from_str(z)
-                .map_err(|_| ConfigError::invalid(key("zone"), format!("{z:?} is not an IANA time zone")))?,
+            Some(z) => {
+                crate::schedule::zone(z).map_err(|e| ConfigError::invalid(key("zone"), e.to_string()))?
+            }
             None => Tz::UTC,
         };
         let weekdays = match &self.weekdays {

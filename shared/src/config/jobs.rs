@@ -464,9 +464,7 @@ impl JobConfig {
             return Err(ConfigError::invalid(key("payload"), crate::envelope::too_deep_message()));
         }
         if let Some(tz) = &self.timezone {
-            chrono_tz::Tz::from_str(tz).map_err(|_| {
-                ConfigError::invalid(key("timezone"), format!("{tz:?} is not an IANA time zone"))
-            })?;
+            crate::schedule::zone(tz).map_err(|e| ConfigError::invalid(key("timezone"), e.to_string()))?;
         }
         let pass_env = match &self.handler {
             HandlerConfig::Exec(exec) => exec.pass_env.as_slice(),

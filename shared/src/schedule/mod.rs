@@ -85,8 +85,23 @@ pub enum ScheduleError {
         message: String,
     },
     /// The `timezone` field.
-    #[error("{0:?} is not an IANA time zone")]
+    #[error("{}", zone_message(.0))]
     Zone(String),
+}
+
+/// An IANA time zone by its name (`Europe/Berlin`, `UTC`).
+pub fn zone(name: &str) -> Result<Tz, ScheduleError> {
+    Tz::from_str(name).map_err(|_| ScheduleError::Zone(name.to_string()))
+}
+
+/// Why `name` is not a zone, with the zone it meant when only its case differs (`utc`,
+/// `europe/berlin`).
+fn zone_message(name: &str) -> String {
+    let meant = chrono_tz::TZ_VARIANTS.iter().map(|z| z.name()).find(|z| z.eq_ignore_ascii_case(name));
+    match meant {
+        Some(z) => format!("{name:?} is not an IANA time zone (names are case-sensitive: {z:?})"),
+        None => format!("{name:?} is not an IANA time zone"),
+    }
 }
 
 /// The macros croner knows (`@reboot` and the like are not schedules).
@@ -106,6 +121,11 @@ fn explain(parser: &CronParser, fields: &[&str], expr: &str, message: &str) -> S
         ("month", "1-12 or JAN-DEC"),
         ("day of week", "0-7 or SUN-SAT, 0 and 7 both Sunday, L and # allowed"),
     ];
+    // croner's wrappers say nothing to a user ("Component error: Step cannot be zero").
+    let message = message
+        .trim_start_matches("Component error: ")
+        .trim_start_matches("Invalid pattern: ")
+        .trim_start_matches("Pattern contains illegal characters: CronPattern contains ");
     let names = &names[names.len() - fields.len()..];
     for (i, (name, range)) in names.iter().enumerate() {
         let alone: Vec<&str> = (0..fields.len()).map(|j| if j == i { fields[i] } else { "*" }).collect();
@@ -159,7 +179,7 @@ impl Schedule {
             .build();
         let cron = parser.parse(expr).map_err(|e| bad(explain(&parser, &fields, expr, &e.to_string())))?;
         let tz = match zone {
-            Some(z) => Tz::from_str(z).map_err(|_| ScheduleError::Zone(z.to_string()))?,
+            Some(z) => self::zone(z)?,
             None => Tz::UTC,
         };
         // Without a year field a pattern repeats with the Gregorian calendar's 400-year cycle:

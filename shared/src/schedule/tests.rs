@@ -269,7 +269,8 @@ fn expressions_that_cannot_be_planned_are_rejected_by_name() {
         ("60 * * * *", "minute field \"60\""),
         ("0 0 * * 8", "day of week field \"8\""),
         ("0 0 0 32 * *", "day of month field \"32\""),
-        ("*/0 * * * *", "minute field \"*/0\""),
+        ("*/0 * * * *", "minute field \"*/0\": Step cannot be zero (expected 0-59)"),
+        ("$ * * * *", "minute field \"$\": illegal character '$' in part '$'"),
         ("61 0 0 * * *", "second field \"61\""),
         ("0 0 * FOO *", "month field \"FOO\""),
         ("@reboot", "not a macro chime knows"),
@@ -277,6 +278,10 @@ fn expressions_that_cannot_be_planned_are_rejected_by_name() {
         let e = Schedule::parse(expr, None).unwrap_err().to_string();
         assert!(e.contains(says) && e.contains(expr), "{expr}: {e}");
     }
+    let e = Schedule::parse("* * * * *", Some("europe/berlin")).unwrap_err().to_string();
+    assert_eq!(e, "\"europe/berlin\" is not an IANA time zone (names are case-sensitive: \"Europe/Berlin\")");
+    let e = Schedule::parse("* * * * *", Some("Mars/Base")).unwrap_err().to_string();
+    assert_eq!(e, "\"Mars/Base\" is not an IANA time zone");
     assert!(Schedule::parse("0 0 29 2 *", None).is_ok());
     assert!(Schedule::parse("0 0 * 2 1#5", None).is_ok());
 }
