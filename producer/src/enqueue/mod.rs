@@ -1316,16 +1316,46 @@ fn enqueued(env: &Envelope) -> Enqueued {
 /// "max_attempts": …}` (an object with a `payload` field, each field at most once), or a bare
 /// payload. An error names the field at fault (`key: invalid type: …`).
 pub fn parse_batch_line(job: &str, line: &str) -> Result<EnqueueRequest, String> {
+    parse_batch_line_shaped(job, line).map(|(req, _)| req)
+}
+
+/// How a batch line was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LineShape {
+    /// An object with a `payload` field: the request's fields.
+    Request,
+    /// Anything else: the payload itself.
+    Payload,
+    /// An object without `payload` whose fields are all a request's others (`{"key": "k1"}`):
+    /// read as the payload, as documented, though it was likely meant as a request with the
+    /// job's default payload (worth a warning: such a job has no key).
+    PayloadLikeRequest,
+}
+
+/// The fields of a batch line's request besides `payload`.
+const REQUEST_FIELDS: [&str; 4] = ["key", "queue", "max_attempts", "priority"];
+
+/// [`parse_batch_line`], with how the line was read.
+pub fn parse_batch_line_shaped(job: &str, line: &str) -> Result<(EnqueueRequest, LineShape), String> {
     // The common shape first, parsed in one step; any other line (and any error) the general
     // way below, which names what is wrong.
     if line.contains("\"payload\"")
         && let Ok(mut req) = serde_json::from_str::<EnqueueRequest>(line)
     {
         req.job = job.to_string();
-        return Ok(req);
+        return Ok((req, LineShape::Request));
     }
     let value: serde_json::Value =
         serde_json::from_str(line).map_err(|e| format!("invalid JSON: {}", within_line(&e)))?;
+    let shape = match &value {
+        serde_json::Value::Object(m) if m.contains_key("payload") => LineShape::Request,
+        serde_json::Value::Object(m)
+            if !m.is_empty() && m.keys().all(|k| REQUEST_FIELDS.contains(&k.as_str())) =>
+        {
+            LineShape::PayloadLikeRequest
+        }
+        _ => LineShape::Payload,
+    };
     let mut req = match &value {
         // Read again from the text, for an error that names its field (the object above kept
         // a field given twice only once).
@@ -1341,7 +1371,7 @@ pub fn parse_batch_line(job: &str, line: &str) -> Result<EnqueueRequest, String>
         _ => EnqueueRequest { payload: Some(value), ..Default::default() },
     };
     req.job = job.to_string();
-    Ok(req)
+    Ok((req, shape))
 }
 
 /// `e`'s message, its position given by column alone (the line is the batch's line).
@@ -1361,6 +1391,16 @@ mod tests {
         assert_eq!(r.payload, Some(serde_json::json!({"a":1})));
         let r = parse_batch_line("j", r#"{"a":1}"#).unwrap();
         assert_eq!(r.payload, Some(serde_json::json!({"a":1})));
+        // An object of a request's fields without `payload` is a payload, said so.
+        let (r, shape) = parse_batch_line_shaped("j", r#"{"key":"k1","queue":"q"}"#).unwrap();
+        assert_eq!(
+            (r.payload, r.key, shape),
+            (Some(serde_json::json!({"key":"k1","queue":"q"})), None, LineShape::PayloadLikeRequest)
+        );
+        for line in [r#"{"key":"k1","user":2}"#, "{}", r#"{"payload":{"key":"k1"}}"#, "3"] {
+            let (_, shape) = parse_batch_line_shaped("j", line).unwrap();
+            assert_ne!(shape, LineShape::PayloadLikeRequest, "{line}");
+        }
         assert!(parse_batch_line("j", r#"{"payload":1,"colour":2}"#).unwrap_err().contains("colour"));
         assert_eq!(
             parse_batch_line("j", "{nope").unwrap_err(),

@@ -62,10 +62,20 @@ async fn enqueue_confirms_and_bad_input_publishes_nothing() {
     let (code, out, err) = chime(&path, &["enqueue", "greet", "--batch", "-"], Some(&lines));
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with("confirmed 1000 of 1000 jobs"), "{out}");
+    assert!(!err.contains("warning"), "{err}");
+    // Lines of a request's fields without "payload" are payloads, as documented, with a warning.
+    let lines = "{\"payload\":1}\n{\"key\":\"k1\"}\n{\"user\":1}\n{\"key\":\"k2\",\"queue\":\"default\"}\n";
+    let (code, out, err) = chime(&path, &["enqueue", "greet", "--batch", "-"], Some(lines));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("confirmed 4 of 4 jobs"), "{out}");
+    assert!(
+        err.contains("warning: 2 lines of - (the first: line 2) are an object of request fields (key, queue, max_attempts, priority) without \"payload\""),
+        "{err}"
+    );
     let q = queue.clone();
-    wait_until("1002 messages queued", std::time::Duration::from_secs(10), || {
+    wait_until("1006 messages queued", std::time::Duration::from_secs(10), || {
         let q = q.clone();
-        async move { depth(&q).await == 1002 }
+        async move { depth(&q).await == 1006 }
     })
     .await;
 

@@ -2,7 +2,8 @@
 
 use anyhow::Context as _;
 use chime_producer::{
-    Delivery, EnqueueClient, EnqueueError, EnqueueRequest, Prepared, parse_batch_line, prepare, prepare_owned,
+    Delivery, EnqueueClient, EnqueueError, EnqueueRequest, LineShape, Prepared, parse_batch_line_shaped,
+    prepare, prepare_owned,
 };
 use chime_shared::config::{Config, ValidConfig};
 use chime_shared::history::HistoryReader;
@@ -453,6 +454,8 @@ struct Checked {
     settled: SettledTally,
     /// Its keys given on more than one line.
     repeats: Repeats,
+    /// Its lines that look like requests without a payload.
+    lookalikes: Lookalikes,
     /// The jobs of its first lines, up to `kept_lines` (numbered in the whole file), kept for
     /// pass 2 while they fit in `KEEP_BYTES` (none once the first half could not keep all of
     /// its own: pass 2 then reads on from the first half's last kept line).
@@ -608,6 +611,7 @@ fn check_second_half<'a>(
         }
     }
     handle.block_on(found.settled.flush(config));
+    found.lookalikes = std::mem::take(&mut requests.lookalikes);
     Ok(found)
 }
 
@@ -709,6 +713,45 @@ struct Requests<'a> {
     skip_to: usize,
     /// The length of the last line returned.
     last_len: usize,
+    /// Its lines that look like requests without a payload.
+    lookalikes: Lookalikes,
+}
+
+/// The lines of a batch that are objects of a request's fields without `payload`
+/// (`{"key": "k1"}`): read as payloads, as documented, though likely meant as requests; a
+/// warning names the first.
+#[derive(Default)]
+struct Lookalikes {
+    count: usize,
+    first: Option<usize>,
+}
+
+impl Lookalikes {
+    fn add(&mut self, line: usize) {
+        self.count += 1;
+        self.first = Some(self.first.map_or(line, |f| f.min(line)));
+    }
+
+    /// Those of a later part of the file added.
+    fn merge(&mut self, later: Lookalikes) {
+        self.count += later.count;
+        if let Some(line) = later.first {
+            self.first = Some(self.first.map_or(line, |f| f.min(line)));
+        }
+    }
+
+    fn warn(&self, source: &str) {
+        let Some(line) = self.first else { return };
+        let lines = match self.count {
+            1 => format!("{source} line {line} is"),
+            n => format!("{n} lines of {source} (the first: line {line}) are"),
+        };
+        eprintln!(
+            "warning: {lines} an object of request fields (key, queue, max_attempts, priority) without \
+             \"payload\": such a line is the job's payload, so its job has no key; for a request with \
+             the job's default payload write {{\"payload\": null, \"key\": …}}"
+        );
+    }
 }
 
 impl<'a> Requests<'a> {
@@ -719,7 +762,18 @@ impl<'a> Requests<'a> {
         args: &'a EnqueueArgs,
         timing: (Option<std::time::Duration>, Option<chrono::DateTime<chrono::Utc>>),
     ) -> Self {
-        Self { reader, spool: None, source, limit, args, timing, line: 0, skip_to: 0, last_len: 0 }
+        Self {
+            reader,
+            spool: None,
+            source,
+            limit,
+            args,
+            timing,
+            line: 0,
+            skip_to: 0,
+            last_len: 0,
+            lookalikes: Lookalikes::default(),
+        }
     }
 }
 
@@ -762,8 +816,11 @@ impl Requests<'_> {
                 continue;
             }
             self.last_len = line.len();
-            let mut req = parse_batch_line(self.args.job(), &line)
+            let (mut req, shape) = parse_batch_line_shaped(self.args.job(), &line)
                 .map_err(|e| usage(anyhow::anyhow!("{source} line {i}: {e}")))?;
+            if shape == LineShape::PayloadLikeRequest {
+                self.lookalikes.add(i);
+            }
             if req.queue.is_none() {
                 req.queue = self.args.queue.clone();
             }
@@ -931,6 +988,7 @@ async fn enqueue_batch(
     }
     // Every job of a split file's first part kept: pass 2 reads on from the second part.
     let first_part_lines = requests.line;
+    let mut lookalikes = std::mem::take(&mut requests.lookalikes);
     drop(requests);
     settled.flush(&config).await;
     // The first half had no bad line: the second's first, if any, is the batch's.
@@ -948,6 +1006,7 @@ async fn enqueue_batch(
         settled.count += found.settled.count;
         settled.first = settled.first.or(found.settled.first);
         repeats.merge(found.repeats);
+        lookalikes.merge(found.lookalikes);
     }
     let client = connecting
         .await
@@ -1058,6 +1117,7 @@ async fn enqueue_batch(
     let Sent { total, confirmed, spooled, error } = sent;
     warn_settled(settled.first.as_ref(), settled.count);
     repeats.warn(source);
+    lookalikes.warn(source);
     let secs = started.elapsed().as_secs_f64();
     if args.json {
         println!(
