@@ -142,6 +142,7 @@ impl WorkerBuilder {
             }
             .into());
         }
+        let known = config.all_queues();
         for (i, q) in queues.iter().enumerate() {
             if !chime_shared::config::valid_name(q) {
                 return Err(ConfigError::Invalid {
@@ -149,6 +150,24 @@ impl WorkerBuilder {
                     message: format!("{q:?} must be 1-100 letters, digits, '-', '_' or '.'"),
                 }
                 .into());
+            }
+            // Consumed twice, each with its own prefetch: surely a slip.
+            if let Some(first) = queues[..i].iter().position(|e| e == q) {
+                return Err(ConfigError::Invalid {
+                    key: format!("--queues[{i}]"),
+                    message: format!("{q:?} is given twice (also --queues[{first}])"),
+                }
+                .into());
+            }
+            // Maybe a typo (the queue meant goes unconsumed), maybe a queue another config or
+            // another worker's code declares: consumed, and said.
+            if !known.iter().any(|k| k == q) && !self.registry.job_queues().any(|r| r == q) {
+                tracing::warn!(
+                    queue = %q,
+                    known = %known.join(", "),
+                    "a queue to consume is neither in this config nor a queue of this worker's jobs \
+                     defined in Rust: consuming it (declared if missing); check the name if that was not meant"
+                );
             }
         }
         let jobs = resolve_jobs(&config, &self.registry, &queues)?;
@@ -1084,5 +1103,19 @@ impl Unpacked {
                 process::handle(&core, &store, &outbox, incoming, ticket).await;
             }));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Worker;
+
+    #[test]
+    fn a_queue_given_twice_is_refused_by_name() {
+        let config = chime_shared::config::Config::from_toml_str("").unwrap();
+        let built =
+            Worker::builder(config).queues(vec!["default".into(), "mail".into(), "default".into()]).build();
+        let e = built.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("--queues[2]: \"default\" is given twice (also --queues[0])"), "{e}");
     }
 }

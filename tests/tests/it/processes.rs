@@ -83,12 +83,15 @@ async fn wait_started(path: &Path) {
 
 #[tokio::test]
 async fn sigterm_drains_in_flight_jobs_and_exits_zero() {
-    let env = TestEnv::new("sigterm");
+    let mut env = TestEnv::new("sigterm");
+    // A queue to consume that no config names: consumed, with a warning (a typo would leave
+    // the queue meant unconsumed).
+    env.queues.push("extra".into());
     let ledger = env.dir.join("ledger");
     let text = env.config_text("classic", "", "shutdown_timeout = \"30s\"", &ledger_job(&ledger, 1.0));
     let path = env.write_config(&text);
     let config = chime_shared::Config::from_toml_str(&text).unwrap();
-    let mut w = Child::worker(&env.dir, &path, &["--concurrency", "2"], "w");
+    let mut w = Child::worker(&env.dir, &path, &["--concurrency", "2", "--queues", "default,extra"], "w");
     let client = EnqueueClient::connect(config).await.unwrap();
     let job = client.enqueue(EnqueueRequest::new("work")).await.unwrap();
     wait_started(&ledger).await;
@@ -98,6 +101,12 @@ async fn sigterm_drains_in_flight_jobs_and_exits_zero() {
     let fence = lines.first().and_then(|l| l.rsplit(' ').next()).unwrap_or("").to_string();
     assert_eq!(lines, vec![format!("start {} {fence}", job.key), format!("done {} {fence}", job.key)]);
     assert_eq!(depth(&env.names().work_queue("default")).await, 0, "acked before exit:\n{}", w.log_text());
+    let log = w.log_text();
+    assert!(
+        log.lines().any(|l| l.contains("queue=extra")
+            && l.contains("neither in this config nor a queue of this worker's jobs")),
+        "{log}"
+    );
     assert_eq!(idem_state(&env, &job.key.to_string()).await.as_deref(), Some("done"));
 }
 
