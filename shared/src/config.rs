@@ -47,7 +47,7 @@ pub use limits::{LimitKey, NO_TENANT, NamedLimit, Rate, RateLimit, RateLimitRef,
 pub use ops::{AlertsConfig, CheckpointsConfig, HistoryConfig, LogConfig, ResultsConfig, TelemetryConfig};
 pub use producer::{ApiConfig, ApiToken, ProducerConfig};
 pub use store::RedisConfig;
-pub use workers::{Criticality, ShedConfig, TickerConfig, WorkerConfig};
+pub use workers::{Criticality, ShedConfig, TickerConfig, WorkerConfig, check_listen};
 
 /// A configuration problem. `Display` names the file and key at fault.
 #[derive(Debug, thiserror::Error)]
@@ -480,6 +480,7 @@ impl Config {
         self.redis.validate()?;
         self.alerts.validate()?;
         self.worker.validate()?;
+        self.ticker.validate()?;
         if let Some(q) = self.catalog_queues.iter().find(|q| !valid_name(q)) {
             return Err(ConfigError::invalid("catalog", format!("queue {q:?} is not a valid name")));
         }
@@ -765,6 +766,29 @@ mod tests {
         ] {
             let e = err(text);
             assert!(e.contains(want), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn listen_addresses_and_worker_queues_are_checked_by_name() {
+        for (text, says) in [
+            (
+                "[ticker]\nlisten = \"1.2.3.4\"\n",
+                "ticker.listen: \"1.2.3.4\" has no port (expected HOST:PORT",
+            ),
+            ("[worker]\nlisten = \":9090\"\n", "worker.listen: \":9090\": no host before the port"),
+            ("[worker]\nlisten = \"::1:9090\"\n", "worker.listen: \"::1:9090\": no host before the port"),
+            ("[worker]\nlisten = \"localhost:99999\"\n", "port \"99999\" is not 0 to 65535"),
+            (
+                "[worker]\nqueues = [\"a\", \"b\", \"a\"]\n",
+                "worker.queues[2]: \"a\" is given twice (also worker.queues[0])",
+            ),
+        ] {
+            let e = err(text);
+            assert!(e.contains(says), "{text}: {e}");
+        }
+        for ok in ["127.0.0.1:9090", "0.0.0.0:0", "[::1]:9090", "localhost:9090", "metrics.internal:80"] {
+            assert_eq!(check_listen(ok), Ok(()), "{ok}");
         }
     }
 

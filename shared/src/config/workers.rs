@@ -116,6 +116,35 @@ impl Default for TickerConfig {
     }
 }
 
+/// A `listen` address as `HOST:PORT` (`127.0.0.1:9090`, `[::1]:9090`, `0.0.0.0:9090` for every
+/// interface; a host name is resolved when the daemon starts): checked by its shape, so that a
+/// daemon does not fail to start on an address its config check passed.
+pub fn check_listen(addr: &str) -> Result<(), String> {
+    let example = "expected HOST:PORT, e.g. 127.0.0.1:9090";
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(format!("{addr:?} has no port ({example})"));
+    };
+    if port.parse::<u16>().is_err() {
+        return Err(format!("{addr:?}: port {port:?} is not 0 to 65535 ({example})"));
+    }
+    let bracketed = host.starts_with('[') && host.ends_with(']') && host.len() > 2;
+    if host.is_empty() || (host.contains(':') && !bracketed) {
+        return Err(format!(
+            "{addr:?}: no host before the port ({example}; 0.0.0.0 for every interface, [::1] for IPv6)"
+        ));
+    }
+    Ok(())
+}
+
+impl TickerConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(l) = &self.listen {
+            check_listen(l).map_err(|e| ConfigError::invalid("ticker.listen", e))?;
+        }
+        Ok(())
+    }
+}
+
 impl WorkerConfig {
     /// Concurrency, threads, names of queues and passed variables, the cancel grace.
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
@@ -143,6 +172,15 @@ impl WorkerConfig {
                     format!("{q:?} must be 1-100 letters, digits, '-', '_' or '.'"),
                 ));
             }
+            if let Some(first) = self.queues[..i].iter().position(|e| e == q) {
+                return Err(ConfigError::invalid(
+                    format!("worker.queues[{i}]"),
+                    format!("{q:?} is given twice (also worker.queues[{first}])"),
+                ));
+            }
+        }
+        if let Some(l) = &self.listen {
+            check_listen(l).map_err(|e| ConfigError::invalid("worker.listen", e))?;
         }
         if self.cancel_grace > Duration::from_secs(3600) {
             return Err(ConfigError::invalid("worker.cancel_grace", "must be at most 1h"));

@@ -77,6 +77,10 @@ async fn run(args: Args, config: ValidConfig) -> i32 {
     };
     let token = CancellationToken::new();
     if let Some(addr) = listen {
+        if let Err(e) = chime_shared::config::check_listen(&addr) {
+            eprintln!("chime-worker: error: --listen {e}");
+            return 2;
+        }
         let listener = match tokio::net::TcpListener::bind(&addr).await {
             Ok(l) => l,
             Err(e) => {

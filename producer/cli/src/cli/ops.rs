@@ -196,6 +196,7 @@ pub async fn tick(config: ValidConfig, path: PathBuf, listen: Option<String>) ->
     let health = Health::new(&["redis"]);
     let token = CancellationToken::new();
     if let Some(addr) = listen {
+        chime_shared::config::check_listen(&addr).map_err(|e| usage(anyhow::anyhow!("--listen {e}")))?;
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .map_err(|e| usage(anyhow::anyhow!("cannot listen on {addr}: {e}")))?;

@@ -11,6 +11,7 @@ pub async fn run(config: ValidConfig, listen: Option<String>) -> Result<(), Fail
     let health = Health::new(&["amqp"]);
     let token = tokio_util::sync::CancellationToken::new();
     if let Some(addr) = listen {
+        chime_shared::config::check_listen(&addr).map_err(|e| usage(anyhow::anyhow!("--listen {e}")))?;
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))
