@@ -770,7 +770,7 @@ mod tests {
     }
 
     #[test]
-    fn listen_addresses_and_worker_queues_are_checked_by_name() {
+    fn listen_addresses_worker_queues_and_the_spool_directory_are_checked_by_name() {
         for (text, says) in [
             (
                 "[ticker]\nlisten = \"1.2.3.4\"\n",
@@ -787,6 +787,14 @@ mod tests {
             let e = err(text);
             assert!(e.contains(says), "{text}: {e}");
         }
+        // A spool directory that is a file could never take a job.
+        let file = std::env::temp_dir().join(format!("chime-spool-file-{}", std::process::id()));
+        std::fs::write(&file, "").unwrap();
+        let e = err(&format!("[producer]\nspool_dir = {:?}\n", file.display().to_string()));
+        let _ = std::fs::remove_file(&file);
+        assert!(e.contains(&format!("producer.spool_dir: {} is not a directory", file.display())), "{e}");
+        let e = err("[producer]\nspool_dir = \"\"\n");
+        assert!(e.contains("producer.spool_dir: is empty"), "{e}");
         for ok in ["127.0.0.1:9090", "0.0.0.0:0", "[::1]:9090", "localhost:9090", "metrics.internal:80"] {
             assert_eq!(check_listen(ok), Ok(()), "{ok}");
         }

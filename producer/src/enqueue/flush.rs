@@ -175,8 +175,9 @@ async fn flush_loop(spooler: std::sync::Weak<Spooler>) {
 /// `Ok(None)` when no spool is configured.
 pub async fn flush_spool(config: &ValidConfig) -> Result<Option<FlushReport>, EnqueueError> {
     let Some(dir) = &config.producer.spool_dir else { return Ok(None) };
-    let spool = Spool::open(dir, config.producer.spool_max_bytes, &config.prefix)
-        .map_err(|source| EnqueueError::Spool { context: "opening the spool".into(), source })?;
+    let spool = Spool::open(dir, config.producer.spool_max_bytes, &config.prefix).map_err(|source| {
+        EnqueueError::Spool { context: "opening the spool (producer.spool_dir)".into(), source }
+    })?;
     let flushed = flush(&EnqueueClient::lazy(config.clone()), &spool).await;
     report(config, &spool).await;
     flushed.map(Some)

@@ -300,10 +300,10 @@ pub enum EnqueueError {
     #[error(transparent)]
     Amqp(#[from] Box<AmqpError>),
     /// The broker did not take the job and the local spool could not either (full, or its
-    /// directory unwritable): nothing was kept.
-    #[error("{context}, and the spool could not take it: {source}")]
+    /// directory unwritable): nothing was kept. Or the spool could not be opened or flushed.
+    #[error("{context}: {source}")]
     Spool {
-        /// Why it went to the spool.
+        /// What the spool was asked to do, and why (a job the broker did not take).
         context: String,
         /// What the spool said.
         source: SpoolError,
@@ -406,10 +406,9 @@ impl EnqueueClient {
     /// (and what producers that have died left in the directory).
     pub async fn connect(config: ValidConfig) -> Result<Self, EnqueueError> {
         let spooler = match &config.producer.spool_dir {
-            Some(dir) => Some(Arc::new(
-                flush::Spooler::open(&config, dir)
-                    .map_err(|source| EnqueueError::Spool { context: "opening the spool".into(), source })?,
-            )),
+            Some(dir) => Some(Arc::new(flush::Spooler::open(&config, dir).map_err(|source| {
+                EnqueueError::Spool { context: "opening the spool (producer.spool_dir)".into(), source }
+            })?)),
             None => None,
         };
         let session = match Self::open(&config, &[]).await {
@@ -606,7 +605,10 @@ impl EnqueueClient {
         why: String,
     ) -> Result<Enqueued, EnqueueError> {
         spooler.append(members, &why).await.map_err(|source| EnqueueError::Spool {
-            context: format!("the broker did not take job {} ({why})", p.envelope.job),
+            context: format!(
+                "the broker did not take job {} ({why}), and the spool could not take it",
+                p.envelope.job
+            ),
             source,
         })?;
         let mut done = enqueued(&p.envelope);
@@ -939,8 +941,10 @@ impl EnqueueClient {
         match spooler.append(rest, &why).await {
             Ok(()) => report.spooled = rest.len(),
             Err(source) => {
-                let context =
-                    format!("the broker did not take the batch from message {} on ({why})", confirmed + 1);
+                let context = format!(
+                    "the broker did not take the batch from message {} on ({why}), and the spool could not take it",
+                    confirmed + 1
+                );
                 report.error = Some(EnqueueError::Spool { context, source });
             }
         }

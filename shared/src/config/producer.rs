@@ -36,6 +36,17 @@ impl ProducerConfig {
                 "is empty (leave it out to turn the spool off)",
             ));
         }
+        // A missing directory is made when a job is first spooled; a file in its place never
+        // could be.
+        if let Some(d) = &self.spool_dir
+            && d.exists()
+            && !d.is_dir()
+        {
+            return Err(ConfigError::invalid(
+                "producer.spool_dir",
+                format!("{} is not a directory", d.display()),
+            ));
+        }
         if self.spool_max_bytes < 65_536 {
             return Err(ConfigError::invalid(
                 "producer.spool_max_bytes",
