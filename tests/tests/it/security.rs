@@ -458,6 +458,13 @@ async fn a_prefix_user_reaches_no_other_prefix_through_the_delay_chain() {
          [[jobs]]\nname = \"bad\"\nhandler = \"exec\"\ncommand = ['sh', '-c', 'exit 100']\n"
     );
     let guest_path = a.write_config(&a.config_text("quorum", "", "", &jobs));
+    for (args, says) in [
+        (&["permissions", ""][..], "the user name is empty"),
+        (&["permissions", "u", "--vhost", ""][..], "--vhost is empty"),
+    ] {
+        let (code, _, err) = chime(&guest_path, args, None);
+        assert!(code == 2 && err.contains(says), "{args:?}: {err}");
+    }
     let (code, defs, err) = chime(&guest_path, &["permissions", &user.0], None);
     assert_eq!(code, 0, "{err}");
     let defs_path = a.dir.join("permissions.json");

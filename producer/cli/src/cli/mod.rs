@@ -272,6 +272,15 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Web(args) => web::run(config, args).await,
         Command::Api(args) => api::run(config, args).await,
         Command::Permissions { user, vhost } => {
+            // Definitions naming no user (or no virtual host) would fail only at import.
+            if user.is_empty() {
+                return Err(usage(anyhow::anyhow!("permissions: the user name is empty")));
+            }
+            if vhost.is_empty() {
+                return Err(usage(anyhow::anyhow!(
+                    "permissions: --vhost is empty (\"/\" is the default virtual host)"
+                )));
+            }
             println!("{}", permissions_json(&config.prefix, &user, &vhost));
             Ok(())
         }
