@@ -299,6 +299,11 @@ pub enum EnqueueError {
     /// Publishing failed or was not confirmed.
     #[error(transparent)]
     Amqp(#[from] Box<AmqpError>),
+    /// A batch stopped by its stop flag ([`EnqueueClient::with_stop`]): what was published
+    /// before was confirmed (the report's `confirmed`, the first in order); nothing after it
+    /// was published.
+    #[error("interrupted: the rest of the batch was not published")]
+    Interrupted,
     /// The broker did not take the job and the local spool could not either (full, or its
     /// directory unwritable): nothing was kept. Or the spool could not be opened or flushed.
     #[error("{context}: {source}")]
@@ -360,6 +365,8 @@ pub struct EnqueueClient {
     declared: Mutex<HashSet<String>>,
     /// Redis, for [`EnqueueClient::wait`] (connected on first use).
     pub(crate) redis: tokio::sync::OnceCell<chime_shared::history::HistoryReader>,
+    /// Set to stop the batches being published ([`Self::with_stop`]).
+    stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A connection and its confirm channels.
@@ -444,7 +451,17 @@ impl EnqueueClient {
             names,
             declared: Mutex::new(HashSet::new()),
             redis: tokio::sync::OnceCell::new(),
+            stop: Arc::default(),
         }
+    }
+
+    /// This client, its batches stopped by `flag` (a Ctrl-C handler sets it): once it is set,
+    /// a batch being published (`enqueue_batch`, `send_batch`, packed or not) sends nothing
+    /// more, waits for the confirms of what it sent, and reports them with
+    /// [`EnqueueError::Interrupted`]; so does a batch started later. Nothing is spooled.
+    pub fn with_stop(mut self, flag: Arc<std::sync::atomic::AtomicBool>) -> Self {
+        self.stop = flag;
+        self
     }
 
     /// The local spool, when `[producer] spool_dir` is set.
@@ -995,6 +1012,8 @@ impl EnqueueClient {
                 Err(e) => break Some(e),
             }
         };
+        // Only a stop leaves items unsent without a failure.
+        let error = error.or_else(|| (confirmed < items.len()).then_some(EnqueueError::Interrupted));
         (confirmed, error)
     }
 
@@ -1049,6 +1068,10 @@ impl EnqueueClient {
             (exchange, rk)
         };
         for group in items[start..].chunks(amqp::PUBLISH_GROUP) {
+            // Stopped: what was sent is confirmed below; `publish_all` reports the rest.
+            if self.stop.load(std::sync::atomic::Ordering::Relaxed) {
+                break;
+            }
             while pending.len() + group.len() > BATCH_WINDOW
                 && let Some(p) = pending.pop_front()
             {

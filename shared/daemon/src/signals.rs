@@ -64,6 +64,13 @@ pub async fn next_stop() -> std::io::Result<()> {
     Ok(())
 }
 
+/// The next SIGINT or SIGTERM, by its number (2 or 15): for a command that stops in order on
+/// the first (the shell's exit status is then 128 + it).
+pub async fn next_stop_signal() -> std::io::Result<i32> {
+    let (mut term, mut int) = (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?);
+    Ok(tokio::select! { _ = term.recv() => libc::SIGTERM, _ = int.recv() => libc::SIGINT })
+}
+
 /// Makes a write to a closed pipe end the process quietly, as it does for other Unix tools
 /// (`chime dlq list | head`): Rust ignores `SIGPIPE`, so `println!` would otherwise panic with
 /// a backtrace on `EPIPE`. For commands that run and exit only (sockets are not concerned:

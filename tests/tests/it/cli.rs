@@ -332,6 +332,62 @@ async fn a_large_batch_file_arrives_whole_and_in_order_whatever_each_half_keeps(
     assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0, "the pipe's copy is removed");
 }
 
+/// Ctrl-C while a batch is published: it sends nothing more, waits for the confirms of what it
+/// sent, and says how many were confirmed, through which line, and where the rest starts;
+/// exactly those are in the queue, and the exit status is 130 (128 + SIGINT).
+#[tokio::test]
+async fn an_interrupted_batch_says_how_far_it_got_and_published_exactly_that() {
+    let env = TestEnv::new("clisigint");
+    let (path, queue) = declared(&env, JOBS).await;
+    let file = env.dir.join("batch.jsonl");
+    let jobs = 300_000;
+    // A blank first line: the lines and the jobs are numbered apart.
+    let text: String = std::iter::once("\n".to_string())
+        .chain((0..jobs).map(|i| format!("{{\"payload\":{{\"i\":{i}}}}}\n")))
+        .collect();
+    std::fs::write(&file, text).unwrap();
+    let child = std::process::Command::new(chime_tests::bin("chime"))
+        .args(["--config", path.to_str().unwrap(), "enqueue", "greet", "--batch", file.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let q = queue.clone();
+    wait_until("the batch is being published", std::time::Duration::from_secs(60), || {
+        let q = q.clone();
+        async move { depth(&q).await > 0 }
+    })
+    .await;
+    chime_tests::signal_pid(child.id(), 2);
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap()).await.unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(130), "{stdout}{stderr}");
+    let confirmed: usize = stderr
+        .split("interrupted: ")
+        .nth(2)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in: {stderr}"));
+    assert!((1..jobs).contains(&confirmed), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "{confirmed} of {jobs} confirmed (through line {}); the rest: tail -n +{}",
+            confirmed + 1,
+            confirmed + 2
+        )),
+        "{stderr}"
+    );
+    assert!(stdout.starts_with(&format!("confirmed {confirmed} of {jobs} jobs")), "{stdout}");
+    // Nothing more arrives: the process has ended, and the queue holds exactly those.
+    let q = queue.clone();
+    wait_until("the confirmed jobs are queued", std::time::Duration::from_secs(30), || {
+        let q = q.clone();
+        async move { depth(&q).await >= confirmed as u32 }
+    })
+    .await;
+    assert_eq!(depth(&queue).await, confirmed as u32, "{stderr}");
+}
+
 /// `chime … | head`: the reader going away ends the command quietly (SIGPIPE), never with a
 /// panic and a backtrace.
 #[tokio::test]

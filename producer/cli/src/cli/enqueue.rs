@@ -836,6 +836,62 @@ impl Requests<'_> {
     }
 }
 
+/// Ctrl-C (or SIGTERM) during a batch: the first sets `signo` (2 or 15): the batch stops
+/// validating, or publishes nothing more and waits for the confirms of what it sent, then
+/// says how far it got; a second ends the process at once.
+struct Interrupt {
+    signo: std::sync::Arc<std::sync::atomic::AtomicI32>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Interrupt {
+    fn watch() -> Self {
+        let signo = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (s, flag) = (signo.clone(), stop.clone());
+        tokio::spawn(async move {
+            let Ok(first) = chime_daemon::signals::next_stop_signal().await else { return };
+            s.store(first, std::sync::atomic::Ordering::SeqCst);
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+            eprintln!(
+                "chime: interrupted: the batch stops once what was sent is confirmed (again to quit at once)"
+            );
+            if chime_daemon::signals::next_stop_signal().await.is_ok() {
+                std::process::exit(128 + first);
+            }
+        });
+        Self { signo, stop }
+    }
+
+    fn stopped(&self) -> bool {
+        self.stop.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The failure that ends the command (exit status 128 + the signal, as the shell gives).
+    fn failure(&self, what: String) -> Failure {
+        let signo = self.signo.load(std::sync::atomic::Ordering::SeqCst);
+        // Before any signal (none can be known here): SIGINT's 2.
+        Failure { code: 128 + if signo > 0 { signo } else { 2 }, error: anyhow::anyhow!(what) }
+    }
+}
+
+/// The line of `path` holding its `n`th job (non-blank line), counting from 1.
+fn line_of_job(path: &std::path::Path, n: usize) -> Option<usize> {
+    let reader = std::io::BufReader::new(std::fs::File::open(path).ok()?);
+    let mut jobs = 0;
+    for (i, line) in reader.lines().enumerate() {
+        let line = line.ok()?;
+        let line = if i == 0 { line.trim_start_matches('\u{feff}') } else { line.as_str() };
+        if !line.trim().is_empty() {
+            jobs += 1;
+            if jobs == n {
+                return Some(i + 1);
+            }
+        }
+    }
+    None
+}
+
 /// Frees `jobs` on a thread of its own: tens of thousands of prepared jobs take ~10 ms to
 /// free, which publishing need not wait for (here, when no thread can be started).
 fn free_aside(jobs: Vec<Prepared>) {
@@ -941,6 +997,7 @@ async fn enqueue_batch(
         (file.reader(split)?, None)
     };
     let timing = (delay, at);
+    let interrupt = Interrupt::watch();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let _stop_on_return = StopOnDrop(stop.clone());
     // Set once the first half stops keeping its jobs: the second's would then be read again.
@@ -969,7 +1026,12 @@ async fn enqueue_batch(
     let mut repeats = Repeats::default();
     // The jobs of lines 1..=kept_lines, kept for pass 2 while they fit in KEEP_BYTES.
     let (mut kept, mut kept_lines, mut kept_bytes, mut keeping) = (Vec::<Prepared>::new(), 0, 0, true);
+    let not_published =
+        || interrupt.failure("interrupted while the batch was validated: nothing was published".into());
     while let Some((i, req)) = requests.next()? {
+        if interrupt.stopped() {
+            return Err(not_published());
+        }
         let (p, key) = check_line(&config, source, i, req, &mut queues)?;
         if let Some(key) = key {
             repeats.add(key, i);
@@ -1011,7 +1073,11 @@ async fn enqueue_batch(
     let client = connecting
         .await
         .map_err(|e| runtime(anyhow::anyhow!("connecting to the broker: {e}")))?
-        .map_err(from_enqueue)?;
+        .map_err(from_enqueue)?
+        .with_stop(interrupt.stop.clone());
+    if interrupt.stopped() {
+        return Err(not_published());
+    }
     // Queues no config declares must exist on the broker: each checked once, before anything
     // is published.
     for (q, line) in &queues {
@@ -1132,6 +1198,22 @@ async fn enqueue_batch(
     }
     if let Some(f) = unread {
         return Err(f);
+    }
+    if matches!(error, Some(EnqueueError::Interrupted)) {
+        // Confirmed in order: the first `confirmed` jobs, through some line of the file (its
+        // copy, for standard input, numbered alike). A fanned-out job's members are counted
+        // instead of its lines.
+        let through = if fans_out || confirmed == 0 { None } else { line_of_job(&file.path, confirmed) };
+        let rest = match through {
+            Some(line) if file.spooled => {
+                format!(" (through line {line}); the rest starts at line {} of the input", line + 1)
+            }
+            Some(line) => format!(" (through line {line}); the rest: tail -n +{} {source}", line + 1),
+            None => String::new(),
+        };
+        return Err(interrupt.failure(format!(
+            "interrupted: {confirmed} of {total} confirmed{rest}; nothing after them was published"
+        )));
     }
     match error {
         None => spool_verdict(&config, args.allow_spool, Some(spooled)),
