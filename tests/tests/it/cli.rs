@@ -291,13 +291,7 @@ async fn a_large_batch_file_arrives_whole_and_in_order_whatever_each_half_keeps(
         let (code, out, err) = chime(&path, &["enqueue", "greet", "--batch", file.to_str().unwrap()], None);
         assert_eq!(code, 0, "{case}: {err}");
         assert!(out.starts_with(&format!("confirmed {jobs} of {jobs} jobs")), "{case}: {out}");
-        let got: Vec<u64> = take_envelopes(&queue, jobs, std::time::Duration::from_secs(60))
-            .await
-            .iter()
-            .map(|e| e.payload["i"].as_u64().unwrap())
-            .collect();
-        assert_eq!(got, (0..jobs as u64).collect::<Vec<_>>(), "{case}: every line once, in order");
-        assert_eq!(depth(&queue).await, 0, "{case}: nothing more");
+        arrived_in_order(&queue, jobs, case).await;
     }
     // A pipe (`--batch <(…)`, here a named one) is read once: copied aside as it is validated,
     // so that the jobs not kept are read again from the copy, not from the pipe (whose end
@@ -322,14 +316,20 @@ async fn a_large_batch_file_arrives_whole_and_in_order_whatever_each_half_keeps(
     writer.join().unwrap().unwrap();
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with(&format!("confirmed {jobs} of {jobs} jobs")), "a pipe: {out}");
-    let got: Vec<u64> = take_envelopes(&queue, jobs, std::time::Duration::from_secs(60))
+    arrived_in_order(&queue, jobs, "a pipe").await;
+    assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0, "the pipe's copy is removed");
+}
+
+/// Takes `jobs` messages from `queue`: payloads `{"i": 0}` … in order, each once, and nothing
+/// more.
+async fn arrived_in_order(queue: &str, jobs: usize, case: &str) {
+    let got: Vec<u64> = take_envelopes(queue, jobs, std::time::Duration::from_secs(60))
         .await
         .iter()
         .map(|e| e.payload["i"].as_u64().unwrap())
         .collect();
-    assert_eq!(got, (0..jobs as u64).collect::<Vec<_>>(), "a pipe: every line once, in order");
-    assert_eq!(depth(&queue).await, 0, "a pipe: nothing more");
-    assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0, "the pipe's copy is removed");
+    assert_eq!(got, (0..jobs as u64).collect::<Vec<_>>(), "{case}: every line once, in order");
+    assert_eq!(depth(queue).await, 0, "{case}: nothing more");
 }
 
 /// Ctrl-C while a batch is published: it sends nothing more, waits for the confirms of what it
