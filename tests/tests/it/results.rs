@@ -197,6 +197,10 @@ async fn enqueue_wait_prints_the_result_and_a_short_retention_hides_it_later() {
     assert_eq!(code, 0);
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v, serde_json::json!({"state": "done", "result": {"answer": 42}}));
+    // A zero wait is refused (before the job is published: it could only fail after).
+    let (code, _, err) =
+        chime(&path, &["enqueue", "answer", "--key", "q0", "--wait", "--wait-timeout", "0s"], None);
+    assert!(code == 2 && err.contains("--wait-timeout 0s: must be more than 0"), "{err}");
     let (code, _, err) = chime(&path, &["enqueue", "fail", "--wait"], None);
     assert_eq!(code, 1, "a dead-lettered job exits 1");
     assert!(err.contains("dead-lettered (permanent)") && err.contains("nope"), "{err}");

@@ -225,10 +225,16 @@ pub async fn run(config: ValidConfig, args: EnqueueArgs) -> Result<(), Failure> 
     let settled =
         if args.key.is_some() { settled_keys(&config, &[key.to_string()]).await } else { Vec::new() };
     let wait_for = if args.wait {
-        Some(
-            chime_shared::duration::parse(&args.wait_timeout)
-                .map_err(|e| usage(anyhow::anyhow!("--wait-timeout: {e}")))?,
-        )
+        let d = chime_shared::duration::parse(&args.wait_timeout)
+            .map_err(|e| usage(anyhow::anyhow!("--wait-timeout: {e}")))?;
+        // Refused before the job is published: a zero wait could only fail after enqueueing.
+        if d.is_zero() {
+            return Err(usage(anyhow::anyhow!(
+                "--wait-timeout {}: must be more than 0 (leave out --wait not to wait)",
+                args.wait_timeout
+            )));
+        }
+        Some(d)
     } else {
         None
     };
