@@ -128,6 +128,11 @@ async fn backfill_runs_a_holiday_weeks_rolled_slots_once_and_jobs_next_says_why(
         assert_eq!(code, 2, "{count}: {err}");
         assert!(err.contains("is not in 1..=10000"), "{err}");
     }
+    // Past the last slot chime can compute, an empty answer says so.
+    let (code, out, err) =
+        chime(&path, &["jobs", "next", "pay", "--after", "9999-12-31T00:00:00Z", "--count", "2"], None);
+    assert_eq!((code, out.as_str()), (0, ""), "{err}");
+    assert!(err.contains("note: 0 slot(s) of pay after 9999-12-31T00:00:00Z: there are no more"), "{err}");
     let (code, out, err) =
         chime(&path, &["jobs", "next", "pay", "--after", "2026-11-25T00:00:00Z", "--count", "3"], None);
     assert_eq!(code, 0, "{err}");

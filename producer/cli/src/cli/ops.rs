@@ -101,6 +101,14 @@ pub fn jobs(config: &Config, cmd: JobsCommand) -> Result<(), Failure> {
                 for line in explained(&s, after, &runs) {
                     println!("{line}");
                 }
+                // Fewer than asked (none, past year 9999): said, not left to an empty output.
+                if runs.len() < usize::from(count) {
+                    eprintln!(
+                        "chime: note: {} slot(s) of {name} after {}: there are no more that chime can compute",
+                        runs.len(),
+                        rfc3339(after)
+                    );
+                }
             }
             Ok(())
         }
