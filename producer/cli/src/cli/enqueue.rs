@@ -733,17 +733,16 @@ struct Lookalikes {
 }
 
 impl Lookalikes {
+    /// Lines come in order: the first one added is the first.
     fn add(&mut self, line: usize) {
         self.count += 1;
-        self.first = Some(self.first.map_or(line, |f| f.min(line)));
+        self.first.get_or_insert(line);
     }
 
     /// Those of a later part of the file added.
     fn merge(&mut self, later: Lookalikes) {
         self.count += later.count;
-        if let Some(line) = later.first {
-            self.first = Some(self.first.map_or(line, |f| f.min(line)));
-        }
+        self.first = self.first.or(later.first);
     }
 
     fn warn(&self, source: &str) {
