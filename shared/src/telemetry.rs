@@ -47,6 +47,10 @@ pub const SLOTS_SHED: &str = "chime_slots_shed_total";
 pub const SLOTS_CALENDAR_SKIPPED: &str = "chime_slots_calendar_skipped_total";
 /// Gauge: 1 while this worker sheds the `sheddable` runs of a queue (`queue`).
 pub const QUEUE_SHEDDING: &str = "chime_queue_shedding";
+/// Gauge: the longest a run this worker took from a queue with a shedding threshold had
+/// waited in it, in seconds, over the last reading's second (`queue`; set when it took one):
+/// what load shedding compares with `max_age`.
+pub const QUEUE_WAIT: &str = "chime_queue_wait_seconds";
 /// Gauge: the state of a circuit breaker as a worker last saw it (`circuit`): 0 closed, 1
 /// half-open, 2 open.
 pub const CIRCUIT_STATE: &str = "chime_circuit_state";
@@ -84,6 +88,7 @@ pub const ALL: &[&str] = &[
     SLOTS_SHED,
     SLOTS_CALENDAR_SKIPPED,
     QUEUE_SHEDDING,
+    QUEUE_WAIT,
     JOBS_SPOOLED,
     SPOOL_FLUSHED,
     SPOOL_BYTES,
@@ -143,6 +148,10 @@ pub fn describe() {
         "Scheduled slots skipped by their business calendar (holiday, day off)."
     );
     describe_gauge!(QUEUE_SHEDDING, "1 while this worker sheds the sheddable runs of the queue.");
+    describe_gauge!(
+        QUEUE_WAIT,
+        "The longest a run taken from the queue in the last second had waited in it (queues with a shedding threshold)."
+    );
     describe_counter!(
         JOBS_SPOOLED,
         "Jobs written to the local spool because the broker did not confirm them."

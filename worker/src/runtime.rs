@@ -24,7 +24,6 @@ use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
@@ -881,9 +880,16 @@ async fn shedding(core: Arc<Core>, store: IdemStore, queues: Vec<String>, shutdo
                 }
                 depth = read.then_some(sum);
             }
-            let age = Duration::from_millis(state.max_age_ms.swap(0, Ordering::Relaxed));
+            let age = state.take_age();
+            if depth == Some(0) {
+                state.saw_empty();
+            }
+            if let Some(a) = age {
+                metrics::gauge!(chime_shared::telemetry::QUEUE_WAIT, "queue" => q.clone())
+                    .set(a.as_secs_f64());
+            }
             let was_own = own.get(q).copied().unwrap_or(false);
-            let mine = shed::judge(cfg, shed::Reading { depth, age: Some(age) }, was_own);
+            let mine = shed::judge(cfg, shed::Reading { depth, age }, was_own);
             let written = match (&mine, was_own) {
                 (Some(why), _) => shed::set(&mut conn, &core.names, q, why).await,
                 (None, true) => shed::clear(&mut conn, &core.names, q).await,

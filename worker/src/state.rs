@@ -379,10 +379,45 @@ pub(crate) struct Core {
 /// One queue's load shedding, as this worker sees it.
 #[derive(Default)]
 pub(crate) struct QueueShed {
-    /// The longest a run taken from the queue since the last reading had waited (ms).
-    pub max_age_ms: AtomicU64,
+    /// The longest a run taken from the queue since the last reading had waited (ms), plus
+    /// one: 0 while none was taken.
+    max_age_ms: AtomicU64,
+    /// When a reading last found no ready message in the queue (ms on [`mono_ms`]'s clock,
+    /// plus one; 0: never). A run waits in the queue only while it is ready there, so one
+    /// taken since waited at most the time since then, whatever its `enqueued_at` says: a
+    /// producer whose clock is behind cannot make an empty queue look backed up.
+    empty_at: AtomicU64,
     /// The threshold crossed while the queue sheds (this worker's reading, or another's flag).
     pub reason: RwLock<Option<String>>,
+}
+
+impl QueueShed {
+    /// A reading found the queue empty (no ready message at any level).
+    pub fn saw_empty(&self) {
+        self.empty_at.store(mono_ms() + 1, Ordering::Relaxed);
+    }
+
+    /// `waited_ms`, at most the time since the queue was last seen empty.
+    fn bounded(&self, waited_ms: u64) -> u64 {
+        match self.empty_at.load(Ordering::Relaxed) {
+            0 => waited_ms,
+            at => waited_ms.min(mono_ms().saturating_sub(at - 1)),
+        }
+    }
+
+    /// The longest wait of the runs taken since the last call (`None`: none was taken).
+    pub fn take_age(&self) -> Option<Duration> {
+        match self.max_age_ms.swap(0, Ordering::Relaxed) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms - 1)),
+        }
+    }
+}
+
+/// Milliseconds on a monotonic clock of this process (from its first call).
+fn mono_ms() -> u64 {
+    static EPOCH: std::sync::LazyLock<std::time::Instant> = std::sync::LazyLock::new(std::time::Instant::now);
+    u64::try_from(EPOCH.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Removes a run from [`Core::running`] when dropped.
@@ -431,10 +466,12 @@ impl Core {
         }
     }
 
-    /// A run taken from `queue` had waited this long (kept for the next shedding reading).
+    /// A run taken from `queue` says it waited this long (now less its `enqueued_at`): kept
+    /// for the next shedding reading, at most the time since a reading last found the queue
+    /// empty (see [`QueueShed::empty_at`]).
     pub fn saw_age(&self, queue: &str, waited_ms: u64) {
         if let Some(s) = self.shed.get(queue) {
-            s.max_age_ms.fetch_max(waited_ms, Ordering::Relaxed);
+            s.max_age_ms.fetch_max(s.bounded(waited_ms).saturating_add(1), Ordering::Relaxed);
         }
     }
 
@@ -626,5 +663,18 @@ mod tests {
         registry.job(hasty);
         let e = resolve_jobs(&config, &registry, &["default".to_string()]).err().unwrap().to_string();
         assert!(e.contains("\"hasty\"") && e.contains("timeout: must be positive"), "{e}");
+    }
+
+    #[test]
+    fn a_queue_seen_empty_bounds_the_wait_its_runs_claim() {
+        let shed = QueueShed::default();
+        assert_eq!(shed.take_age(), None, "no run taken: no age");
+        // Ten minutes by the producer's clock, never seen empty: taken as said.
+        shed.max_age_ms.fetch_max(shed.bounded(600_000) + 1, Ordering::Relaxed);
+        assert_eq!(shed.take_age(), Some(Duration::from_secs(600)));
+        assert_eq!(shed.take_age(), None, "taken once");
+        // Seen empty just now: a run taken since waited at most since then.
+        shed.saw_empty();
+        assert!(shed.bounded(600_000) < 60_000, "{}", shed.bounded(600_000));
     }
 }

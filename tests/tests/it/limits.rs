@@ -389,6 +389,82 @@ async fn a_backed_up_queue_sheds_its_sheddable_runs_and_never_its_critical_ones(
     );
 }
 
+/// `max_age` trusts a run's `enqueued_at`, which is the producer's clock. A producer whose clock
+/// is ten minutes behind makes its runs look ten minutes old: once a reading has found the
+/// queue empty they count as waiting at most since then, and nothing is shed (the wait the
+/// worker reports, `chime_queue_wait_seconds`, stays under a minute). A worker started with
+/// such a run already waiting has never seen the queue empty: it takes the age as said, and
+/// the queue sheds by age.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_whose_clock_is_behind_cannot_make_an_empty_queue_shed() {
+    let env = TestEnv::new("shed-clock");
+    let port = free_port();
+    let jobs = "[worker.shed.default]\nmax_age = \"1m\"\n\
+                [[jobs]]\nname = \"report\"\nhandler = \"noop\"\ncriticality = \"sheddable\"\n";
+    let text = env.config_text("classic", "", &format!("listen = \"127.0.0.1:{port}\""), jobs);
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let client = chime_producer::EnqueueClient::connect(config.clone()).await.unwrap();
+    // Published as a producer ten minutes behind would.
+    let behind = |key: &str| {
+        let mut p = client.prepare(&chime_producer::EnqueueRequest::new("report").key(key)).unwrap();
+        p.envelope.enqueued_at -= chrono::Duration::minutes(10);
+        p
+    };
+    let metrics = || async move {
+        let url = format!("http://127.0.0.1:{port}/metrics");
+        match reqwest::get(url).await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        }
+    };
+    let shed_flag = || async {
+        let mut c = connect_redis(&env.redis_url).await;
+        chime_shared::shed::read(&mut c, &env.names(), &["default".into()]).await.unwrap().remove(0)
+    };
+    let worker = Child::worker(&env.dir, &path, &[], "w");
+    // A reading has found the queue empty (the gauge is set at each reading).
+    wait_until("the worker read the queue", Duration::from_secs(30), || async {
+        metrics().await.contains("chime_queue_shedding{queue=\"default\"} 0")
+    })
+    .await;
+    let early = behind("early");
+    let key = early.envelope.key.to_string();
+    assert_eq!(client.send_batch(&[early]).await.confirmed, 1);
+    wait_all_done(&config, &env, std::slice::from_ref(&key), Duration::from_secs(30)).await;
+    // The reading after it was taken reports the wait it counted.
+    let wait_line = |m: &str| {
+        m.lines()
+            .find(|l| l.starts_with("chime_queue_wait_seconds{queue=\"default\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    wait_until("the wait reported", Duration::from_secs(30), || async {
+        wait_line(&metrics().await).is_some()
+    })
+    .await;
+    let waited = wait_line(&metrics().await).unwrap();
+    assert!(waited < 60.0, "a run from an empty queue counted as waiting {waited} s");
+    assert_eq!(shed_flag().await, None, "the empty queue does not shed");
+    let (ran, shed) = ran_and_shed(&env).await;
+    assert_eq!((ran.get(&key), shed.get(&key)), (Some(&1), None));
+    assert!(metrics().await.contains("chime_queue_shedding{queue=\"default\"} 0"));
+    drop(worker);
+    // A worker that finds such a run waiting when it starts has never seen the queue empty.
+    let late = behind("late");
+    let late_key = late.envelope.key.to_string();
+    assert_eq!(client.send_batch(&[late]).await.confirmed, 1);
+    // Without `listen`: the first worker's port may not be free yet.
+    let quiet = env.dir.join("quiet.toml");
+    std::fs::write(&quiet, env.config_text("classic", "", "", jobs)).unwrap();
+    let second = Child::worker(&env.dir, &quiet, &[], "w2");
+    wait_all_done(&config, &env, std::slice::from_ref(&late_key), Duration::from_secs(30)).await;
+    wait_until("the queue sheds by age", Duration::from_secs(30), || async {
+        shed_flag().await.is_some_and(|why| why.contains(">= max_age 1m"))
+    })
+    .await;
+    drop(second);
+}
+
 /// While a queue's shedding flag is set, the ticker records the slots of its sheddable jobs
 /// as `shed` (the watermark moves on: they are not published later) and publishes the others;
 /// once it is gone, it publishes them again.
