@@ -328,18 +328,21 @@ return 1"
     ))
 });
 
-/// KEYS[1] a history stream; ARGV max entries, min id, then one entry's runs per argument
-/// (see [`crate::history::encode_entry`]). Appends the entries, then trims the stream to the
-/// newest max entries and drops those older than min id. Exact trims, once per call (a call
-/// carries the runs of one pipeline): an approximate one only drops whole stream nodes,
-/// which never happens to a quiet stream's last node.
+/// KEYS[1] a history stream; ARGV max entries, max age (ms), then one entry's runs per
+/// argument (see [`crate::history::encode_entry`]). Appends the entries, then trims the stream
+/// to the newest max entries and drops those older than max age, by Redis time (the entries'
+/// ids are Redis time: a writer whose clock is days ahead would otherwise trim them all).
+/// Exact trims, once per call (a call carries the runs of one pipeline): an approximate one
+/// only drops whole stream nodes, which never happens to a quiet stream's last node.
 static XADDS: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"for i = 3, #ARGV do
   redis.call('XADD', KEYS[1], '*', 'runs', ARGV[i])
 end
 redis.call('XTRIM', KEYS[1], 'MAXLEN', ARGV[1])
-redis.call('XTRIM', KEYS[1], 'MINID', ARGV[2])
+local t = redis.call('TIME')
+local oldest = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[2])
+if oldest > 0 then redis.call('XTRIM', KEYS[1], 'MINID', string.format('%.0f', oldest)) end
 return #ARGV - 2",
     )
 });
@@ -998,10 +1001,9 @@ async fn send_batch(conn: &mut RedisConn, ops: Vec<Op>) {
         }
     }
     if !streams.is_empty() {
-        let now = chrono::Utc::now().timestamp_millis();
         for (stream, trim, runs) in streams {
             let mut cmd = evalsha(&XADDS, stream);
-            cmd.arg(trim.max_entries).arg(now.saturating_sub(trim.max_age_ms).max(0));
+            cmd.arg(trim.max_entries).arg(trim.max_age_ms);
             for entry in runs.chunks(crate::history::RUNS_PER_ENTRY) {
                 cmd.arg(crate::history::encode_entry(entry));
             }

@@ -586,6 +586,39 @@ async fn a_worker_with_a_skewed_clock_is_still_listed() {
     );
 }
 
+/// The history is trimmed to `history.max_age` by Redis time, as its entries' ids are: a
+/// worker whose clock is two days ahead keeps the runs it records (its own clock less a day
+/// used to trim away every entry, its own included).
+#[tokio::test]
+async fn a_worker_whose_clock_is_days_ahead_keeps_the_history() {
+    let env = TestEnv::new("history-skew");
+    let text = env.config_text("classic", "", "", "[[jobs]]\nname = \"n\"\nhandler = \"noop\"\n");
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let worker = Child::with_clock("chime-worker", &env.dir, &path, &[], "+172800", "worker-ahead", &[]);
+    let client = chime_producer::EnqueueClient::connect(config.clone()).await.unwrap();
+    let mut keys = Vec::new();
+    for i in 0..3 {
+        keys.push(
+            client.enqueue(chime_producer::EnqueueRequest::new("n").key(format!("k{i}"))).await.unwrap().key,
+        );
+    }
+    let wanted: Vec<String> = keys.iter().map(ToString::to_string).collect();
+    let e = &env;
+    // Recorded after each run is done: its history entry follows in the worker's next write.
+    wait_until("the runs are in the history", Duration::from_secs(30), || {
+        let wanted = wanted.clone();
+        async move {
+            let (_, runs) = history_runs(e).await;
+            wanted.iter().all(|k| {
+                runs.iter().any(|r| &r.key == k && r.outcome == chime_shared::history::Outcome::Succeeded)
+            })
+        }
+    })
+    .await;
+    drop(worker);
+}
+
 /// A worker that stops is listed among the workers gone, as `stopped`, with its totals; what
 /// it settled is in the per-minute totals the dashboard charts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
