@@ -45,6 +45,9 @@ pub const SLOTS_SHED: &str = "chime_slots_shed_total";
 /// Counter: scheduled slots its business calendar skips (`job`, `reason`: `holiday` or
 /// `not_working_day`; `on_holiday = "skip"`).
 pub const SLOTS_CALENDAR_SKIPPED: &str = "chime_slots_calendar_skipped_total";
+/// Gauge: a worker's clock less Redis `TIME`, in seconds (the worker judges deadlines and
+/// waits by Redis's clock).
+pub const WORKER_CLOCK_SKEW: &str = "chime_worker_clock_skew_seconds";
 /// Gauge: 1 while this worker sheds the `sheddable` runs of a queue (`queue`).
 pub const QUEUE_SHEDDING: &str = "chime_queue_shedding";
 /// Gauge: the longest a run this worker took from a queue with a shedding threshold had
@@ -89,6 +92,7 @@ pub const ALL: &[&str] = &[
     SLOTS_CALENDAR_SKIPPED,
     QUEUE_SHEDDING,
     QUEUE_WAIT,
+    WORKER_CLOCK_SKEW,
     JOBS_SPOOLED,
     SPOOL_FLUSHED,
     SPOOL_BYTES,
@@ -148,6 +152,7 @@ pub fn describe() {
         "Scheduled slots skipped by their business calendar (holiday, day off)."
     );
     describe_gauge!(QUEUE_SHEDDING, "1 while this worker sheds the sheddable runs of the queue.");
+    describe_gauge!(WORKER_CLOCK_SKEW, "This worker's clock minus Redis TIME.");
     describe_gauge!(
         QUEUE_WAIT,
         "The longest a run taken from the queue in the last second had waited in it (queues with a shedding threshold)."

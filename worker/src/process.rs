@@ -350,7 +350,7 @@ async fn step_gate<S: KeyStore>(
     }
     let header = |name| header_str(&incoming.properties, name);
     let parks: u32 = header(WORKFLOW_PARKS).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let now = Utc::now().timestamp();
+    let now = core.now().timestamp();
     let since =
         header(WAITING_SINCE).and_then(|s| s.parse::<i64>().ok()).filter(|s| *s <= now).unwrap_or(now);
     let waited = Duration::from_secs(u64::try_from(now - since).unwrap_or(0));
@@ -681,11 +681,11 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     // How long the queue made it wait, for load shedding: only a copy published straight to
     // the queue says so (one back from the delay chain, `x-death`, waited on purpose).
     if !core.shed.is_empty() && !has_header(&incoming.properties, "x-death") {
-        let waited = (Utc::now() - env.enqueued_at).num_milliseconds().max(0);
+        let waited = (core.now() - env.enqueued_at).num_milliseconds().max(0);
         core.saw_age(&incoming.queue, u64::try_from(waited).unwrap_or(0));
     }
     let Some(spec) = core.job(&env.job) else {
-        let now = Utc::now();
+        let now = core.now();
         let since = header_str(&incoming.properties, UNKNOWN_SINCE)
             .and_then(|s| s.parse::<DateTime<Utc>>().ok())
             .filter(|t| *t <= now)
@@ -711,7 +711,7 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     // A backfilled slot is past on purpose: its deadline runs from the backfill.
     let due_at = if env.backfill { Some(env.enqueued_at) } else { env.slot };
     if let (Some(slot), Some(deadline)) = (due_at, spec.deadline) {
-        let late = (Utc::now() - slot).to_std().unwrap_or(Duration::ZERO);
+        let late = (core.now() - slot).to_std().unwrap_or(Duration::ZERO);
         if late > deadline {
             warn!(%slot, late_ms = late.as_millis() as u64, "slot picked up past its deadline; skipped as expired");
             return Verdict::unheld(Plan::Ack(Settled::Expired), env, Some(spec));

@@ -627,7 +627,7 @@ where
     S: futures_util::Stream<Item = Arrival> + Unpin,
 {
     use futures_util::FutureExt;
-    let now = u64::try_from(chrono::Utc::now().timestamp()).unwrap_or(0);
+    let now = u64::try_from(core.now().timestamp()).unwrap_or(0);
     let mut best: Option<(usize, u64, usize)> = None;
     let mut levels = levels;
     for (level, stream) in levels.iter_mut().enumerate() {
@@ -994,11 +994,28 @@ fn default_prefetch(
     u16::try_from(n.max(1)).unwrap_or(u16::MAX)
 }
 
-/// Pings Redis every second (every 250 ms while it is down) and publishes the result.
+/// Asks Redis its `TIME` every second (every 250 ms while it is down), publishes whether it
+/// answered and keeps this host's clock offset to it ([`Core::now`]; set before the first
+/// answer lets intake start), warning while it is over a second.
 async fn redis_monitor(core: Arc<Core>, store: IdemStore, health: Health, shutdown: CancellationToken) {
     let mut was_ok = None;
+    let mut skewed = false;
     loop {
-        let ping = store.ping().await;
+        let ping = store.clock_offset_ms().await.map(|offset| {
+            core.set_clock_offset(offset);
+            metrics::gauge!(chime_shared::telemetry::WORKER_CLOCK_SKEW).set(offset as f64 / 1000.0);
+            if skewed != (offset.abs() > 1000) {
+                skewed = !skewed;
+                if skewed {
+                    warn!(
+                        offset_ms = offset,
+                        "this host's clock differs from Redis TIME by over a second: deadlines and waits are judged by Redis's (keep hosts on NTP)"
+                    );
+                } else {
+                    info!(offset_ms = offset, "this host's clock is within a second of Redis TIME again");
+                }
+            }
+        });
         let ok = ping.is_ok();
         if was_ok != Some(ok) {
             let url = core.config.redis.endpoint();

@@ -351,6 +351,8 @@ pub(crate) struct Core {
     jobs: RwLock<Arc<Jobs>>,
     pub registry: Registry,
     pub redis_ok: watch::Sender<bool>,
+    /// This host's clock less Redis's `TIME`, in ms (see [`Core::now`]), measured every second.
+    clock_offset_ms: std::sync::atomic::AtomicI64,
     /// Cancelled when shutdown begins: no new work, stop waiting on busy keys.
     pub intake_stopped: CancellationToken,
     /// Cancelled at the drain deadline: stop running handlers.
@@ -455,6 +457,7 @@ impl Core {
             jobs: RwLock::new(Arc::new(jobs)),
             registry,
             redis_ok: watch::channel(false).0,
+            clock_offset_ms: std::sync::atomic::AtomicI64::new(0),
             intake_stopped: CancellationToken::new(),
             hard_stop: CancellationToken::new(),
             running: Mutex::new(HashMap::new()),
@@ -464,6 +467,19 @@ impl Core {
             minutes: Mutex::new(std::collections::BTreeMap::new()),
             shed,
         }
+    }
+
+    /// Now, by Redis's clock (this host's, corrected by the offset last measured): deadlines,
+    /// waits and the instants written into headers are judged on the clock every worker and
+    /// ticker shares, so a worker whose own clock is off does not expire runs on time.
+    pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        let offset = self.clock_offset_ms.load(Ordering::Relaxed);
+        chrono::Utc::now() - chrono::Duration::milliseconds(offset)
+    }
+
+    /// Records this host's clock less Redis's, in ms.
+    pub fn set_clock_offset(&self, ms: i64) {
+        self.clock_offset_ms.store(ms, Ordering::Relaxed);
     }
 
     /// A run taken from `queue` says it waited this long (now less its `enqueued_at`): kept

@@ -619,6 +619,57 @@ async fn a_worker_whose_clock_is_days_ahead_keeps_the_history() {
     drop(worker);
 }
 
+/// A job's `deadline` is judged by Redis time: a worker whose clock is ten minutes ahead runs a
+/// slot that is due now (it used to skip it as `expired`, and every slot after it), and still
+/// skips one that is ten minutes late. Its offset is exported as
+/// `chime_worker_clock_skew_seconds`.
+#[tokio::test]
+async fn a_worker_whose_clock_is_ahead_does_not_expire_slots_on_time() {
+    let env = TestEnv::new("deadline-skew");
+    let port = free_port();
+    let jobs = "[[jobs]]\nname = \"pay\"\nhandler = \"noop\"\ndeadline = \"5m\"\n";
+    let text = env.config_text("classic", "", &format!("listen = \"127.0.0.1:{port}\""), jobs);
+    let path = env.write_config(&text);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let worker = Child::with_clock("chime-worker", &env.dir, &path, &[], "+600", "worker-ahead", &[]);
+    let client = chime_producer::EnqueueClient::connect(config.clone()).await.unwrap();
+    let mut r = connect_redis(&env.redis_url).await;
+    let (secs, _): (i64, i64) = redis::cmd("TIME").query_async(&mut r).await.unwrap();
+    let redis_now = chrono::DateTime::from_timestamp(secs, 0).unwrap();
+    // Slots as a ticker on Redis time publishes them: one due now, one ten minutes late.
+    let slot = |key: &str, at| {
+        let mut p = client.prepare(&chime_producer::EnqueueRequest::new("pay").key(key)).unwrap();
+        p.envelope.slot = Some(at);
+        p
+    };
+    let (on_time, late) =
+        (slot("on-time", redis_now), slot("late", redis_now - chrono::Duration::minutes(10)));
+    let keys = [on_time.envelope.key.to_string(), late.envelope.key.to_string()];
+    assert_eq!(client.send_batch(&[on_time, late]).await.confirmed, 2);
+    let e = &env;
+    wait_until("both slots are in the history", Duration::from_secs(30), || {
+        let keys = keys.clone();
+        async move {
+            let runs = history_runs(e).await.1;
+            keys.iter().all(|k| runs.iter().any(|r| &r.key == k))
+        }
+    })
+    .await;
+    let (_, runs) = history_runs(&env).await;
+    let outcome = |k: &str| runs.iter().find(|r| r.key == k).map(|r| r.outcome.as_str());
+    assert_eq!(outcome(&keys[0]), Some("succeeded"), "the slot due now runs");
+    assert_eq!(outcome(&keys[1]), Some("expired"), "the slot ten minutes late is past its deadline");
+    let metrics =
+        reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await.unwrap().text().await.unwrap();
+    let skew: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("chime_worker_clock_skew_seconds "))
+        .and_then(|v| v.parse().ok())
+        .expect("the skew is exported");
+    assert!((590.0..610.0).contains(&skew), "the worker's clock is 600 s ahead: {skew}");
+    drop(worker);
+}
+
 /// A worker that stops is listed among the workers gone, as `stopped`, with its totals; what
 /// it settled is in the per-minute totals the dashboard charts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
