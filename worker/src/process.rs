@@ -819,11 +819,11 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     };
     let metrics = spec.metrics(&env.job);
     let lag_from = env.slot.unwrap_or(env.enqueued_at);
-    let lag_ms = (Utc::now() - lag_from).num_milliseconds().max(0);
+    let lag_ms = (core.now() - lag_from).num_milliseconds().max(0);
     metrics.lag.record(lag_ms as f64 / 1000.0);
     core.count_minute(|c| c.latency(u64::try_from(lag_ms).unwrap_or(0)));
     let fence = AtomicU64::new(fence);
-    let (run_started, started_at) = (Instant::now(), Utc::now());
+    let (run_started, started_at) = (Instant::now(), core.now());
     let running = chime_shared::control::Running {
         job: env.job.clone(),
         key: key.clone(),
@@ -1539,7 +1539,7 @@ fn run_event(
         max_attempts: env.map_or(0, |e| e.max_attempts),
         worker: core.worker_id.clone(),
         started_at: run.map(|r| r.started_at),
-        finished_at: Utc::now(),
+        finished_at: core.now(),
         outcome,
         duration_ms: run.map(|r| u64::try_from(r.duration.as_millis()).unwrap_or(u64::MAX)),
         reason: reason.map(text),
@@ -1554,7 +1554,7 @@ fn dead_letter_properties(core: &Core, incoming: &Incoming, dead: &DeadInfo) -> 
     put_header(&mut headers, "x-chime-reason", &dead.reason);
     put_header(&mut headers, "x-chime-error", &chime_shared::redact::redact_text(&dead.error));
     put_header(&mut headers, "x-chime-attempts", &dead.attempts.to_string());
-    put_header(&mut headers, "x-chime-failed-at", &Utc::now().to_rfc3339());
+    put_header(&mut headers, "x-chime-failed-at", &core.now().to_rfc3339());
     put_header(&mut headers, "x-chime-worker", &core.worker_id);
     put_header(&mut headers, "x-chime-queue", &incoming.queue);
     put_header(&mut headers, "x-chime-dead-id", &chime_shared::envelope::new_id().to_string());

@@ -659,6 +659,10 @@ async fn a_worker_whose_clock_is_ahead_does_not_expire_slots_on_time() {
     let outcome = |k: &str| runs.iter().find(|r| r.key == k).map(|r| r.outcome.as_str());
     assert_eq!(outcome(&keys[0]), Some("succeeded"), "the slot due now runs");
     assert_eq!(outcome(&keys[1]), Some("expired"), "the slot ten minutes late is past its deadline");
+    // The history says when it ran by Redis's clock, not the worker's ten minutes ahead.
+    let ran = runs.iter().find(|r| r.key == keys[0]).unwrap();
+    let off = (ran.finished_at - redis_now).num_seconds();
+    assert!((0..120).contains(&off), "finished {off} s after the slot was published");
     let metrics =
         reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await.unwrap().text().await.unwrap();
     let skew: f64 = metrics
