@@ -335,13 +335,15 @@ pub struct CircuitView {
     pub status: CircuitStatus,
 }
 
-/// Reads the state of every circuit of `config` (one `HGETALL` each).
+/// Reads the state of every circuit of `config` (one `HGETALL` each; the rolling windows
+/// counted at Redis `TIME`, the clock their slices were written by).
 pub async fn read_all<C: ConnectionLike + Send>(
     conn: &mut C,
     names: &Names,
     config: &Config,
 ) -> redis::RedisResult<Vec<CircuitView>> {
-    let now_ms = u64::try_from(chrono::Utc::now().timestamp_millis()).unwrap_or(0);
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
+    let now_ms = secs.saturating_mul(1000).saturating_add(micros / 1000);
     let mut out = Vec::new();
     for (c, jobs) in config.all_circuits() {
         let hash: HashMap<String, String> =
