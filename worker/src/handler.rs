@@ -239,6 +239,10 @@ enum Kind {
     RateLimited(Duration),
 }
 
+/// The longest push-back a run is parked for ([`JobError::rate_limited`], an `http` job's
+/// `Retry-After`): a day.
+pub const MAX_PUSH_BACK: Duration = Duration::from_secs(86_400);
+
 /// Why a handler failed, with the cause chain of the error it came from.
 ///
 /// Any error converts with `?` and counts as transient (retried with the job's backoff):
@@ -266,15 +270,15 @@ impl JobError {
     pub fn permanent(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         Self { kind: Kind::Permanent, error: error.into() }
     }
-    /// Try again after `delay` instead of the job's backoff (a rate limit's `Retry-After`).
-    /// It still counts as an attempt.
+    /// Try again after `delay` instead of the job's backoff (a rate limit's `Retry-After`; at
+    /// most the longest delay chime holds, about 8.5 years). It still counts as an attempt.
     pub fn retry_after(delay: Duration, error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         Self { kind: Kind::RetryAfter(delay), error: error.into() }
     }
     /// The downstream pushed back (HTTP 429, a quota): the run is parked for `retry_after`
-    /// and runs again then, without counting as an attempt, and the job's rate limit
-    /// (`jobs[].rate_limit`), if it has one, holds every worker's runs of its bucket (and
-    /// tenant) until then.
+    /// (at most [`MAX_PUSH_BACK`], a day) and runs again then, without counting as an
+    /// attempt, and the job's rate limit (`jobs[].rate_limit`), if it has one, holds every
+    /// worker's runs of its bucket (and tenant) until then.
     pub fn rate_limited(
         retry_after: Duration,
         error: impl Into<Box<dyn std::error::Error + Send + Sync>>,

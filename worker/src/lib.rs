@@ -53,6 +53,8 @@ mod store;
 pub mod testing;
 
 pub use chime_shared::job::{Job, JobOptions};
-pub use handler::{Handler, JobContext, JobError, JobFn, Registry, State, handler_fn, raw_handler_fn};
+pub use handler::{
+    Handler, JobContext, JobError, JobFn, MAX_PUSH_BACK, Registry, State, handler_fn, raw_handler_fn,
+};
 pub use retry::DeadReason;
 pub use runtime::{Reloader, Stats, Worker, WorkerBuilder, WorkerError};

@@ -1020,9 +1020,13 @@ fn ended(joined: Joined) -> RunEnd {
     match joined {
         Ok(Ok(())) => RunEnd::Succeeded,
         Ok(Err(e)) if e.is_permanent() => RunEnd::Failed(Failure::Permanent, e.to_string()),
+        // A handler's own delays within what the delay chain holds (a longer one would lose its
+        // high bits there) and a push-back within a day (it holds the whole bucket).
         Ok(Err(e)) => match (e.rate_limited_for(), e.retry_delay()) {
-            (Some(wait), _) => RunEnd::RateLimited(wait, e.to_string()),
-            (None, Some(delay)) => RunEnd::RetryAfter(delay, e.to_string()),
+            (Some(wait), _) => RunEnd::RateLimited(wait.min(crate::handler::MAX_PUSH_BACK), e.to_string()),
+            (None, Some(delay)) => {
+                RunEnd::RetryAfter(delay.min(chime_shared::delay::MAX_DELAY), e.to_string())
+            }
             (None, None) => RunEnd::Failed(Failure::Transient, e.to_string()),
         },
         Err(panic) => RunEnd::Failed(Failure::Panic, format!("panic: {}", panic_message(panic))),

@@ -93,7 +93,7 @@ fn parse_retry_after(v: &str) -> Option<std::time::Duration> {
             (at.with_timezone(&chrono::Utc) - chrono::Utc::now()).to_std().unwrap_or_default()
         }
     };
-    Some(wait.min(std::time::Duration::from_secs(86_400)))
+    Some(wait.min(crate::handler::MAX_PUSH_BACK))
 }
 
 /// `X-Chime-Upstream`: a workflow step's upstream runs, JSON, with their results when that

@@ -1495,3 +1495,17 @@ async fn a_pack_is_acked_once_every_job_in_it_is_settled_and_each_job_fails_alon
     ok.key = adhoc_key("job", "pack-fresh-ok");
     assert_eq!(deliver_pack(&h, &[env.encode(), ok.encode()]).await, ["requeue"]);
 }
+
+/// A handler's delays are bounded: a push-back by a day (it holds the job's whole bucket), a
+/// retry delay by the longest the delay chain holds (a longer one would lose its high bits
+/// there: 2^28 s was published as no delay at all).
+#[test]
+fn a_handlers_own_delays_are_bounded() {
+    let pushed = ended(Ok(Err(JobError::rate_limited(Duration::MAX, "quota"))));
+    assert!(matches!(pushed, RunEnd::RateLimited(d, _) if d == crate::handler::MAX_PUSH_BACK));
+    let later = ended(Ok(Err(JobError::retry_after(Duration::from_secs(1 << 28), "later"))));
+    let RunEnd::RetryAfter(d, _) = later else { panic!("a retry") };
+    assert_eq!(d, chime_shared::delay::MAX_DELAY);
+    let key = chime_shared::delay::routing_key(chime_shared::delay::seconds(d), "p", "q");
+    assert!(key.starts_with(&"1.".repeat(28)), "the longest delay, not none: {key}");
+}
