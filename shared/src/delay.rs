@@ -32,6 +32,8 @@ use crate::names::{self, Names};
 pub const LEVELS: u32 = 28;
 /// Longest delay that can be expressed.
 pub const MAX_DELAY: Duration = Duration::from_secs((1 << LEVELS) - 1);
+// A job's backoff is bounded by this chain's longest delay.
+const _: () = assert!(MAX_DELAY.as_secs() == chime_job::MAX_BACKOFF.as_secs());
 
 /// Whole seconds of `delay`, rounded up (a delay is never shortened).
 pub fn seconds(delay: Duration) -> u64 {

@@ -43,6 +43,9 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 pub const MAX_ATTEMPTS: u32 = 1000;
 /// Most runs at once a per-process or global concurrency limit may allow.
 pub const MAX_CONCURRENCY: usize = 10_000;
+/// The longest retry delay a backoff may reach: the longest delay the delay chain holds
+/// (2^28 − 1 s, about 8.5 years; a longer one would lose its high bits there).
+pub const MAX_BACKOFF: Duration = Duration::from_secs((1 << 28) - 1);
 
 /// A job type: its payload is the type itself, serialised as JSON.
 pub trait Job: Serialize + DeserializeOwned + Send + 'static {
@@ -186,6 +189,18 @@ impl JobOptions {
         {
             return bad("backoff", "needs initial > 0, factor between 1 and 100, and max >= initial".into());
         }
+        if let Some(b) = &self.backoff
+            && b.max > MAX_BACKOFF
+        {
+            return bad(
+                "backoff",
+                format!(
+                    "max {}s: at most {}s (about 8.5 years), the longest delay chime holds",
+                    b.max.as_secs(),
+                    MAX_BACKOFF.as_secs()
+                ),
+            );
+        }
         for (field, n) in [("concurrency", self.concurrency), ("global_concurrency", self.global_concurrency)]
         {
             if n.is_some_and(|n| n == 0 || n > MAX_CONCURRENCY) {
@@ -218,6 +233,14 @@ mod tests {
                 JobOptions::default().backoff(BackoffConfig {
                     initial: Duration::from_secs(10),
                     max: Duration::from_secs(1),
+                    ..BackoffConfig::default()
+                }),
+                "backoff",
+            ),
+            // Beyond the longest delay the delay chain holds.
+            (
+                JobOptions::default().backoff(BackoffConfig {
+                    max: MAX_BACKOFF + Duration::from_secs(1),
                     ..BackoffConfig::default()
                 }),
                 "backoff",
