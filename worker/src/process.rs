@@ -220,6 +220,14 @@ enum Gate {
     Stopped,
 }
 
+/// How long a run whose turn is `wait` away is parked: the whole seconds less one, at least
+/// one, and at most the longest delay the chain holds (a turn further off than 8.5 years, a
+/// slow limit's long line, comes back early and parks again with its ticket).
+fn rate_park(wait: Duration) -> Duration {
+    let secs = wait.as_secs().saturating_sub(1).max(1);
+    Duration::from_secs(secs).min(chime_shared::delay::MAX_DELAY)
+}
+
 /// Asks the job's rate limit (if any) when this run may start. It may wait in place for
 /// under a second, or for up to `worker.max_hold` when one of the worker's in-place waits is
 /// free (its worker-wide slot given back meanwhile); a start within that is its own. Else it
@@ -246,8 +254,7 @@ async fn rate_gate<S: KeyStore>(
     let horizon = if hold.is_some() { max_hold } else { IN_PLACE };
     let take = store.take_rate(key, rate.interval_us(), rate.burst, ticket, horizon).await?;
     if !take.admitted {
-        let secs = take.wait.as_secs().saturating_sub(1).max(1);
-        return Ok(Gate::Park(Duration::from_secs(secs), Park::RateLimit { ticket_us: take.ticket_us }));
+        return Ok(Gate::Park(rate_park(take.wait), Park::RateLimit { ticket_us: take.ticket_us }));
     }
     if take.wait.is_zero() {
         return Ok(Gate::Go);

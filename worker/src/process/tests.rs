@@ -1509,3 +1509,12 @@ fn a_handlers_own_delays_are_bounded() {
     let key = chime_shared::delay::routing_key(chime_shared::delay::seconds(d), "p", "q");
     assert!(key.starts_with(&"1.".repeat(28)), "the longest delay, not none: {key}");
 }
+
+/// A rate-limited run parks for its wait less a second, at least one, at most the delay
+/// chain's longest (a "1/d" limit's line of 10,000 runs puts the last 27 years out).
+#[test]
+fn rate_parks_are_within_the_delay_chain() {
+    assert_eq!(rate_park(Duration::from_millis(1500)), Duration::from_secs(1));
+    assert_eq!(rate_park(Duration::from_secs(90)), Duration::from_secs(89));
+    assert_eq!(rate_park(Duration::from_secs(10_000 * 86_400)), chime_shared::delay::MAX_DELAY);
+}
