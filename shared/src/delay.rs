@@ -58,7 +58,8 @@ pub fn first_level(secs: u64) -> Option<u32> {
     (secs > 0).then(|| 63 - secs.leading_zeros())
 }
 
-/// Exchange and routing key that deliver to `queue` after `delay` (now, if it is zero).
+/// Exchange and routing key that deliver to `queue` after `delay` (now, if it is zero; at
+/// most [`MAX_DELAY`]: a longer delay would lose its high bits in the routing key).
 pub fn target(names: &Names, queue_type: QueueType, queue: &str, delay: Duration) -> (String, String) {
     target_with(|| names.work_exchange(), names, queue_type, queue.to_string(), delay)
 }
@@ -72,7 +73,7 @@ pub fn target_with(
     queue: String,
     delay: Duration,
 ) -> (String, String) {
-    match seconds(delay) {
+    match seconds(delay).min(MAX_DELAY.as_secs()) {
         0 => (work(), queue),
         secs => {
             (names::delay_level(queue_type, entry_level(secs)), routing_key(secs, names.prefix(), &queue))
@@ -133,6 +134,9 @@ mod tests {
         assert_eq!(key, routing_key(37, "p", "default"));
         let (exchange, key) = target(&names, QueueType::Classic, "default", Duration::ZERO);
         assert_eq!((exchange, key), (names.work_exchange(), "default".to_string()));
+        // Beyond the longest delay: the longest, not its low bits (2^28 s has none set).
+        let (_, key) = target(&names, QueueType::Quorum, "default", Duration::from_secs(1 << LEVELS));
+        assert_eq!(key, routing_key(MAX_DELAY.as_secs(), "p", "default"));
     }
 
     #[test]
