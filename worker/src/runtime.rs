@@ -1058,6 +1058,13 @@ impl Reloader {
         if config.worker_queues() != self.queues && config.worker.queues != self.queues {
             warn!("the reloaded config names other queues; restart the worker to consume them");
         }
+        let kept = crate::state::kept_on_reload(&self.core.config, config);
+        if !kept.is_empty() {
+            warn!(
+                changed = %kept.join(", "),
+                "the reloaded config changes settings a running worker keeps until it restarts (only job definitions, with their limits and circuits, are reloaded)"
+            );
+        }
         info!(jobs = jobs.len(), "job definitions reloaded");
         self.core.set_jobs(jobs);
         Ok(())

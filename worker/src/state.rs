@@ -416,6 +416,34 @@ impl QueueShed {
     }
 }
 
+/// `jobs[].promote_after` by job.
+pub(crate) fn promote_of(config: &Config) -> HashMap<String, Duration> {
+    config.jobs.iter().filter_map(|j| j.promote_after.map(|after| (j.name.clone(), after))).collect()
+}
+
+/// The settings of `new` a running worker keeps from `old` (it reloads job definitions with
+/// their limits and circuits, nothing else): the sections that differ, named as in the file.
+pub(crate) fn kept_on_reload(old: &Config, new: &Config) -> Vec<&'static str> {
+    let mut worker = new.worker.clone();
+    // A change of queues is told on its own.
+    worker.queues.clone_from(&old.worker.queues);
+    [
+        ("prefix", old.prefix != new.prefix),
+        ("[amqp]", old.amqp != new.amqp),
+        ("[redis]", old.redis != new.redis),
+        ("[worker]", old.worker != worker),
+        ("[history]", old.history != new.history),
+        ("[results]", old.results != new.results),
+        ("[checkpoints]", old.checkpoints != new.checkpoints),
+        ("[log]", old.log != new.log),
+        ("[telemetry]", old.telemetry != new.telemetry),
+        ("jobs[].promote_after", promote_of(old) != promote_of(new)),
+    ]
+    .into_iter()
+    .filter_map(|(name, changed)| changed.then_some(name))
+    .collect()
+}
+
 /// Milliseconds on a monotonic clock of this process (from its first call).
 fn mono_ms() -> u64 {
     static EPOCH: std::sync::LazyLock<std::time::Instant> = std::sync::LazyLock::new(std::time::Instant::now);
@@ -443,8 +471,7 @@ impl Core {
         let names = Names::new(&config.prefix);
         let holds = Arc::new(tokio::sync::Semaphore::new((config.worker.concurrency / 2).max(1)));
         let shed = config.worker.shed.keys().map(|q| (q.clone(), QueueShed::default())).collect();
-        let promote =
-            config.jobs.iter().filter_map(|j| j.promote_after.map(|after| (j.name.clone(), after))).collect();
+        let promote = promote_of(&config);
         Self {
             promote,
             holds,
@@ -692,5 +719,20 @@ mod tests {
         // Seen empty just now: a run taken since waited at most since then.
         shed.saw_empty();
         assert!(shed.bounded(600_000) < 60_000, "{}", shed.bounded(600_000));
+    }
+
+    #[test]
+    fn a_reload_names_the_settings_it_does_not_apply() {
+        let base = "[[jobs]]\nname = 'a'\nhandler = 'noop'\npriority = 'low'\n";
+        let old = Config::from_toml_str(base).unwrap();
+        let same = Config::from_toml_str(&format!("{base}timeout = '9s'\n")).unwrap();
+        assert!(kept_on_reload(&old, &same).is_empty(), "job definitions are reloaded");
+        let queues = Config::from_toml_str(&format!("[worker]\nqueues = ['default', 'x']\n{base}")).unwrap();
+        assert!(kept_on_reload(&old, &queues).is_empty(), "a change of queues is told on its own");
+        let changed = Config::from_toml_str(&format!(
+            "[worker]\nmax_hold = '5s'\n[log]\nsuccess_sample = 0.5\n{base}promote_after = '1m'\n"
+        ))
+        .unwrap();
+        assert_eq!(kept_on_reload(&old, &changed), ["[worker]", "[log]", "jobs[].promote_after"]);
     }
 }

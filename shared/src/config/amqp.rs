@@ -3,7 +3,7 @@
 use super::*;
 
 /// One URL or a list of URLs tried in turn (cluster nodes).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(untagged, expecting = "a URL (\"amqp://host/%2f\") or a list of URLs")]
 pub enum Urls {
     /// A single URL.
@@ -23,7 +23,7 @@ impl Urls {
 }
 
 /// `[amqp]`: the broker.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AmqpConfig {
     /// `amqp://user:pass@host:port/vhost`; a list is tried in order (`CHIME_AMQP_URL`,

@@ -3,7 +3,7 @@
 use super::*;
 
 /// `[alerts]`: DLQ depth alerting.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AlertsConfig {
     /// DLQ depth that counts as an alert.
@@ -30,7 +30,7 @@ impl Default for AlertsConfig {
 }
 
 /// `[telemetry]`: traces over OTLP.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TelemetryConfig {
     /// Where to send spans, OTLP over HTTP with JSON bodies (`http://collector:4318`; the
@@ -62,7 +62,7 @@ impl TelemetryConfig {
 }
 
 /// `[log]`: what workers log.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LogConfig {
     /// The share of keys whose successful runs are logged (0.0 to 1.0, default 1.0):
@@ -103,7 +103,7 @@ impl LogConfig {
 
 /// `[history]`: one event per run in a Redis stream per queue, and a key's last runs in its
 /// idempotency record.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HistoryConfig {
     /// Record runs (default `true`).
@@ -126,7 +126,7 @@ impl Default for HistoryConfig {
 
 /// `[results]`: the value a successful run returns (a Rust handler's return value, an `exec`
 /// job's standard output, an `http` job's response body), kept in its key's record.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ResultsConfig {
     /// Largest result kept, in bytes of JSON (default 65,536; at most 1,048,576). A larger
@@ -146,7 +146,7 @@ impl Default for ResultsConfig {
 
 /// `[checkpoints]`: what a run saves (`JobContext::checkpoint`, or an `exec` job's
 /// `CHIME_CHECKPOINT_FILE`) so that a retry or a redelivered copy resumes from it.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CheckpointsConfig {
     /// Largest checkpoint, in bytes (default 65,536; at most 1,048,576): a larger one is an

@@ -3,7 +3,7 @@
 use super::*;
 
 /// `[redis]`: the idempotency table, leases and ticker state.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedisConfig {
     /// `redis://host:port/db` (`CHIME_REDIS_URL`).

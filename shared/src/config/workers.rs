@@ -3,7 +3,7 @@
 use super::*;
 
 /// `[worker]`: `chime-worker` and custom worker binaries.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct WorkerConfig {
     /// Queues to consume; empty means every queue named by a job (plus `default`).
@@ -97,7 +97,7 @@ impl Default for WorkerConfig {
 }
 
 /// `[ticker]`: `chime tick`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TickerConfig {
     /// Address of the ticker's `/metrics`, `/livez`, `/readyz` (overridden by `--listen`).

@@ -171,3 +171,47 @@ async fn exec_gets_payload_on_stdin_and_facts_in_env() {
     assert!(fence.parse::<u64>().unwrap() > 1_000_000_000_000_000, "the fence is Redis time in µs: {fence}");
     worker.stop().await;
 }
+
+/// SIGHUP reloads the job definitions: a job added to the file runs without a restart. A
+/// setting the running worker keeps until it restarts (`[worker]`, `[log]`) is named in the
+/// log instead of passing for reloaded.
+#[tokio::test]
+async fn a_reload_runs_new_jobs_and_names_the_settings_it_keeps() {
+    let env = TestEnv::new("reload");
+    let noop = "[[jobs]]\nname = \"a\"\nhandler = \"noop\"\n";
+    let path = env.write_config(&env.config_text("classic", "", "", noop));
+    let mut w = Child::worker(&env.dir, &path, &[], "w");
+    let log = env.dir.join("worker-w.log");
+    wait_until("the worker consumes", Duration::from_secs(30), || {
+        let log = log.clone();
+        async move { std::fs::read_to_string(&log).unwrap_or_default().contains("connected to RabbitMQ") }
+    })
+    .await;
+    let text = env.config_text(
+        "classic",
+        "",
+        "max_hold = \"5s\"",
+        &format!("[log]\nsuccess_sample = 0.5\n{noop}[[jobs]]\nname = \"b\"\nhandler = \"noop\"\n"),
+    );
+    std::fs::write(&path, &text).unwrap();
+    w.signal(1);
+    let config = chime_shared::Config::from_toml_str(&text).unwrap();
+    let client = EnqueueClient::connect(config.clone()).await.unwrap();
+    // The worker's new job runs (published once the reload is logged: before it, an unknown
+    // job would wait out worker.unknown_job_grace).
+    wait_until("the reload is logged", Duration::from_secs(30), || {
+        let log = log.clone();
+        async move { std::fs::read_to_string(&log).unwrap_or_default().contains("job definitions reloaded") }
+    })
+    .await;
+    let key = client.enqueue(EnqueueRequest::new("b")).await.unwrap().key.to_string();
+    crate::limits::wait_all_done(&config, &env, &[key], Duration::from_secs(30)).await;
+    let text = w.log_text();
+    let warned = text
+        .lines()
+        .find(|l| l.contains("settings a running worker keeps until it restarts"))
+        .unwrap_or_else(|| panic!("no warning of the settings kept:\n{text}"));
+    assert!(warned.contains("[worker], [log]"), "{warned}");
+    w.signal(15);
+    assert_eq!(exit_code(&mut w, Duration::from_secs(30)).await, 0);
+}
