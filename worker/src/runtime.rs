@@ -951,7 +951,7 @@ fn heartbeat(core: &Core, queues: &[String], concurrency: usize, health: &Health
         paused: core.paused.borrow().iter().cloned().collect(),
         concurrency,
         started_at: core.started_at,
-        seen_at: chrono::Utc::now(),
+        seen_at: core.now(),
         consuming: health.get("consuming"),
         settled: [
             Stats::get(&stats.succeeded),

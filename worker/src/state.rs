@@ -525,7 +525,7 @@ impl Core {
 
     /// Counts into this minute's totals (flushed with the heartbeat).
     pub fn count_minute(&self, f: impl FnOnce(&mut chime_shared::minutes::Counts)) {
-        let minute = chime_shared::minutes::minute_of(chrono::Utc::now());
+        let minute = chime_shared::minutes::minute_of(self.now());
         let mut minutes = self.minutes.lock().unwrap_or_else(|p| p.into_inner());
         f(minutes.entry(minute).or_default());
     }
@@ -537,7 +537,7 @@ impl Core {
 
     /// Gives back counts a flush could not write (merged; older than a day dropped).
     pub fn restore_minutes(&self, back: std::collections::BTreeMap<i64, chime_shared::minutes::Counts>) {
-        let oldest = chime_shared::minutes::minute_of(chrono::Utc::now()) - 24 * 60;
+        let oldest = chime_shared::minutes::minute_of(self.now()) - 24 * 60;
         let mut minutes = self.minutes.lock().unwrap_or_else(|p| p.into_inner());
         for (m, c) in back.into_iter().filter(|(m, _)| *m >= oldest) {
             let e = minutes.entry(m).or_default();
@@ -591,7 +591,7 @@ impl Core {
     ) -> (Vec<chime_shared::catalog::CatalogJob>, Vec<chime_shared::catalog::CatalogQueue>) {
         use chime_shared::catalog::{CatalogJob, CatalogQueue};
         use chime_shared::config::HandlerConfig;
-        let now = chrono::Utc::now();
+        let now = self.now();
         let jobs = self.jobs.read().unwrap_or_else(|p| p.into_inner()).clone();
         let mut out: Vec<CatalogJob> = jobs
             .iter()

@@ -588,7 +588,8 @@ async fn a_worker_with_a_skewed_clock_is_still_listed() {
 
 /// The history is trimmed to `history.max_age` by Redis time, as its entries' ids are: a
 /// worker whose clock is two days ahead keeps the runs it records (its own clock less a day
-/// used to trim away every entry, its own included).
+/// used to trim away every entry, its own included), and counts them in Redis's minutes (its
+/// per-minute totals were two days in the future, past every chart).
 #[tokio::test]
 async fn a_worker_whose_clock_is_days_ahead_keeps_the_history() {
     let env = TestEnv::new("history-skew");
@@ -613,6 +614,19 @@ async fn a_worker_whose_clock_is_days_ahead_keeps_the_history() {
             wanted.iter().all(|k| {
                 runs.iter().any(|r| &r.key == k && r.outcome == chime_shared::history::Outcome::Succeeded)
             })
+        }
+    })
+    .await;
+    // Its per-minute totals (the dashboard's charts) are counted in Redis's minutes too.
+    let mut r = connect_redis(&env.redis_url).await;
+    let (secs, _): (i64, i64) = redis::cmd("TIME").query_async(&mut r).await.unwrap();
+    let minute = chime_shared::minutes::minute_of(chrono::DateTime::from_timestamp(secs, 0).unwrap());
+    let names = env.names();
+    wait_until("the runs in this minute's totals", Duration::from_secs(30), || {
+        let (mut r, names) = (r.clone(), names.clone());
+        async move {
+            let minutes = chime_shared::minutes::read(&mut r, &names, minute - 2, minute + 2).await.unwrap();
+            minutes.iter().map(|m| m.counts.outcomes.get("succeeded").copied().unwrap_or(0)).sum::<u64>() == 3
         }
     })
     .await;
