@@ -117,7 +117,8 @@ redis.call('HSET', KEYS[1], 'run:' .. n, ARGV[i], 'j', ARGV[i + 2], 'q', ARGV[i 
 local old = n - tonumber(ARGV[i + 1]) \
 if old >= 1 then redis.call('HDEL', KEYS[1], 'run:' .. old) end end";
 
-/// KEYS[1]; ARGV owner, fence, new state, retention_ms[, result, result expiry ms, run line,
+/// KEYS[1]; ARGV owner, fence, new state, retention_ms[, result, result retention ms (0: the
+/// record's; its expiry is written by Redis `TIME`, as the record's own), run line,
 /// runs kept, job, queue] → 1 recorded, 0 another owner holds the key, 2 recorded although
 /// the record was gone (Redis lost data; `free` writes nothing). `done` stores the result
 /// (unless empty) and clears the checkpoint. With a run, the run is appended to the record in
@@ -131,7 +132,7 @@ local function result()
   redis.call('HDEL', KEYS[1], 'cp', 'res', 'rt')
   if ARGV[5] and ARGV[5] ~= '' then
     redis.call('HSET', KEYS[1], 'res', ARGV[5])
-    if ARGV[6] ~= '0' then redis.call('HSET', KEYS[1], 'rt', ARGV[6]) end
+    if ARGV[6] ~= '0' then redis.call('HSET', KEYS[1], 'rt', int(now_ms + tonumber(ARGV[6]))) end
   end
 end
 local h = redis.call('HMGET', KEYS[1], 's', 'o')
@@ -827,19 +828,16 @@ impl IdemStore {
     ) -> Result<Recorded, IdemError> {
         // A result kept longer than the record would be extends the record; one kept shorter
         // carries its own expiry (readers ignore it past then).
-        let (retention, until) = match (result, self.result_retention) {
+        let (retention, keep_ms) = match (result, self.result_retention) {
             (Some(_), Some(keep)) if keep > self.retention => (keep, 0),
-            (Some(_), Some(keep)) => (
-                self.retention,
-                chrono::Utc::now().timestamp_millis() + i64::try_from(keep.as_millis()).unwrap_or(i64::MAX),
-            ),
+            (Some(_), Some(keep)) => (self.retention, Self::ms(keep).max(1)),
             _ => (self.retention, 0),
         };
         let mut cmd = evalsha(&FINISH, self.names.idem_key(key));
         cmd.arg(owner).arg(fence).arg(state.as_str()).arg(Self::ms(retention));
         match state {
-            Final::Retry(next) => cmd.arg(next.to_string()).arg(until),
-            _ => cmd.arg(result.unwrap_or("")).arg(until),
+            Final::Retry(next) => cmd.arg(next.to_string()).arg(keep_ms),
+            _ => cmd.arg(result.unwrap_or("")).arg(keep_ms),
         };
         if let (Some(h), Some(run)) = (&self.history, run) {
             cmd.arg(run.record_line()).arg(h.runs_per_key).arg(&run.job).arg(&run.queue);

@@ -213,3 +213,27 @@ async fn enqueue_wait_prints_the_result_and_a_short_retention_hides_it_later() {
     })
     .await;
 }
+
+/// A result's expiry (`results.retention` shorter than the record's) is written by Redis
+/// `TIME`: a worker whose clock is two hours behind keeps its result for the hour asked (its
+/// own clock plus an hour, an hour ago by everyone else's, hid the result at once).
+#[tokio::test]
+async fn a_worker_whose_clock_is_behind_keeps_its_result_for_the_retention() {
+    let env = TestEnv::new("result-skew");
+    let script = env.dir.join("answer.sh");
+    std::fs::write(&script, "cat > /dev/null; echo '{\"answer\": 42}' > \"$CHIME_RESULT_FILE\"").unwrap();
+    let jobs = format!(
+        "[[jobs]]\nname = \"answer\"\nhandler = \"exec\"\ncommand = [\"sh\", \"{}\"]\n[results]\nretention = \"1h\"\n",
+        script.display()
+    );
+    let path = env.write_config(&env.config_text("quorum", "", "", &jobs));
+    let _worker = Child::with_clock("chime-worker", &env.dir, &path, &[], "-7200", "worker-behind", &[]);
+    let (code, out, err) = chime(
+        &path,
+        &["enqueue", "answer", "--key", "r1", "--wait", "--json", "--wait-timeout", "60s"],
+        None,
+    );
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v, serde_json::json!({"state": "done", "result": {"answer": 42}}), "{err}");
+}
