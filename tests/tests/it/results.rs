@@ -175,16 +175,24 @@ async fn a_retry_resumes_from_its_checkpoint_and_wait_returns_the_typed_result()
     worker.stop().await;
 }
 
+/// Job `answer`, an `exec` job whose result is `{"answer": 42}`, its script in `env`'s
+/// directory; `more` follows it in the config.
+fn answer_job(env: &TestEnv, more: &str) -> String {
+    let script = env.dir.join("answer.sh");
+    std::fs::write(&script, "cat > /dev/null; echo '{\"answer\": 42}' > \"$CHIME_RESULT_FILE\"").unwrap();
+    format!(
+        "[[jobs]]\nname = \"answer\"\nhandler = \"exec\"\ncommand = [\"sh\", \"{}\"]\n{more}",
+        script.display()
+    )
+}
+
 #[tokio::test]
 async fn enqueue_wait_prints_the_result_and_a_short_retention_hides_it_later() {
     let env = TestEnv::new("enqueue-wait");
-    let script = env.dir.join("answer.sh");
-    std::fs::write(&script, "cat > /dev/null; echo '{\"answer\": 42}' > \"$CHIME_RESULT_FILE\"").unwrap();
-    let jobs = format!(
-        "[[jobs]]\nname = \"answer\"\nhandler = \"exec\"\ncommand = [\"sh\", \"{}\"]\n\
-         [[jobs]]\nname = \"fail\"\nhandler = \"exec\"\ncommand = [\"sh\", \"-c\", \"echo nope >&2; exit 100\"]\n\
+    let jobs = answer_job(
+        &env,
+        "[[jobs]]\nname = \"fail\"\nhandler = \"exec\"\ncommand = [\"sh\", \"-c\", \"echo nope >&2; exit 100\"]\n\
          [results]\nretention = \"3s\"\n",
-        script.display()
     );
     let text = env.config_text("quorum", "", "", &jobs);
     let path = env.write_config(&text);
@@ -220,12 +228,7 @@ async fn enqueue_wait_prints_the_result_and_a_short_retention_hides_it_later() {
 #[tokio::test]
 async fn a_worker_whose_clock_is_behind_keeps_its_result_for_the_retention() {
     let env = TestEnv::new("result-skew");
-    let script = env.dir.join("answer.sh");
-    std::fs::write(&script, "cat > /dev/null; echo '{\"answer\": 42}' > \"$CHIME_RESULT_FILE\"").unwrap();
-    let jobs = format!(
-        "[[jobs]]\nname = \"answer\"\nhandler = \"exec\"\ncommand = [\"sh\", \"{}\"]\n[results]\nretention = \"1h\"\n",
-        script.display()
-    );
+    let jobs = answer_job(&env, "[results]\nretention = \"1h\"\n");
     let path = env.write_config(&env.config_text("quorum", "", "", &jobs));
     let _worker = Child::with_clock("chime-worker", &env.dir, &path, &[], "-7200", "worker-behind", &[]);
     let (code, out, err) = chime(
