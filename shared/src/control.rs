@@ -259,7 +259,7 @@ pub async fn gone<C: ConnectionLike + Send>(
 }
 
 /// Redis `TIME` in milliseconds.
-async fn redis_ms<C: ConnectionLike + Send>(conn: &mut C) -> redis::RedisResult<i64> {
+pub(crate) async fn redis_ms<C: ConnectionLike + Send>(conn: &mut C) -> redis::RedisResult<i64> {
     let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
     Ok(secs * 1000 + micros / 1000)
 }

@@ -342,8 +342,7 @@ pub async fn read_all<C: ConnectionLike + Send>(
     names: &Names,
     config: &Config,
 ) -> redis::RedisResult<Vec<CircuitView>> {
-    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
-    let now_ms = secs.saturating_mul(1000).saturating_add(micros / 1000);
+    let now_ms = u64::try_from(crate::control::redis_ms(conn).await?).unwrap_or(0);
     let mut out = Vec::new();
     for (c, jobs) in config.all_circuits() {
         let hash: HashMap<String, String> =

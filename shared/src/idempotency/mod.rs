@@ -898,34 +898,20 @@ impl IdemStore {
         Ok(n == 1)
     }
 
-    /// How far this host's clock is ahead of Redis's `TIME` (negative: behind), in ms, the
-    /// round trip halved; a probe like [`Self::ping`].
+    /// The health probe: Redis `TIME` on the probe pool's own connection, within the
+    /// configured timeout; answers how far this host's clock is ahead of Redis's (negative:
+    /// behind), in ms, the round trip halved.
     pub async fn clock_offset_ms(&self) -> Result<i64, IdemError> {
         let probe = async {
             let mut conn = (*self.probes).clone();
             let (sent, started) = (chrono::Utc::now(), std::time::Instant::now());
-            let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await?;
-            let half = i64::try_from(started.elapsed().as_micros() / 2).unwrap_or(0);
-            let local_us = sent.timestamp_micros().saturating_add(half);
-            Ok::<_, IdemError>(
-                local_us.saturating_sub(secs.saturating_mul(1_000_000).saturating_add(micros)) / 1000,
-            )
+            let redis_ms = crate::control::redis_ms(&mut conn).await?;
+            let half = i64::try_from(started.elapsed().as_millis() / 2).unwrap_or(0);
+            Ok::<_, IdemError>(sent.timestamp_millis().saturating_add(half).saturating_sub(redis_ms))
         };
         tokio::time::timeout(self.timeout, probe)
             .await
             .map_err(|_| IdemError::Protocol(format!("no TIME answer within {:?}", self.timeout)))?
-    }
-
-    /// `PING` on the probe pool's own connection, within the configured timeout.
-    pub async fn ping(&self) -> Result<(), IdemError> {
-        let probe = async {
-            let mut conn = (*self.probes).clone();
-            let _: String = redis::cmd("PING").query_async(&mut conn).await?;
-            Ok::<_, IdemError>(())
-        };
-        tokio::time::timeout(self.timeout, probe)
-            .await
-            .map_err(|_| IdemError::Protocol(format!("no PING answer within {:?}", self.timeout)))?
     }
 }
 
