@@ -3,6 +3,7 @@
 //! JSON [`PauseFlag`], no TTL). Workers write their beat and read the queue flags; the ticker
 //! reads the schedule flags; the CLI and the dashboard read and write them here.
 
+use crate::redis_conn::redis_ms;
 use chrono::{DateTime, Utc};
 use redis::aio::ConnectionLike;
 use serde::{Deserialize, Serialize};
@@ -256,12 +257,6 @@ pub async fn gone<C: ConnectionLike + Send>(
         texts.into_iter().flatten().filter_map(|t| serde_json::from_str(&t).ok()).collect();
     beats.sort_by_key(|b| std::cmp::Reverse(b.seen_at));
     Ok(beats)
-}
-
-/// Redis `TIME` in milliseconds.
-pub(crate) async fn redis_ms<C: ConnectionLike + Send>(conn: &mut C) -> redis::RedisResult<i64> {
-    let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
-    Ok(secs * 1000 + micros / 1000)
 }
 
 /// Removes a worker's heartbeat (on a clean shutdown).

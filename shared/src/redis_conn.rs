@@ -514,6 +514,12 @@ impl ConnectionLike for RedisConn {
     }
 }
 
+/// Redis `TIME` in milliseconds.
+pub(crate) async fn redis_ms<C: redis::aio::ConnectionLike + Send>(conn: &mut C) -> redis::RedisResult<i64> {
+    let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
+    Ok(secs * 1000 + micros / 1000)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -342,7 +342,7 @@ pub async fn read_all<C: ConnectionLike + Send>(
     names: &Names,
     config: &Config,
 ) -> redis::RedisResult<Vec<CircuitView>> {
-    let now_ms = u64::try_from(crate::control::redis_ms(conn).await?).unwrap_or(0);
+    let now_ms = u64::try_from(crate::redis_conn::redis_ms(conn).await?).unwrap_or(0);
     let mut out = Vec::new();
     for (c, jobs) in config.all_circuits() {
         let hash: HashMap<String, String> =

@@ -905,7 +905,7 @@ impl IdemStore {
         let probe = async {
             let mut conn = (*self.probes).clone();
             let (sent, started) = (chrono::Utc::now(), std::time::Instant::now());
-            let redis_ms = crate::control::redis_ms(&mut conn).await?;
+            let redis_ms = crate::redis_conn::redis_ms(&mut conn).await?;
             let half = i64::try_from(started.elapsed().as_millis() / 2).unwrap_or(0);
             Ok::<_, IdemError>(sent.timestamp_millis().saturating_add(half).saturating_sub(redis_ms))
         };
