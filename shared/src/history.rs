@@ -430,8 +430,9 @@ fn is_zero(n: &usize) -> bool {
 }
 
 impl KeyRecord {
-    /// Decodes the fields of `key`'s idempotency hash and its `PTTL`.
-    pub fn decode(key: &str, fields: &HashMap<String, String>, pttl: i64) -> Self {
+    /// Decodes the fields of `key`'s idempotency hash and its `PTTL`, read at `now` (Redis
+    /// `TIME`: a result's expiry was written by it, so a reader's own clock is not asked).
+    pub fn decode(key: &str, fields: &HashMap<String, String>, pttl: i64, now: DateTime<Utc>) -> Self {
         let get = |k: &str| fields.get(k).cloned().filter(|v| !v.is_empty());
         let at = |k: &str| get(k).as_deref().and_then(from_ms).filter(|t| t.timestamp_millis() > 0);
         let (job, queue) = (get("j").unwrap_or_default(), get("q").unwrap_or_default());
@@ -454,7 +455,7 @@ impl KeyRecord {
             finished_at: at("t"),
             expires_in_ms: (pttl >= 0).then_some(pttl),
             dying_reason: get("r"),
-            result: StoredResult::decode(get("res").as_deref(), until, Utc::now()),
+            result: StoredResult::decode(get("res").as_deref(), until, now),
             checkpoint: get("cp").map(|c| serde_json::from_str(&c).unwrap_or(serde_json::Value::String(c))),
             runs: runs.into_iter().map(|(_, r)| r).collect(),
             waiting: get("wf"),
@@ -482,13 +483,15 @@ impl HistoryReader {
         Ok(Self { conn, names, budget: 100_000 })
     }
 
-    /// The decoded record of `key` (state, owner, fence, times, TTL, last runs).
+    /// The decoded record of `key` (state, owner, fence, times, TTL, last runs), its result
+    /// judged by Redis `TIME` (read in the same round trip).
     pub async fn record(&self, key: &str) -> redis::RedisResult<KeyRecord> {
         let mut conn = self.conn.clone();
         let idem = self.names.idem_key(key);
-        let (fields, pttl): (HashMap<String, String>, i64) =
-            redis::pipe().hgetall(&idem).pttl(&idem).query_async(&mut conn).await?;
-        Ok(KeyRecord::decode(key, &fields, pttl))
+        let (fields, pttl, (secs, micros)): (HashMap<String, String>, i64, (i64, i64)) =
+            redis::pipe().hgetall(&idem).pttl(&idem).cmd("TIME").query_async(&mut conn).await?;
+        let now = DateTime::from_timestamp_millis(secs * 1000 + micros / 1000).unwrap_or_else(Utc::now);
+        Ok(KeyRecord::decode(key, &fields, pttl, now))
     }
 
     /// States of several keys at once (`None`: no record), in order.
@@ -770,7 +773,7 @@ mod tests {
         f.insert("run:12".into(), multi.record_line());
         f.insert("j".into(), event().job);
         f.insert("q".into(), event().queue);
-        let r = KeyRecord::decode(&event().key, &f, 5000);
+        let r = KeyRecord::decode(&event().key, &f, 5000, Utc::now());
         assert_eq!(r.state, Some(KeyState::Done));
         assert_eq!(r.fence, Some(1_700_000_000_000_123));
         assert_eq!(r.lease_until, None, "no lease once settled");
@@ -783,7 +786,7 @@ mod tests {
         assert_eq!(r.runs[2].reason.as_deref(), Some("permanent"));
         assert_eq!(r.runs[0].job, event().job);
         assert_eq!(r.runs[1].key, event().key);
-        assert_eq!(KeyRecord::decode("k", &HashMap::new(), -2).state, None);
+        assert_eq!(KeyRecord::decode("k", &HashMap::new(), -2, Utc::now()).state, None);
     }
 
     #[test]

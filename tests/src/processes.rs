@@ -91,16 +91,8 @@ impl Child {
         tag: &str,
         envs: &[(&str, &str)],
     ) -> Self {
-        let lib =
-            ["/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1", "/usr/lib/faketime/libfaketimeMT.so.1"]
-                .into_iter()
-                .find(|p| Path::new(p).exists())
-                .unwrap_or_else(|| {
-                    panic!("libfaketime is needed for faked clocks (scripts/services installs faketime)")
-                });
         let mut cmd = tokio::process::Command::new(bin(program));
-        cmd.env("LD_PRELOAD", lib).env("FAKETIME", offset).env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
-        cmd.envs(envs.iter().copied());
+        cmd.envs(faked_clock(offset)).envs(envs.iter().copied());
         Self::run(cmd, dir, config, args, tag)
     }
 
@@ -160,4 +152,21 @@ pub fn signal_pid(pid: u32, sig: i32) {
     let status =
         std::process::Command::new("kill").arg(format!("-{sig}")).arg(pid.to_string()).status().unwrap();
     assert!(status.success(), "kill -{sig} {pid} failed");
+}
+
+/// The environment that runs a program with its wall clock `offset` (libfaketime's `FAKETIME`)
+/// away from the real one, the monotonic clock left alone (see [`Child::with_clock`]).
+pub fn faked_clock(offset: &str) -> [(&'static str, String); 3] {
+    let lib =
+        ["/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1", "/usr/lib/faketime/libfaketimeMT.so.1"]
+            .into_iter()
+            .find(|p| Path::new(p).exists())
+            .unwrap_or_else(|| {
+                panic!("libfaketime is needed for faked clocks (scripts/services installs faketime)")
+            });
+    [
+        ("LD_PRELOAD", lib.to_string()),
+        ("FAKETIME", offset.to_string()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
+    ]
 }

@@ -38,7 +38,8 @@ pub const MAX_PARK: Duration = Duration::from_secs(60);
 pub const MAX_BLOCKED_PARK: Duration = Duration::from_secs(600);
 
 /// KEYS[1] the upstream's record; ARGV waiter field, waiter value, retention_ms, wait
-/// (`done`|`ended`) → `{state, res, rt}`. Unless the upstream came to what the step waits
+/// (`done`|`ended`) → `{state, res, rt, now_ms}` (`now_ms`: Redis `TIME`, which a result's `rt`
+/// is judged by). Unless the upstream came to what the step waits
 /// for, the step's copy is registered on the record (`w:<key>` and the flag `wn`; a record not
 /// there yet is created with just that and the retention as its TTL).
 static WAIT_FOR: LazyLock<Script> = LazyLock::new(|| {
@@ -50,7 +51,8 @@ if s ~= 'done' and not (ARGV[4] == 'ended' and ended) then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], 'wn', 1)
   if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
 end
-return {s, h[2] or '', h[3] or ''}",
+local t = redis.call('TIME')
+return {s, h[2] or '', h[3] or '', string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))}",
     )
 });
 
@@ -207,10 +209,12 @@ impl IdemStore {
             Wait::Ended => "ended",
         };
         cmd.arg(format!("w:{}", env.key)).arg(value).arg(Self::ms(self.retention())).arg(wait);
-        let (s, res, rt): (String, String, String) = self.call(cmd).await?;
+        let (s, res, rt, now): (String, String, String, String) = self.call(cmd).await?;
         let state = (!s.is_empty()).then(|| KeyState::parse(&s));
         let result = if state == Some(KeyState::Done) {
-            StoredResult::decode((!res.is_empty()).then_some(res.as_str()), rt.parse().ok(), Utc::now())
+            let now =
+                now.parse().ok().and_then(chrono::DateTime::from_timestamp_millis).unwrap_or_else(Utc::now);
+            StoredResult::decode((!res.is_empty()).then_some(res.as_str()), rt.parse().ok(), now)
         } else {
             None
         };

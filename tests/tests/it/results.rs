@@ -240,3 +240,29 @@ async fn a_worker_whose_clock_is_behind_keeps_its_result_for_the_retention() {
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v, serde_json::json!({"state": "done", "result": {"answer": 42}}), "{err}");
 }
+
+/// Readers judge a result's expiry by Redis `TIME` too: `chime inspect` and `chime enqueue
+/// --wait` on a host whose clock is two hours ahead still see a result kept for an hour (by
+/// their own clock it had expired an hour ago).
+#[tokio::test]
+async fn a_reader_whose_clock_is_ahead_still_sees_a_kept_result() {
+    let env = TestEnv::new("result-reader-skew");
+    let jobs = answer_job(&env, "[results]\nretention = \"1h\"\n");
+    let path = env.write_config(&env.config_text("quorum", "", "", &jobs));
+    let _worker = Child::worker(&env.dir, &path, &[], "w");
+    let args = ["enqueue", "answer", "--key", "r1", "--wait", "--json", "--wait-timeout", "60s"];
+    let (code, _, err) = chime(&path, &args, None);
+    assert_eq!(code, 0, "{err}");
+    let ahead = chime_tests::faked_clock("+7200");
+    let ahead: Vec<(&str, &std::ffi::OsStr)> =
+        ahead.iter().map(|(k, v)| (*k, std::ffi::OsStr::new(v))).collect();
+    let key = chime_shared::envelope::adhoc_key("answer", "r1").to_string();
+    let (code, out, err) = chime_env(&path, &["inspect", &key], None, &ahead);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(r#"result    {"answer":42}"#), "{out}");
+    // Enqueued again: a duplicate, and the wait reads the first run's result.
+    let (code, out, err) = chime_env(&path, &args, None, &ahead);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v, serde_json::json!({"state": "done", "result": {"answer": 42}}), "{err}");
+}

@@ -306,6 +306,28 @@ async fn a_scheduled_chain_and_a_sharded_runs_on_complete_wait_for_their_upstrea
     );
 }
 
+/// A step's upstream results are judged by Redis `TIME`: a worker whose clock is two hours
+/// ahead still passes an upstream result kept for an hour (by its own clock it had expired).
+#[tokio::test]
+async fn a_worker_whose_clock_is_ahead_passes_upstream_results_still_kept() {
+    let env = TestEnv::new("wf-skew");
+    let jobs =
+        [job("extract", &env.dir, ""), job("load", &env.dir, ""), "[results]\nretention = \"1h\"\n".into()]
+            .concat();
+    let path = env.write_config(&env.config_text("quorum", "", "", &jobs));
+    let ledger = env.dir.join("ledger");
+    let _worker = Child::with_clock("chime-worker", &env.dir, &path, &[], "+7200", "worker-ahead", &[]);
+    let file = env.dir.join("wf.toml");
+    std::fs::write(&file, "key = \"skew-1\"\n[[steps]]\nname = \"extract\"\n[[steps]]\nname = \"load\"\nafter = [\"extract\"]\n")
+        .unwrap();
+    let (code, out, err) = chime(&path, &["enqueue", "--workflow", file.to_str().unwrap()], None);
+    assert_eq!(code, 0, "{out}{err}");
+    wait_until("load ran", Duration::from_secs(60), || async { !jobs_of(&ledger, "load").is_empty() }).await;
+    let load = jobs_of(&ledger, "load");
+    assert_eq!(load[0].1[0]["step"], "extract", "{load:?}");
+    assert_eq!(load[0].1[0]["result"], serde_json::json!({"from": "extract"}), "{load:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_between_a_steps_done_and_its_release_loses_nothing() {
     let env = TestEnv::new("wf-kill");
