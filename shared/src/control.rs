@@ -3,7 +3,7 @@
 //! JSON [`PauseFlag`], no TTL). Workers write their beat and read the queue flags; the ticker
 //! reads the schedule flags; the CLI and the dashboard read and write them here.
 
-use crate::redis_conn::redis_ms;
+use crate::redis_conn::{redis_ms, redis_now};
 use chrono::{DateTime, Utc};
 use redis::aio::ConnectionLike;
 use serde::{Deserialize, Serialize};
@@ -99,7 +99,8 @@ pub fn operator() -> String {
     format!("{user}@{}", gethostname::gethostname().to_string_lossy())
 }
 
-/// Sets a pause flag; returns the flag that was already set, if any (then nothing changes).
+/// Sets a pause flag, stamped by Redis `TIME`; returns the flag that was already set, if any
+/// (then nothing changes).
 pub async fn pause<C: ConnectionLike + Send>(
     conn: &mut C,
     names: &Names,
@@ -107,7 +108,7 @@ pub async fn pause<C: ConnectionLike + Send>(
     name: &str,
     by: &str,
 ) -> redis::RedisResult<Option<PauseFlag>> {
-    let flag = PauseFlag { at: Utc::now(), by: by.to_string() };
+    let flag = PauseFlag { at: redis_now(conn).await?, by: by.to_string() };
     let key = target.key(names, name);
     let set: bool = redis::cmd("SET")
         .arg(&key)

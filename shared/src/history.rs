@@ -483,6 +483,11 @@ impl HistoryReader {
         Ok(Self { conn, names, budget: 100_000 })
     }
 
+    /// Redis `TIME` (see [`crate::redis_conn::redis_now`]).
+    pub async fn now(&self) -> redis::RedisResult<DateTime<Utc>> {
+        crate::redis_conn::redis_now(&mut self.conn.clone()).await
+    }
+
     /// The decoded record of `key` (state, owner, fence, times, TTL, last runs), its result
     /// judged by Redis `TIME` (read in the same round trip).
     pub async fn record(&self, key: &str) -> redis::RedisResult<KeyRecord> {

@@ -514,6 +514,16 @@ impl ConnectionLike for RedisConn {
     }
 }
 
+/// Redis `TIME`: the clock a command that publishes "what is due by now" goes by (a resume's
+/// catch-up, a backfill up to `now`), as pause flags are stamped by it, so that a host whose
+/// clock is ahead publishes no slot that is not due yet.
+pub async fn redis_now<C: redis::aio::ConnectionLike + Send>(
+    conn: &mut C,
+) -> redis::RedisResult<chrono::DateTime<chrono::Utc>> {
+    let ms = redis_ms(conn).await?;
+    Ok(chrono::DateTime::from_timestamp_millis(ms).unwrap_or_else(chrono::Utc::now))
+}
+
 /// Redis `TIME` in milliseconds.
 pub(crate) async fn redis_ms<C: redis::aio::ConnectionLike + Send>(conn: &mut C) -> redis::RedisResult<i64> {
     let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;

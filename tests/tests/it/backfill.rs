@@ -151,3 +151,27 @@ async fn backfill_runs_each_past_slot_once_across_a_dst_night() {
     assert_eq!(slots_of(&runs, "report").len(), 19);
     worker.stop().await;
 }
+
+/// "now" and "the future" are Redis `TIME`'s: on a host an hour ahead, `--to now` reached an
+/// hour past the real now (3,600 slots of an every-second schedule, refused by `--max`, or
+/// published early with a higher one), and a real future instant passed the check.
+#[tokio::test]
+async fn a_backfill_whose_clock_is_ahead_takes_no_slot_that_is_not_due() {
+    let env = TestEnv::new("backfill-skew");
+    let jobs = "[[jobs]]\nname = \"tick\"\nhandler = \"noop\"\nschedule = \"* * * * * *\"\n";
+    let path = env.write_config(&env.config_text("quorum", "", "", jobs));
+    let ahead = chime_tests::faked_clock("+3600");
+    let ahead: Vec<(&str, &std::ffi::OsStr)> =
+        ahead.iter().map(|(k, v)| (*k, std::ffi::OsStr::new(v))).collect();
+    let from = (Utc::now() - chrono::Duration::seconds(10)).to_rfc3339();
+    let args = ["backfill", "tick", "--from", &from, "--to", "now", "--dry-run", "--json"];
+    let (code, out, err) = chime_env(&path, &args, None, &ahead);
+    assert_eq!(code, 0, "{err}");
+    let plan: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    assert!((9..=30).contains(&plan.len()), "{} slots from 10 s ago to now", plan.len());
+    let later = (Utc::now() + chrono::Duration::minutes(10)).to_rfc3339();
+    let (code, _, err) =
+        chime_env(&path, &["backfill", "tick", "--from", &from, "--to", &later], None, &ahead);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("is in the future"), "{err}");
+}

@@ -387,6 +387,35 @@ fn slot_registry(slots: &Arc<Mutex<BTreeSet<i64>>>) -> Registry {
     r
 }
 
+/// A resume's catch-up ends at Redis `TIME`, as the pause flag was stamped: `chime resume
+/// --catch-up` on a host an hour ahead published every slot of the hour to come at once (each
+/// would have run early, and the ticker's own copy been absorbed as a duplicate).
+#[tokio::test]
+async fn a_resume_whose_clock_is_ahead_catches_up_no_slot_that_is_not_due() {
+    let env = TestEnv::new("pause-skew");
+    let jobs = "[[jobs]]\nname = \"tick\"\nhandler = \"tick\"\nschedule = \"* * * * * *\"\n";
+    let path = env.write_config(&env.config_text("classic", "", "", jobs));
+    let (code, _, err) = chime(&path, &["pause", "schedule", "tick"], None);
+    assert_eq!(code, 0, "{err}");
+    let ahead = chime_tests::faked_clock("+3600");
+    let ahead: Vec<(&str, &std::ffi::OsStr)> =
+        ahead.iter().map(|(k, v)| (*k, std::ffi::OsStr::new(v))).collect();
+    let (code, out, err) = chime_env(&path, &["resume", "schedule", "tick", "--catch-up"], None, &ahead);
+    assert_eq!(code, 0, "{err}");
+    let published: usize = out
+        .lines()
+        .find_map(|l| l.strip_prefix("published ")?.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {out}"));
+    // The seconds between the pause and the resume, not the hour ahead.
+    assert!(published < 30, "{published} slots caught up:\n{out}");
+    wait_depth(
+        &env.names().work_queue("default"),
+        u32::try_from(published).unwrap(),
+        Duration::from_secs(10),
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_schedule_skips_its_slots_and_resume_catches_up_only_when_asked() {
     let env = TestEnv::new("pause-s");

@@ -93,7 +93,14 @@ pub async fn run(config: ValidConfig, args: BackfillArgs) -> Result<(), Failure>
             args.rate
         )));
     }
-    let now = Utc::now();
+    // The range's form is checked before connecting; "now" and the future are Redis `TIME`'s:
+    // a host whose clock is ahead would publish slots that are not due yet (they would run
+    // early, and the ticker's own copies be absorbed as duplicates).
+    parse_time("--from", &args.from, schedule.zone(), Utc::now())?;
+    parse_time("--to", &args.to, schedule.zone(), Utc::now())?;
+    let names = Names::new(&config.prefix);
+    let reader = HistoryReader::connect(&config.redis, names.clone()).await.map_err(runtime)?;
+    let now = reader.now().await.map_err(runtime)?;
     let from = parse_time("--from", &args.from, schedule.zone(), now)?;
     let to = parse_time("--to", &args.to, schedule.zone(), now)?;
     if from > to {
@@ -115,8 +122,6 @@ pub async fn run(config: ValidConfig, args: BackfillArgs) -> Result<(), Failure>
             utc(to)
         )));
     }
-    let names = Names::new(&config.prefix);
-    let reader = HistoryReader::connect(&config.redis, names.clone()).await.map_err(runtime)?;
     let states = slot_states(&reader, &names, &job, &slots).await.map_err(runtime)?;
     if args.dry_run {
         print_plan(&job, &schedule, &slots, &states, args.json);

@@ -143,7 +143,10 @@ pub async fn resume(config: ValidConfig, target: ResumeTarget) -> Result<(), Fai
             };
             println!("resumed schedule {name} (paused {})", since(&flag));
             if catch_up {
-                let n = catch_up_paused(config, &name, flag.at, Utc::now()).await?;
+                // Up to now by Redis, as the flag was stamped: a clock ahead would publish
+                // slots that are not due yet (and they would run early).
+                let now = chime_shared::redis_conn::redis_now(&mut conn).await.map_err(runtime)?;
+                let n = catch_up_paused(config, &name, flag.at, now).await?;
                 println!("published {n} slot(s) skipped while paused");
             }
         }
