@@ -161,6 +161,14 @@ async fn purge_by_age_and_by_id() {
     assert!(out.starts_with("purged 2 dead letter(s); 2 left in place"), "{out}");
     let left = client.list("default", &Filter::default()).await.unwrap();
     assert_eq!(left.len(), 2);
+    // Ages are Redis `TIME`'s: an operator's host eight days ahead purges none of today's.
+    let ahead = chime_tests::faked_clock("+8d");
+    let ahead: Vec<(&str, &std::ffi::OsStr)> =
+        ahead.iter().map(|(k, v)| (*k, std::ffi::OsStr::new(v))).collect();
+    let (code, out, err) =
+        chime_env(&path, &["dlq", "purge", "--all", "--older-than", "7d", "--yes"], None, &ahead);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("purged 0 dead letter(s); 2 left in place"), "{out}");
     // Without a terminal nobody can confirm: --yes is required, and nothing is purged.
     let (code, _, err) = chime_cli(&path, &["dlq", "purge", &left[0].id]).await;
     assert_eq!(code, 2, "{err}");

@@ -237,7 +237,7 @@ impl DlqClient {
         limit: usize,
     ) -> Result<Listing, DlqError> {
         let mut out = Listing::default();
-        let now = Utc::now();
+        let now = self.now().await?;
         let report = self
             .pass(queue, kept, |d| {
                 if filter.matches(d, now) {
@@ -255,7 +255,7 @@ impl DlqClient {
 
     /// Replays matching dead letters into their work queue.
     pub async fn replay(&self, queue: &str, filter: &Filter) -> Result<PassReport, DlqError> {
-        let now = Utc::now();
+        let now = self.now().await?;
         self.pass(
             queue,
             BodyKept::NONE,
@@ -266,9 +266,17 @@ impl DlqClient {
 
     /// Deletes matching dead letters.
     pub async fn purge(&self, queue: &str, filter: &Filter) -> Result<PassReport, DlqError> {
-        let now = Utc::now();
+        let now = self.now().await?;
         self.pass(queue, BodyKept::NONE, |d| if filter.matches(d, now) { Action::Drop } else { Action::Keep })
             .await
+    }
+
+    /// Redis `TIME`, which `--older-than` is judged by: dead letters are stamped with the
+    /// failing worker's Redis-corrected clock, so a host whose clock is ahead would otherwise
+    /// take recent dead letters for old ones (and purge them).
+    async fn now(&self) -> Result<DateTime<Utc>, DlqError> {
+        let now = chime_shared::redis_conn::redis_now(&mut self.store.connection()).await;
+        Ok(now.map_err(IdemError::from)?)
     }
 
     /// One pass over the DLQ of `queue`, holding its lock.
