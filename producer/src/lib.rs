@@ -31,7 +31,7 @@ pub use chime_shared::job::{Job, JobOptions};
 pub use enqueue::flush::{FlushReport, flush_at_start, flush_spool};
 pub use enqueue::workflow::{MAX_STEPS, StepRequest, WorkflowEnqueued, WorkflowRequest};
 pub use enqueue::{
-    BatchReport, Delivery, EnqueueClient, EnqueueError, EnqueueRequest, Enqueued, IntoRequest, LineShape,
-    Pack, Prepared, packs, parse_batch_line, parse_batch_line_shaped, prepare, prepare_owned,
+    BatchReport, Delivery, Encoded, EnqueueClient, EnqueueError, EnqueueRequest, Enqueued, IntoRequest,
+    LineShape, Pack, Prepared, packs, parse_batch_line, parse_batch_line_shaped, prepare, prepare_owned,
 };
 pub use wait::{Finished, MemberFinished, WaitError};

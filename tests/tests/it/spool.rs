@@ -202,6 +202,40 @@ async fn the_cli_spools_when_the_broker_is_away_and_flushes_when_it_is_back() {
     assert!(out.contains("0 job(s) in 0 file(s)") && out.contains("set aside"), "{out}");
 }
 
+/// `chime enqueue --batch` with the broker unreachable: the whole batch is spooled (the jobs
+/// the command keeps encoded between its passes are decoded back into envelopes for the
+/// spool), and a flush publishes each once, with the payload and key of its line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_spooled_whole_when_the_broker_is_away() {
+    let env = TestEnv::new("spool-batch");
+    let text = env.config_text("quorum", "", "", &spool_section(&env, ""));
+    let down = env.dir.join("down.toml");
+    std::fs::write(&down, text.replace(&env.amqp_url, "amqp://guest:guest@127.0.0.1:1/%2f")).unwrap();
+    let up = env.write_config(&text);
+    let file = env.dir.join("batch.jsonl");
+    let lines: String =
+        (10..13).map(|n| format!("{{\"payload\":{{\"n\":{n}}},\"key\":\"k{n}\"}}\n")).collect();
+    std::fs::write(&file, lines).unwrap();
+    let args = ["enqueue", "rec", "--batch", file.to_str().unwrap(), "--allow-spool", "--json"];
+    let (code, out, err) = chime(&down, &args, None);
+    assert_eq!(code, 0, "{out}{err}");
+    let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!((report["spooled"].as_u64(), report["confirmed"].as_u64()), (Some(3), Some(0)), "{out}");
+    let (code, out, err) = chime(&up, &["spool", "flush"], None);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("published 3 spooled job(s)"), "{out}");
+    let config = chime_shared::Config::load(Some(&up)).unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let worker = Running::start(config.clone(), recorder(&order), 2).await;
+    let keys: Vec<String> =
+        (10..13).map(|n| chime_shared::envelope::adhoc_key("rec", &format!("k{n}")).to_string()).collect();
+    crate::limits::wait_all_done(&config, &env, &keys, Duration::from_secs(30)).await;
+    worker.stop().await;
+    let mut ran = order.lock().unwrap().clone();
+    ran.sort();
+    assert_eq!(ran, [10, 11, 12]);
+}
+
 /// What a producer answered for one job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Answer {

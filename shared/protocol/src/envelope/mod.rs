@@ -525,16 +525,25 @@ impl Envelope {
 
     /// AMQP properties: `message_id = key`, `type = job`, `timestamp`, persistent, JSON.
     pub fn properties(&self) -> BasicProperties {
-        let ts = u64::try_from(self.enqueued_at.timestamp()).unwrap_or(0);
-        BasicProperties::default()
-            .with_content_type(ShortString::from("application/json"))
-            .with_delivery_mode(2)
-            .with_message_id(ShortString::from(
-                self.key.hyphenated().encode_lower(&mut Uuid::encode_buffer()).to_string(),
-            ))
-            .with_type(ShortString::from(self.job.clone()))
-            .with_timestamp(ts)
+        properties_of(self.key, &self.job, self.timestamp())
     }
+
+    /// The AMQP `timestamp` of its message: `enqueued_at` in whole seconds.
+    pub fn timestamp(&self) -> u64 {
+        u64::try_from(self.enqueued_at.timestamp()).unwrap_or(0)
+    }
+}
+
+/// [`Envelope::properties`] of an envelope of `key` and `job` enqueued at `timestamp` (s).
+pub fn properties_of(key: Uuid, job: &str, timestamp: u64) -> BasicProperties {
+    BasicProperties::default()
+        .with_content_type(ShortString::from("application/json"))
+        .with_delivery_mode(2)
+        .with_message_id(ShortString::from(
+            key.hyphenated().encode_lower(&mut Uuid::encode_buffer()).to_string(),
+        ))
+        .with_type(ShortString::from(job.to_string()))
+        .with_timestamp(timestamp)
 }
 
 /// Reads a string header (long or short string) from AMQP properties.
