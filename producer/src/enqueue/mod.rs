@@ -424,8 +424,17 @@ struct Session {
     channels: amqp::ChannelPool,
 }
 
-/// How a batch makes each item a message: exchange, routing key, body, properties.
-type Wire<'a, T> = dyn Fn(&T) -> (String, String, Vec<u8>, BasicProperties) + Sync + 'a;
+/// How a batch makes each item a message: exchange, routing key, body (the item's own when it
+/// holds one encoded), properties.
+type Wire<'a, T> = dyn for<'i> Fn(&'i T) -> Message<'i> + Sync + 'a;
+
+/// One message of a batch: exchange, routing key, body, properties.
+type Message<'i> = (String, String, std::borrow::Cow<'i, [u8]>, BasicProperties);
+
+/// `f` as a [`Wire`]: a closure's signature is made to borrow its body from its item.
+fn wire<T, F: for<'i> Fn(&'i T) -> Message<'i>>(f: F) -> F {
+    f
+}
 
 /// Confirm channels a client opens at most: concurrent publishes and batches beyond it wait.
 const CHANNELS: usize = 64;
@@ -984,7 +993,9 @@ impl EnqueueClient {
             Ok(p) => p,
             Err(e) => return BatchReport { total: envs.len(), confirmed: 0, spooled: 0, error: Some(e) },
         };
-        let wire = |p: &Pack| (p.exchange.clone(), p.routing_key.clone(), p.body.clone(), p.props.clone());
+        let wire = wire(|p: &Pack| {
+            (p.exchange.clone(), p.routing_key.clone(), p.body.as_slice().into(), p.props.clone())
+        });
         let (sent, error) = self.publish_all(&packs, &wire).await;
         let confirmed = if sent == 0 { 0 } else { packs[sent - 1].jobs.end };
         if let Some(first) = envs.first() {
@@ -1051,11 +1062,11 @@ impl EnqueueClient {
     pub async fn publish_encoded(&self, jobs: &[Encoded]) -> BatchReport {
         let qt = self.config.amqp.queue_type;
         let work = self.names.work_exchange();
-        let wire = |j: &Encoded| {
+        let wire = wire(|j: &Encoded| {
             let (exchange, rk) =
                 delay::target_with(|| work.clone(), &self.names, qt, j.route.clone(), j.delay);
-            (exchange, rk, j.body.clone(), envelope::properties_of(j.key, &j.job, j.timestamp))
-        };
+            (exchange, rk, j.body.as_slice().into(), envelope::properties_of(j.key, &j.job, j.timestamp))
+        });
         let (confirmed, error) = self.publish_all(jobs, &wire).await;
         if let Some(first) = jobs.first() {
             metrics::counter!(telemetry::JOBS_PUBLISHED, "job" => first.job.clone(), "source" => "adhoc")
@@ -1070,12 +1081,12 @@ impl EnqueueClient {
     pub async fn publish_batch(&self, envs: &[Prepared]) -> BatchReport {
         let qt = self.config.amqp.queue_type;
         let work = self.names.work_exchange();
-        let wire = |p: &Prepared| {
+        let wire = wire(|p: &Prepared| {
             // Most jobs go straight to the work exchange: its name made once per batch.
             let (exchange, rk) =
                 delay::target_with(|| work.clone(), &self.names, qt, p.envelope.route(), p.delay);
-            (exchange, rk, p.envelope.encode(), p.envelope.properties())
-        };
+            (exchange, rk, p.envelope.encode().into(), p.envelope.properties())
+        });
         let (confirmed, error) = self.publish_all(envs, &wire).await;
         if let Some(first) = envs.first() {
             metrics::counter!(telemetry::JOBS_PUBLISHED, "job" => first.envelope.job.clone(), "source" => "adhoc")
@@ -1176,8 +1187,7 @@ impl EnqueueClient {
                 }
                 confirmed += 1;
             }
-            let mut encoded: Vec<(String, String, Vec<u8>, BasicProperties)> =
-                group.iter().map(wire).collect();
+            let mut encoded: Vec<Message<'_>> = group.iter().map(wire).collect();
             let outgoing = encoded.iter_mut().map(|(exchange, rk, body, props)| amqp::Outgoing {
                 exchange,
                 routing_key: rk,
