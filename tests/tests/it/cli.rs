@@ -98,6 +98,36 @@ async fn declared(env: &TestEnv, jobs: &str) -> (std::path::PathBuf, String) {
     (path, env.names().work_queue("default"))
 }
 
+/// Each line of a batch goes where its own fields and the command's delay say, through the
+/// jobs the command keeps encoded: a `priority` line to its level's queue, a `queue` line to
+/// that queue, and with `--delay` every line round the delay chain first.
+#[tokio::test]
+async fn a_batch_routes_each_line_by_its_priority_queue_and_delay() {
+    let env = TestEnv::new("batchroute");
+    let jobs = "[[jobs]]\nname = \"greet\"\nhandler = \"noop\"\npriority = \"normal\"\n\
+                [[jobs]]\nname = \"mailer\"\nhandler = \"noop\"\nqueue = \"mail\"\n";
+    let (path, normal) = declared(&env, jobs).await;
+    let (high, mail) = (env.names().work_queue("default^high"), env.names().work_queue("mail"));
+    let lines = "{\"payload\":{\"i\":0}}\n{\"payload\":{\"i\":1},\"priority\":\"high\"}\n\
+                 {\"payload\":{\"i\":2},\"queue\":\"mail\"}\n";
+    let (code, out, err) = chime(&path, &["enqueue", "greet", "--batch", "-"], Some(lines));
+    assert_eq!(code, 0, "{out}{err}");
+    let at = |q: &str| {
+        let q = q.to_string();
+        async move { take_envelopes(&q, 1, std::time::Duration::from_secs(10)).await[0].payload["i"].as_u64() }
+    };
+    assert_eq!((at(&normal).await, at(&high).await, at(&mail).await), (Some(0), Some(1), Some(2)));
+    // Delayed: not in the queue when the command returns, there after the delay.
+    let (code, out, err) = chime(
+        &path,
+        &["enqueue", "greet", "--batch", "-", "--delay", "3s"],
+        Some("{\"payload\":{\"i\":3}}\n"),
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(depth(&normal).await, 0, "a delayed line waits in the delay chain");
+    assert_eq!(at(&normal).await, Some(3));
+}
+
 /// `enqueue --batch -` reads standard input once to validate every line (spooling it to a
 /// temporary file), keeping what fits in memory (about 13,000 of these 1 KB lines), and
 /// publishes those, then the rest from the spool in chunks: a bad last line of 25,000
