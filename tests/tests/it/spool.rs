@@ -28,6 +28,15 @@ fn spool_section(env: &TestEnv, extra: &str) -> String {
     )
 }
 
+/// Two configs of the same prefix and spool (`[producer]` with `extra`): the first with a
+/// broker URL nothing answers on, the second with the test's broker.
+fn down_and_up(env: &TestEnv, extra: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let text = env.config_text("quorum", "", "", &spool_section(env, extra));
+    let down = env.dir.join("down.toml");
+    std::fs::write(&down, text.replace(&env.amqp_url, "amqp://guest:guest@127.0.0.1:1/%2f")).unwrap();
+    (down, env.write_config(&text))
+}
+
 /// The broker (a private node) SIGKILLed under a producer with a spool: every enqueue while it
 /// is down returns `Spooled` (none fails, none is lost); once it is back, the client's flusher
 /// publishes them in the order they were enqueued, and a worker runs each once. Jobs enqueued
@@ -105,11 +114,7 @@ async fn jobs_enqueued_while_the_broker_is_down_are_spooled_then_published_in_or
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_spools_when_the_broker_is_away_and_flushes_when_it_is_back() {
     let env = TestEnv::new("spool-cli");
-    // The same prefix and spool, first with a broker URL nothing answers on.
-    let text = env.config_text("quorum", "", "", &spool_section(&env, "spool_max_bytes = 65536"));
-    let down = env.dir.join("down.toml");
-    std::fs::write(&down, text.replace(&env.amqp_url, "amqp://guest:guest@127.0.0.1:1/%2f")).unwrap();
-    let up = env.write_config(&text);
+    let (down, up) = down_and_up(&env, "spool_max_bytes = 65536");
     let (code, out, err) = chime(&down, &["enqueue", "rec", "--payload", r#"{"n": 1}"#, "--key", "a"], None);
     assert_eq!(code, 1, "{out}{err}");
     assert!(out.contains("spooled"), "{out}");
@@ -208,10 +213,7 @@ async fn the_cli_spools_when_the_broker_is_away_and_flushes_when_it_is_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_is_spooled_whole_when_the_broker_is_away() {
     let env = TestEnv::new("spool-batch");
-    let text = env.config_text("quorum", "", "", &spool_section(&env, ""));
-    let down = env.dir.join("down.toml");
-    std::fs::write(&down, text.replace(&env.amqp_url, "amqp://guest:guest@127.0.0.1:1/%2f")).unwrap();
-    let up = env.write_config(&text);
+    let (down, up) = down_and_up(&env, "");
     let file = env.dir.join("batch.jsonl");
     let lines: String =
         (10..13).map(|n| format!("{{\"payload\":{{\"n\":{n}}},\"key\":\"k{n}\"}}\n")).collect();

@@ -428,8 +428,8 @@ const SPLIT_BYTES: u64 = 256 << 10;
 
 /// Jobs a batch keeps between its passes, and pass 2 reads in chunks: prepared, or encoded
 /// ([`Encoded`]) when each job is a message of its own (not packed, not fanned out): then each
-/// costs a third of the memory, and is encoded where it is validated or read, not on the task
-/// that publishes.
+/// costs less than half the memory, and is encoded where it is validated or read, not on the
+/// task that publishes.
 enum Jobs {
     Prepared(Vec<Prepared>),
     Encoded(Vec<Encoded>),
