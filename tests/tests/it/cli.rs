@@ -103,7 +103,8 @@ async fn declared(env: &TestEnv, jobs: &str) -> (std::path::PathBuf, String) {
 /// that queue, and with `--delay` every line round the delay chain first.
 #[tokio::test]
 async fn a_batch_routes_each_line_by_its_priority_queue_and_delay() {
-    let env = TestEnv::new("batchroute");
+    let mut env = TestEnv::new("batchroute");
+    env.queues.push("mail".into());
     let jobs = "[[jobs]]\nname = \"greet\"\nhandler = \"noop\"\npriority = \"normal\"\n\
                 [[jobs]]\nname = \"mailer\"\nhandler = \"noop\"\nqueue = \"mail\"\n";
     let (path, normal) = declared(&env, jobs).await;
