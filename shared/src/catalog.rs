@@ -101,16 +101,24 @@ fn fresh(seen_at: DateTime<Utc>, now: DateTime<Utc>) -> bool {
 }
 
 /// The catalog within the retention, and the `(hash, field)` of every entry past it or
-/// unreadable.
+/// unreadable. Ages are Redis `TIME`'s (read in the same round trip), as entries are stamped
+/// by it: a host whose clock is days ahead neither hides the catalog nor prunes it whole.
 async fn fetch<C: ConnectionLike + Send>(
     conn: &mut C,
     names: &Names,
 ) -> redis::RedisResult<(Catalog, Vec<(String, String)>)> {
-    let now = Utc::now();
     let mut catalog = Catalog::default();
     let mut stale = Vec::new();
-    let jobs: BTreeMap<String, String> =
-        redis::cmd("HGETALL").arg(names.catalog_jobs()).query_async(conn).await?;
+    let ((secs, micros), jobs, queues): ((i64, i64), BTreeMap<String, String>, BTreeMap<String, String>) =
+        redis::pipe()
+            .cmd("TIME")
+            .cmd("HGETALL")
+            .arg(names.catalog_jobs())
+            .cmd("HGETALL")
+            .arg(names.catalog_queues())
+            .query_async(conn)
+            .await?;
+    let now = DateTime::from_timestamp_millis(secs * 1000 + micros / 1000).unwrap_or_else(Utc::now);
     for (field, text) in jobs {
         match serde_json::from_str::<CatalogJob>(&text) {
             Ok(j) if fresh(j.seen_at, now) => {
@@ -119,8 +127,6 @@ async fn fetch<C: ConnectionLike + Send>(
             _ => stale.push((names.catalog_jobs(), field)),
         }
     }
-    let queues: BTreeMap<String, String> =
-        redis::cmd("HGETALL").arg(names.catalog_queues()).query_async(conn).await?;
     for (field, text) in queues {
         match serde_json::from_str::<CatalogQueue>(&text) {
             Ok(q) if fresh(q.seen_at, now) => {

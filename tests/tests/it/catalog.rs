@@ -138,3 +138,47 @@ async fn a_job_only_a_worker_knows_is_visible_to_every_tool() {
     token.cancel();
     running.await.unwrap().unwrap();
 }
+
+/// Catalog ages are Redis `TIME`'s, as its entries are stamped: a worker whose clock is eight
+/// days ahead registers its jobs without pruning the others' (by its own clock every entry,
+/// its own included, was past the 7-day retention: it emptied the catalog, and jobs defined in
+/// Rust on other workers vanished from every tool).
+#[tokio::test]
+async fn a_worker_whose_clock_is_days_ahead_keeps_the_catalog() {
+    use chime_shared::catalog::{self, CatalogJob};
+    let env = TestEnv::new("catalog-skew");
+    let jobs = "[[jobs]]\nname = \"skewed\"\nhandler = \"noop\"\n";
+    let path = env.write_config(&env.config_text("quorum", "", "", jobs));
+    let names = env.names();
+    let mut r = connect_redis(&env.redis_url).await;
+    let elsewhere = CatalogJob {
+        name: "elsewhere".into(),
+        queue: "default".into(),
+        handler: "rust".into(),
+        max_attempts: 3,
+        timeout_ms: 30_000,
+        scheduled: false,
+        worker: "another".into(),
+        seen_at: chrono::Utc::now(),
+    };
+    catalog::register(&mut r, &names, &[elsewhere], &[]).await.unwrap();
+    let _worker = Child::with_clock("chime-worker", &env.dir, &path, &[], "+8d", "ahead", &[]);
+    // One task writes the worker's heartbeat, then its catalog: a second heartbeat comes after
+    // the first catalog write (and its pruning) ended.
+    let first_beat = std::sync::Mutex::new(None);
+    wait_until("the skewed worker's second heartbeat", Duration::from_secs(30), || {
+        let (names, url) = (names.clone(), env.redis_url.clone());
+        let first_beat = &first_beat;
+        async move {
+            let mut r = connect_redis(&url).await;
+            let beats = chime_shared::control::workers(&mut r, &names).await.unwrap();
+            let Some(seen) = beats.first().map(|b| b.seen_at) else { return false };
+            let mut first = first_beat.lock().unwrap();
+            *first.get_or_insert(seen) != seen
+        }
+    })
+    .await;
+    let c = catalog::read(&mut r, &names).await.unwrap();
+    assert!(c.jobs.contains_key("skewed"), "its own job: {:?}", c.jobs.keys());
+    assert!(c.jobs.contains_key("elsewhere"), "another worker's job: {:?}", c.jobs.keys());
+}
