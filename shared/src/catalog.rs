@@ -109,7 +109,7 @@ async fn fetch<C: ConnectionLike + Send>(
 ) -> redis::RedisResult<(Catalog, Vec<(String, String)>)> {
     let mut catalog = Catalog::default();
     let mut stale = Vec::new();
-    let ((secs, micros), jobs, queues): ((i64, i64), BTreeMap<String, String>, BTreeMap<String, String>) =
+    let (time, jobs, queues): ((i64, i64), BTreeMap<String, String>, BTreeMap<String, String>) =
         redis::pipe()
             .cmd("TIME")
             .cmd("HGETALL")
@@ -118,7 +118,7 @@ async fn fetch<C: ConnectionLike + Send>(
             .arg(names.catalog_queues())
             .query_async(conn)
             .await?;
-    let now = DateTime::from_timestamp_millis(secs * 1000 + micros / 1000).unwrap_or_else(Utc::now);
+    let now = crate::redis_conn::instant_of(time);
     for (field, text) in jobs {
         match serde_json::from_str::<CatalogJob>(&text) {
             Ok(j) if fresh(j.seen_at, now) => {

@@ -493,10 +493,9 @@ impl HistoryReader {
     pub async fn record(&self, key: &str) -> redis::RedisResult<KeyRecord> {
         let mut conn = self.conn.clone();
         let idem = self.names.idem_key(key);
-        let (fields, pttl, (secs, micros)): (HashMap<String, String>, i64, (i64, i64)) =
+        let (fields, pttl, time): (HashMap<String, String>, i64, (i64, i64)) =
             redis::pipe().hgetall(&idem).pttl(&idem).cmd("TIME").query_async(&mut conn).await?;
-        let now = DateTime::from_timestamp_millis(secs * 1000 + micros / 1000).unwrap_or_else(Utc::now);
-        Ok(KeyRecord::decode(key, &fields, pttl, now))
+        Ok(KeyRecord::decode(key, &fields, pttl, crate::redis_conn::instant_of(time)))
     }
 
     /// States of several keys at once (`None`: no record), in order.

@@ -520,14 +520,24 @@ impl ConnectionLike for RedisConn {
 pub async fn redis_now<C: redis::aio::ConnectionLike + Send>(
     conn: &mut C,
 ) -> redis::RedisResult<chrono::DateTime<chrono::Utc>> {
-    let ms = redis_ms(conn).await?;
-    Ok(chrono::DateTime::from_timestamp_millis(ms).unwrap_or_else(chrono::Utc::now))
+    let time: (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
+    Ok(instant_of(time))
 }
 
 /// Redis `TIME` in milliseconds.
 pub(crate) async fn redis_ms<C: redis::aio::ConnectionLike + Send>(conn: &mut C) -> redis::RedisResult<i64> {
-    let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
-    Ok(secs * 1000 + micros / 1000)
+    let time: (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
+    Ok(ms_of(time))
+}
+
+/// A `TIME` reply (seconds, microseconds) in milliseconds.
+fn ms_of((secs, micros): (i64, i64)) -> i64 {
+    secs * 1000 + micros / 1000
+}
+
+/// A `TIME` reply (seconds, microseconds), read in a pipeline with what it dates, as an instant.
+pub(crate) fn instant_of(time: (i64, i64)) -> chrono::DateTime<chrono::Utc> {
+    chrono::DateTime::from_timestamp_millis(ms_of(time)).unwrap_or_else(chrono::Utc::now)
 }
 
 #[cfg(test)]
