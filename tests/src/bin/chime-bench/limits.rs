@@ -260,21 +260,107 @@ enum Tenth {
     Unlimited,
 }
 
+/// A bare AMQP round trip beside the tenants (`BENCH_TENANT_PROBE=<per second>`): a plain
+/// lapin publisher and consumer on a durable queue of their own, of the type the workers'
+/// queues are (`queue_type`), publish persistent messages each `every`, what is due by then,
+/// for `secs`; the histogram of publish to delivery (µs). What the machine's load does
+/// to a message's wait with no chime in its path: the control that tells the load's share of
+/// the quiet tenants' waits from chime's.
+async fn bare_probe(
+    env: &TestEnv,
+    queue_type: &str,
+    per_second: usize,
+    secs: u64,
+    every: Duration,
+) -> hdrhistogram::Histogram<u64> {
+    use futures_util::StreamExt;
+    use lapin::options::{BasicConsumeOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
+    let mut h = latencies().lock().unwrap().clone();
+    if per_second == 0 {
+        return h;
+    }
+    let conn = connect_amqp_to(&env.amqp_url).await;
+    let queue = format!("{}.bench-probe", env.prefix);
+    let ch = conn.create_channel().await.unwrap();
+    let mut args = lapin::types::FieldTable::default();
+    args.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString(queue_type.into()));
+    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+    ch.queue_declare(queue.as_str().into(), durable, args).await.unwrap();
+    let rx = conn.create_channel().await.unwrap();
+    let no_ack = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
+    let mut consumer = rx
+        .basic_consume(queue.as_str().into(), "probe".into(), no_ack, lapin::types::FieldTable::default())
+        .await
+        .unwrap();
+    let origin = Instant::now();
+    let ticks = (Duration::from_secs(secs).as_micros() / every.as_micros().max(1)) as usize;
+    let total = (secs as usize) * per_second;
+    let due_by = |k: usize| (k * per_second * every.as_micros() as usize) / 1_000_000;
+    let received = async {
+        let mut waits = latencies().lock().unwrap().clone();
+        for _ in 0..total {
+            let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(60), consumer.next()).await else {
+                break;
+            };
+            let sent = u64::from_le_bytes(d.data[..8].try_into().unwrap());
+            waits.record((origin.elapsed().as_micros() as u64).saturating_sub(sent).max(1)).unwrap();
+        }
+        waits
+    };
+    let sent = async {
+        let mut tick = tokio::time::interval(every);
+        let mut i = 0;
+        for k in 0..ticks {
+            tick.tick().await;
+            while i < due_by(k + 1) {
+                i += 1;
+                let body = (origin.elapsed().as_micros() as u64).to_le_bytes();
+                let props = lapin::BasicProperties::default().with_delivery_mode(2);
+                ch.basic_publish(
+                    "".into(),
+                    queue.as_str().into(),
+                    BasicPublishOptions::default(),
+                    &body,
+                    props,
+                )
+                .await
+                .unwrap();
+            }
+        }
+    };
+    let (waits, ()) = tokio::join!(received, sent);
+    assert_eq!(waits.len() as usize, total, "limits: the bare probe lost messages");
+    h.add(&waits).unwrap();
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    let _ = conn.close(200, "done".into()).await;
+    h
+}
+
 /// The p99 wait (publish to start) of nine tenants offering 10/s each under a 50/s limit per
 /// tenant: alone, while a tenth floods at 200/s, and two controls that tell the limiter's part
 /// from the load's (the tenth at its limit; 200/s of an unlimited job); `--runs` rounds in
 /// rotated order, medians. Every tenant publishes each 10 ms what is due by then (a steady
 /// stream); `BENCH_TENANT_TICK_MS=100` publishes in batches every 100 ms instead, as the
 /// figures before 2026-12-06 did (the flood's 20 copies then land with the quiet tenants' 9,
-/// each tick, and the quiet runs wait behind them).
+/// each tick, and the quiet runs wait behind them). Each variant also prints the CPU the
+/// broker, Redis, the workers and the bench used while the tenants offered, and with
+/// `BENCH_TENANT_PROBE=<per second>` a [`bare_probe`] runs beside the tenants: what the same
+/// load does to a message that goes through the broker alone.
 async fn tenants(c: &Ctx) {
     let secs = 2 * c.o.seconds;
     let tick_ms: u64 = std::env::var("BENCH_TENANT_TICK_MS").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
     let every = Duration::from_millis(tick_ms.max(1));
+    let probe_rate: usize =
+        std::env::var("BENCH_TENANT_PROBE").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
     let variants = [Tenth::Idle, Tenth::Floods, Tenth::AtItsLimit, Tenth::Unlimited];
     // Per variant, each round's (p50, p99), and every round's waits in one histogram.
     let mut p: Vec<Vec<(f64, f64)>> = vec![Vec::new(); variants.len()];
     let mut pooled: Vec<_> = variants.iter().map(|_| latencies().lock().unwrap().clone()).collect();
+    // Per variant, the bare probe's rounds' p99 and its waits together; and the CPU share
+    // (% of one core) of the broker, Redis, the workers and the bench while the tenants offer.
+    let mut bare: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    let mut bare_pooled: Vec<_> = variants.iter().map(|_| latencies().lock().unwrap().clone()).collect();
+    let mut cpu: Vec<Vec<[f64; 4]>> = vec![Vec::new(); variants.len()];
     for r in 0..c.o.runs {
         for k in 0..variants.len() {
             let v = (k + r) % variants.len();
@@ -305,7 +391,20 @@ async fn tenants(c: &Ctx) {
                 })
                 .await
             };
-            let (sent, flooded) = tokio::join!(quiet, loud);
+            let pids: Vec<u32> = procs.iter().filter_map(tokio::process::Child::id).collect();
+            let window = CpuWindow::start(pids);
+            let (bench_cpu, began) = (cpu_secs(std::process::id()), Instant::now());
+            let (sent, flooded, probed) =
+                tokio::join!(quiet, loud, bare_probe(&env, &c.o.queue_type, probe_rate, secs, every));
+            let (used, wall) = (window.now(), began.elapsed().as_secs_f64());
+            let bench_used = cpu_secs(std::process::id()) - bench_cpu;
+            cpu[v].push(std::array::from_fn(|i| {
+                100.0 * if i < 3 { used[i] - window.start[i] } else { bench_used } / wall
+            }));
+            if probe_rate > 0 {
+                bare[v].push(quantile_ms(&probed, 0.99));
+                bare_pooled[v].add(&probed).unwrap();
+            }
             let n = sent.len() + flooded.len();
             wait_succeeded(&ports, n, Duration::from_secs(secs * 12 + 600), "limits: tenants draining").await;
             drop(procs);
@@ -363,6 +462,41 @@ async fn tenants(c: &Ctx) {
         all(3),
         all(3) / all(0)
     );
+    for (v, name) in ["alone", "flood", "at its limit", "unlimited"].iter().enumerate() {
+        let c = |i: usize| median(cpu[v].iter().map(|x| x[i]).collect());
+        println!(
+            "limits   tenants, {name}, CPU while offering (% of a core, medians of the rounds): broker {:.0}, redis {:.0}, \
+             workers {:.0}, bench {:.0}",
+            c(0),
+            c(1),
+            c(2),
+            c(3)
+        );
+    }
+    if probe_rate > 0 {
+        let b = |v: usize| median(bare[v].clone());
+        let ball = |v: usize| quantile_ms(&bare_pooled[v], 0.99);
+        let ratio = |v: usize| median(bare[v].iter().zip(&bare[0]).map(|(x, a)| x / a).collect());
+        println!(
+            "limits   tenants, bare AMQP probe at {probe_rate}/s ({} queue, persistent; publish to delivery, no chime in its path), p99: \
+             alone {:.2} ms; flood {:.2} ms ({:.2}x alone, median of the rounds' ratios; {:.2}x with every round's \
+             waits together); at its limit {:.2} ms ({:.2}x; {:.2}x together); unlimited {:.2} ms ({:.2}x; {:.2}x \
+             together); p50, every round's waits together: alone {:.2} ms, flood {:.2} ms",
+            c.o.queue_type,
+            b(0),
+            b(1),
+            ratio(1),
+            ball(1) / ball(0),
+            b(2),
+            ratio(2),
+            ball(2) / ball(0),
+            b(3),
+            ratio(3),
+            ball(3) / ball(0),
+            quantile_ms(&bare_pooled[0], 0.5),
+            quantile_ms(&bare_pooled[1], 0.5)
+        );
+    }
 }
 
 /// The drain of unlimited `noop` jobs with a limited job and a circuit configured for another
