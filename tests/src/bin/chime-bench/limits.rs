@@ -94,8 +94,7 @@ async fn offer_every(
     req: impl Fn(usize) -> EnqueueRequest,
 ) -> HashMap<String, DateTime<Utc>> {
     let mut sent = HashMap::new();
-    let ticks = (Duration::from_secs(secs).as_micros() / every.as_micros().max(1)) as usize;
-    let due_by = |k: usize| (k * per_second * every.as_micros() as usize) / 1_000_000;
+    let (ticks, due_by) = schedule(per_second, secs, every);
     let mut tick = tokio::time::interval(every);
     let mut i = 0;
     for k in 0..ticks {
@@ -114,6 +113,14 @@ async fn offer_every(
         assert_eq!(client.enqueue_batch(&reqs).await.unwrap().confirmed, per_tick);
     }
     sent
+}
+
+/// A steady offer of `per_second` for `secs` in ticks of `every`: how many ticks, and how many
+/// messages are due by the end of the k-th (a rate that does not divide into ticks is spread
+/// over them).
+fn schedule(per_second: usize, secs: u64, every: Duration) -> (usize, impl Fn(usize) -> usize) {
+    let ticks = (Duration::from_secs(secs).as_micros() / every.as_micros().max(1)) as usize;
+    (ticks, move |k: usize| (k * per_second * every.as_micros() as usize) / 1_000_000)
 }
 
 /// Every run in the history of `env`'s default queue.
@@ -293,9 +300,8 @@ async fn bare_probe(
         .await
         .unwrap();
     let origin = Instant::now();
-    let ticks = (Duration::from_secs(secs).as_micros() / every.as_micros().max(1)) as usize;
+    let (ticks, due_by) = schedule(per_second, secs, every);
     let total = (secs as usize) * per_second;
-    let due_by = |k: usize| (k * per_second * every.as_micros() as usize) / 1_000_000;
     let received = async {
         let mut waits = latencies().lock().unwrap().clone();
         for _ in 0..total {
