@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// `limits` runs every part; `limits-rate`, `limits-tenants`, `limits-cost`,
-/// `limits-circuit` one each.
+/// `limits-circuit` one each; `limits-broker` (only when named) the broker's own floor under
+/// the tenants' flood, with no chime process running.
 pub async fn scenario(c: &Ctx) {
     let all = c.opted("limits");
     if all || c.opted("limits-rate") {
@@ -31,6 +32,9 @@ pub async fn scenario(c: &Ctx) {
     }
     if all || c.opted("limits-circuit") {
         circuit(c).await;
+    }
+    if c.opted("limits-broker") {
+        broker_floor(c).await;
     }
 }
 
@@ -265,6 +269,9 @@ enum Tenth {
     AtItsLimit,
     /// Control: 200/s of an unlimited job (the same offered load, no limiter).
     Unlimited,
+    /// Control (`BENCH_TENANT_BARE_FLOOD=1`): 200/s sent by a [`bare_flood`], beside chime:
+    /// the same messages through the broker, none through a worker or Redis.
+    Bare,
 }
 
 /// A bare AMQP round trip beside the tenants (`BENCH_TENANT_PROBE=<per second>`): a plain
@@ -342,6 +349,137 @@ async fn bare_probe(
     h
 }
 
+/// A bare flood beside a [`bare_probe`]: a plain lapin publisher sends `per_second` persistent
+/// messages of `size` bytes to a durable queue of its own (of type `queue_type`), each `every`
+/// what is due by then, and waits for the broker's confirms as chime's enqueue does; a plain
+/// consumer takes them with manual acks (prefetch 100). Returns when all are acked.
+async fn bare_flood(
+    env: &TestEnv,
+    queue_type: &str,
+    per_second: usize,
+    secs: u64,
+    every: Duration,
+    size: usize,
+) {
+    use futures_util::StreamExt;
+    use lapin::options::{
+        BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+        QueueDeclareOptions, QueueDeleteOptions,
+    };
+    let conn = connect_amqp_to(&env.amqp_url).await;
+    let queue = format!("{}.bench-flood", env.prefix);
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let mut args = lapin::types::FieldTable::default();
+    args.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString(queue_type.into()));
+    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+    ch.queue_declare(queue.as_str().into(), durable, args).await.unwrap();
+    let rx = conn.create_channel().await.unwrap();
+    rx.basic_qos(100, BasicQosOptions::default()).await.unwrap();
+    let mut consumer = rx
+        .basic_consume(
+            queue.as_str().into(),
+            "flood".into(),
+            BasicConsumeOptions::default(),
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let (ticks, due_by) = schedule(per_second, secs, every);
+    let total = (secs as usize) * per_second;
+    let drained = async {
+        for _ in 0..total {
+            let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(60), consumer.next()).await else {
+                panic!("limits: the bare flood lost messages");
+            };
+            d.ack(BasicAckOptions::default()).await.unwrap();
+        }
+    };
+    let sent = async {
+        let body = vec![b'x'; size];
+        let mut tick = tokio::time::interval(every);
+        let mut i = 0;
+        for k in 0..ticks {
+            tick.tick().await;
+            let mut confirms = Vec::new();
+            while i < due_by(k + 1) {
+                i += 1;
+                let props = lapin::BasicProperties::default().with_delivery_mode(2);
+                let publish = ch.basic_publish(
+                    "".into(),
+                    queue.as_str().into(),
+                    BasicPublishOptions::default(),
+                    &body,
+                    props,
+                );
+                confirms.push(publish.await.unwrap());
+            }
+            for c in confirms {
+                assert!(c.await.unwrap().is_ack(), "limits: the broker refused a bare flood message");
+            }
+        }
+    };
+    tokio::join!(drained, sent);
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    let _ = conn.close(200, "done".into()).await;
+}
+
+/// The broker's floor under the tenants' load, with no chime process running: a
+/// [`bare_probe`] at the quiet tenants' 90/s (each 10 ms), alone and beside a [`bare_flood`]
+/// at the flooding tenant's 200/s of chime-sized messages (266 bytes), `--runs` rounds in
+/// rotated order. If this flood alone moves the probe's p99 beyond 1.10x, no client of this
+/// broker can keep the tenants' target, whatever it does with the flood once delivered.
+async fn broker_floor(c: &Ctx) {
+    let secs = 2 * c.o.seconds;
+    let every = Duration::from_millis(10);
+    let mut p99: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    let mut p50: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    let mut pooled: Vec<_> = (0..2).map(|_| latencies().lock().unwrap().clone()).collect();
+    let mut broker_cpu: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    for r in 0..c.o.runs {
+        for k in 0..2 {
+            let v = (k + r) % 2;
+            progress(&format!("limits: broker floor, round {}/{}", r + 1, c.o.runs));
+            let env = TestEnv::new("bench-floor");
+            let window = CpuWindow::start(Vec::new());
+            let began = Instant::now();
+            let flood = async {
+                if v == 1 {
+                    bare_flood(&env, &c.o.queue_type, 200, secs, every, 266).await;
+                }
+            };
+            let (probed, ()) = tokio::join!(bare_probe(&env, &c.o.queue_type, 90, secs, every), flood);
+            broker_cpu[v].push(100.0 * (window.now()[0] - window.start[0]) / began.elapsed().as_secs_f64());
+            p99[v].push(quantile_ms(&probed, 0.99));
+            p50[v].push(quantile_ms(&probed, 0.5));
+            pooled[v].add(&probed).unwrap();
+        }
+    }
+    progress("");
+    let ratio = median(p99[1].iter().zip(&p99[0]).map(|(f, a)| f / a).collect());
+    let all = |v: usize| quantile_ms(&pooled[v], 0.99);
+    let rounds = |v: usize| p99[v].iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" ");
+    println!(
+        "limits   broker floor ({} queues, no chime process): bare probe at 90/s, persistent, publish to delivery; \
+         medians of {} rounds: alone p50/p99 {:.2}/{:.2} ms; beside a bare flood of 200/s (confirmed, acked) \
+         {:.2}/{:.2} ms: {:.2}x p99 alone (median of the rounds' ratios), {:.2}x with every round's waits together \
+         ({:.2} against {:.2} ms); broker CPU {:.0} against {:.0} % of a core",
+        c.o.queue_type,
+        c.o.runs,
+        median(p50[0].clone()),
+        median(p99[0].clone()),
+        median(p50[1].clone()),
+        median(p99[1].clone()),
+        ratio,
+        all(1) / all(0),
+        all(1),
+        all(0),
+        median(broker_cpu[1].clone()),
+        median(broker_cpu[0].clone()),
+    );
+    println!("limits   broker floor, p99 per round (ms): alone {}; flood {}", rounds(0), rounds(1));
+}
+
 /// The p99 wait (publish to start) of nine tenants offering 10/s each under a 50/s limit per
 /// tenant: alone, while a tenth floods at 200/s, and two controls that tell the limiter's part
 /// from the load's (the tenth at its limit; 200/s of an unlimited job); `--runs` rounds in
@@ -358,7 +496,12 @@ async fn tenants(c: &Ctx) {
     let every = Duration::from_millis(tick_ms.max(1));
     let probe_rate: usize =
         std::env::var("BENCH_TENANT_PROBE").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
-    let variants = [Tenth::Idle, Tenth::Floods, Tenth::AtItsLimit, Tenth::Unlimited];
+    let bare_flood_too = std::env::var("BENCH_TENANT_BARE_FLOOD").is_ok_and(|s| s == "1");
+    let mut variants = vec![Tenth::Idle, Tenth::Floods, Tenth::AtItsLimit, Tenth::Unlimited];
+    if bare_flood_too {
+        variants.push(Tenth::Bare);
+    }
+    let names = ["alone", "flood", "at its limit", "unlimited", "bare flood"];
     // Per variant, each round's (p50, p99), and every round's waits in one histogram.
     let mut p: Vec<Vec<(f64, f64)>> = vec![Vec::new(); variants.len()];
     let mut pooled: Vec<_> = variants.iter().map(|_| latencies().lock().unwrap().clone()).collect();
@@ -388,6 +531,10 @@ async fn tenants(c: &Ctx) {
             let loud = async {
                 let (job, rate) = match tenth {
                     Tenth::Idle => return HashMap::new(),
+                    Tenth::Bare => {
+                        bare_flood(&env, &c.o.queue_type, 200, secs, every, 266).await;
+                        return HashMap::new();
+                    }
                     Tenth::Floods => ("call", 200),
                     Tenth::AtItsLimit => ("call", 50),
                     Tenth::Unlimited => ("bulk", 200),
@@ -448,7 +595,7 @@ async fn tenants(c: &Ctx) {
         p99(3),
         p99(1) / p99(3)
     );
-    for (v, name) in ["alone", "flood", "at its limit", "unlimited"].iter().enumerate() {
+    for (v, name) in names.iter().take(variants.len()).enumerate() {
         println!("limits   tenants, {name}, p50/p99 per round (ms): {}", rounds(v));
     }
     // One round's p99 is its 18th-worst wait of 1,800 (at `--seconds 10`) and moves by a fifth
@@ -468,7 +615,7 @@ async fn tenants(c: &Ctx) {
         all(3),
         all(3) / all(0)
     );
-    for (v, name) in ["alone", "flood", "at its limit", "unlimited"].iter().enumerate() {
+    for (v, name) in names.iter().take(variants.len()).enumerate() {
         let c = |i: usize| median(cpu[v].iter().map(|x| x[i]).collect());
         println!(
             "limits   tenants, {name}, CPU while offering (% of a core, medians of the rounds): broker {:.0}, redis {:.0}, \
@@ -501,6 +648,23 @@ async fn tenants(c: &Ctx) {
             ball(3) / ball(0),
             quantile_ms(&bare_pooled[0], 0.5),
             quantile_ms(&bare_pooled[1], 0.5)
+        );
+    }
+    if bare_flood_too {
+        let tenants_ratio = median(p[4].iter().zip(&p[0]).map(|(f, a)| f.1 / a.1).collect());
+        println!(
+            "limits   tenants, beside a bare flood of 200/s (no worker or Redis in its path), quiet tenants' p99: {:.2} ms \
+             ({:.2}x alone, median of the rounds' ratios; {:.2}x with every round's waits together){}",
+            p99(4),
+            tenants_ratio,
+            all(4) / all(0),
+            if probe_rate > 0 {
+                let r = median(bare[4].iter().zip(&bare[0]).map(|(x, a)| x / a).collect());
+                let t = quantile_ms(&bare_pooled[4], 0.99) / quantile_ms(&bare_pooled[0], 0.99);
+                format!("; bare probe {r:.2}x alone ({t:.2}x together)")
+            } else {
+                String::new()
+            }
         );
     }
 }

@@ -15,7 +15,8 @@
 //! rate, and its memory per event), web (the dashboard's page times over 1,000,000 history
 //! events and 10,000 dead letters), probes (`/livez` idle and under a connection flood),
 //! limits (a rate limit's accuracy across 4 workers, tenant isolation, the cost of limits and
-//! circuits, a circuit over a failing downstream), traces (a worker's drain with traces off,
+//! circuits, a circuit over a failing downstream; `limits-broker`: the broker's own floor under
+//! the tenants' flood, no chime process), traces (a worker's drain with traces off,
 //! on, and before trace support), spool (enqueue with the spool on and off, spooling and
 //! flushing rates, a producer's memory while it spools 1 GiB), allocs (allocations per job of
 //! the enqueue client and of an in-process worker, unpacked and packed), queue-types (raw lapin
