@@ -274,6 +274,35 @@ enum Tenth {
     Bare,
 }
 
+/// A durable queue `<prefix>.bench-<name>` of `queue_type` on a connection of its own: the
+/// connection, a channel to publish on, the queue's name and a consumer on a second channel
+/// (with `prefetch`: manual acks; without: no acks).
+async fn bare_queue(
+    env: &TestEnv,
+    name: &str,
+    queue_type: &str,
+    prefetch: Option<u16>,
+) -> (lapin::Connection, lapin::Channel, String, lapin::Consumer) {
+    use lapin::options::{BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+    let conn = connect_amqp_to(&env.amqp_url).await;
+    let queue = format!("{}.bench-{name}", env.prefix);
+    let ch = conn.create_channel().await.unwrap();
+    let mut args = lapin::types::FieldTable::default();
+    args.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString(queue_type.into()));
+    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+    ch.queue_declare(queue.as_str().into(), durable, args).await.unwrap();
+    let rx = conn.create_channel().await.unwrap();
+    if let Some(n) = prefetch {
+        rx.basic_qos(n, BasicQosOptions::default()).await.unwrap();
+    }
+    let options = BasicConsumeOptions { no_ack: prefetch.is_none(), ..BasicConsumeOptions::default() };
+    let consumer = rx
+        .basic_consume(queue.as_str().into(), name.into(), options, lapin::types::FieldTable::default())
+        .await
+        .unwrap();
+    (conn, ch, queue, consumer)
+}
+
 /// A bare AMQP round trip beside the tenants (`BENCH_TENANT_PROBE=<per second>`): a plain
 /// lapin publisher and consumer on a durable queue of their own, of the type the workers'
 /// queues are (`queue_type`), publish persistent messages each `every`, what is due by then,
@@ -288,24 +317,12 @@ async fn bare_probe(
     every: Duration,
 ) -> hdrhistogram::Histogram<u64> {
     use futures_util::StreamExt;
-    use lapin::options::{BasicConsumeOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::options::{BasicPublishOptions, QueueDeleteOptions};
     let mut h = latencies().lock().unwrap().clone();
     if per_second == 0 {
         return h;
     }
-    let conn = connect_amqp_to(&env.amqp_url).await;
-    let queue = format!("{}.bench-probe", env.prefix);
-    let ch = conn.create_channel().await.unwrap();
-    let mut args = lapin::types::FieldTable::default();
-    args.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString(queue_type.into()));
-    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
-    ch.queue_declare(queue.as_str().into(), durable, args).await.unwrap();
-    let rx = conn.create_channel().await.unwrap();
-    let no_ack = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
-    let mut consumer = rx
-        .basic_consume(queue.as_str().into(), "probe".into(), no_ack, lapin::types::FieldTable::default())
-        .await
-        .unwrap();
+    let (conn, ch, queue, mut consumer) = bare_queue(env, "probe", queue_type, None).await;
     let origin = Instant::now();
     let (ticks, due_by) = schedule(per_second, secs, every);
     let total = (secs as usize) * per_second;
@@ -362,29 +379,9 @@ async fn bare_flood(
     size: usize,
 ) {
     use futures_util::StreamExt;
-    use lapin::options::{
-        BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
-        QueueDeclareOptions, QueueDeleteOptions,
-    };
-    let conn = connect_amqp_to(&env.amqp_url).await;
-    let queue = format!("{}.bench-flood", env.prefix);
-    let ch = conn.create_channel().await.unwrap();
+    use lapin::options::{BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
+    let (conn, ch, queue, mut consumer) = bare_queue(env, "flood", queue_type, Some(100)).await;
     ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    let mut args = lapin::types::FieldTable::default();
-    args.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString(queue_type.into()));
-    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
-    ch.queue_declare(queue.as_str().into(), durable, args).await.unwrap();
-    let rx = conn.create_channel().await.unwrap();
-    rx.basic_qos(100, BasicQosOptions::default()).await.unwrap();
-    let mut consumer = rx
-        .basic_consume(
-            queue.as_str().into(),
-            "flood".into(),
-            BasicConsumeOptions::default(),
-            lapin::types::FieldTable::default(),
-        )
-        .await
-        .unwrap();
     let (ticks, due_by) = schedule(per_second, secs, every);
     let total = (secs as usize) * per_second;
     let drained = async {
