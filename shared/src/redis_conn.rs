@@ -530,6 +530,12 @@ pub(crate) async fn redis_ms<C: redis::aio::ConnectionLike + Send>(conn: &mut C)
     Ok(ms_of(time))
 }
 
+/// Redis `TIME` in microseconds.
+pub(crate) async fn redis_us<C: redis::aio::ConnectionLike + Send>(conn: &mut C) -> redis::RedisResult<i64> {
+    let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
+    Ok(secs.saturating_mul(1_000_000).saturating_add(micros))
+}
+
 /// A `TIME` reply (seconds, microseconds) in milliseconds.
 fn ms_of((secs, micros): (i64, i64)) -> i64 {
     secs * 1000 + micros / 1000

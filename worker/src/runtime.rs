@@ -1001,9 +1001,10 @@ async fn redis_monitor(core: Arc<Core>, store: IdemStore, health: Health, shutdo
     let mut was_ok = None;
     let mut skewed = false;
     loop {
-        let ping = store.clock_offset_ms().await.map(|offset| {
-            core.set_clock_offset(offset);
-            metrics::gauge!(chime_shared::telemetry::WORKER_CLOCK_SKEW).set(offset as f64 / 1000.0);
+        let ping = store.clock_offset_us().await.map(|offset_us| {
+            core.set_clock_offset(offset_us);
+            let offset = offset_us / 1000;
+            metrics::gauge!(chime_shared::telemetry::WORKER_CLOCK_SKEW).set(offset_us as f64 / 1e6);
             if skewed != (offset.abs() > 1000) {
                 skewed = !skewed;
                 if skewed {

@@ -351,8 +351,9 @@ pub(crate) struct Core {
     jobs: RwLock<Arc<Jobs>>,
     pub registry: Registry,
     pub redis_ok: watch::Sender<bool>,
-    /// This host's clock less Redis's `TIME`, in ms (see [`Core::now`]), measured every second.
-    clock_offset_ms: std::sync::atomic::AtomicI64,
+    /// This host's clock less Redis's `TIME`, in µs, less the [`CLOCK_TOLERANCE_US`] (see
+    /// [`Core::now`]), measured every second.
+    clock_offset_us: std::sync::atomic::AtomicI64,
     /// Cancelled when shutdown begins: no new work, stop waiting on busy keys.
     pub intake_stopped: CancellationToken,
     /// Cancelled at the drain deadline: stop running handlers.
@@ -484,7 +485,7 @@ impl Core {
             jobs: RwLock::new(Arc::new(jobs)),
             registry,
             redis_ok: watch::channel(false).0,
-            clock_offset_ms: std::sync::atomic::AtomicI64::new(0),
+            clock_offset_us: std::sync::atomic::AtomicI64::new(0),
             intake_stopped: CancellationToken::new(),
             hard_stop: CancellationToken::new(),
             running: Mutex::new(HashMap::new()),
@@ -500,13 +501,14 @@ impl Core {
     /// waits and the instants written into headers are judged on the clock every worker and
     /// ticker shares, so a worker whose own clock is off does not expire runs on time.
     pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
-        let offset = self.clock_offset_ms.load(Ordering::Relaxed);
-        chrono::Utc::now() - chrono::Duration::milliseconds(offset)
+        let offset = self.clock_offset_us.load(Ordering::Relaxed);
+        chrono::Utc::now() - chrono::Duration::microseconds(offset)
     }
 
-    /// Records this host's clock less Redis's, in ms.
-    pub fn set_clock_offset(&self, ms: i64) {
-        self.clock_offset_ms.store(ms, Ordering::Relaxed);
+    /// Records this host's clock less Redis's, in µs: what is beyond [`CLOCK_TOLERANCE_US`]
+    /// either way is corrected; clocks closer than that are taken as agreeing.
+    pub fn set_clock_offset(&self, us: i64) {
+        self.clock_offset_us.store(beyond_tolerance(us), Ordering::Relaxed);
     }
 
     /// A run taken from `queue` says it waited this long (now less its `enqueued_at`): kept
@@ -647,10 +649,64 @@ impl Core {
     }
 }
 
+/// How far this host's clock may be from Redis's and still be taken as the same clock: a
+/// reading of the offset is off by up to half its round trip (a fraction of a millisecond,
+/// more on a busy host), so smaller offsets are noise. Correcting them would move every
+/// instant this worker stamps by that noise, a little differently each second.
+pub(crate) const CLOCK_TOLERANCE_US: i64 = 1_000;
+
+/// `offset_us` less [`CLOCK_TOLERANCE_US`] towards zero: 0 within it, and continuous beyond.
+fn beyond_tolerance(offset_us: i64) -> i64 {
+    if offset_us > CLOCK_TOLERANCE_US {
+        offset_us - CLOCK_TOLERANCE_US
+    } else if offset_us < -CLOCK_TOLERANCE_US {
+        offset_us + CLOCK_TOLERANCE_US
+    } else {
+        0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::handler::{JobContext, JobError};
+
+    #[test]
+    fn clocks_within_a_millisecond_of_redis_are_taken_as_agreeing() {
+        for us in [0, 1, -1, 999, -999, 1_000, -1_000] {
+            assert_eq!(beyond_tolerance(us), 0, "{us} µs is noise");
+        }
+        assert_eq!(beyond_tolerance(1_250), 250);
+        assert_eq!(beyond_tolerance(-2_000_000), -1_999_000);
+        assert_eq!(beyond_tolerance(i64::MIN), i64::MIN + CLOCK_TOLERANCE_US, "no overflow");
+    }
+
+    #[test]
+    fn now_corrects_only_the_offset_beyond_the_tolerance() {
+        let config = Config::from_toml_str("").unwrap();
+        let core = Core::new(config, Registry::new(), HashMap::new(), "test".into());
+        // Against the local clock read on either side: `now` must fall between them, shifted.
+        let shifted = |offset_us: i64| {
+            core.set_clock_offset(offset_us);
+            let before = chrono::Utc::now();
+            let now = core.now();
+            let after = chrono::Utc::now();
+            (before - now, after - now)
+        };
+        let (a, b) = shifted(900);
+        assert!(
+            a <= chrono::Duration::zero() && b >= chrono::Duration::zero(),
+            "900 µs ahead is noise: {a} {b}"
+        );
+        let (a, b) = shifted(-901);
+        assert!(
+            a <= chrono::Duration::zero() && b >= chrono::Duration::zero(),
+            "901 µs behind is noise: {a} {b}"
+        );
+        let (a, b) = shifted(5_000);
+        let four = chrono::Duration::microseconds(4_000);
+        assert!(a <= four && b >= four, "5 ms ahead: corrected by 4 ms ({a} {b})");
+    }
     use chime_shared::job::{Job, JobOptions};
 
     #[derive(serde::Serialize, serde::Deserialize)]
