@@ -1000,8 +1000,10 @@ fn default_prefetch(
 async fn redis_monitor(core: Arc<Core>, store: IdemStore, health: Health, shutdown: CancellationToken) {
     let mut was_ok = None;
     let mut skewed = false;
+    let mut readings = crate::state::ClockReadings::default();
     loop {
-        let ping = store.clock_offset_us().await.map(|offset_us| {
+        let ping = store.clock_offset_us().await.map(|(reading, round_trip)| {
+            let offset_us = readings.offset(reading, round_trip);
             core.set_clock_offset(offset_us);
             let offset = offset_us / 1000;
             metrics::gauge!(chime_shared::telemetry::WORKER_CLOCK_SKEW).set(offset_us as f64 / 1e6);

@@ -655,6 +655,28 @@ impl Core {
 /// instant this worker stamps by that noise, a little differently each second.
 pub(crate) const CLOCK_TOLERANCE_US: i64 = 1_000;
 
+/// The last few readings of the offset to Redis `TIME`: the one taken with the shortest round
+/// trip is the one to go by (its error, up to half the round trip, is the smallest; a
+/// reading on a busy host, its answer read late, is off by however late).
+#[derive(Default)]
+pub(crate) struct ClockReadings(std::collections::VecDeque<(i64, i64)>);
+
+/// How many readings (one a second) [`ClockReadings`] chooses from: a clock that steps is
+/// followed within that many seconds.
+const CLOCK_READINGS: usize = 8;
+
+impl ClockReadings {
+    /// Adds a reading (`offset_us`, taken over `round_trip_us`) and answers the offset of the
+    /// kept reading with the shortest round trip.
+    pub fn offset(&mut self, offset_us: i64, round_trip_us: i64) -> i64 {
+        if self.0.len() == CLOCK_READINGS {
+            self.0.pop_front();
+        }
+        self.0.push_back((offset_us, round_trip_us));
+        self.0.iter().min_by_key(|(_, rtt)| *rtt).map_or(offset_us, |(o, _)| *o)
+    }
+}
+
 /// `offset_us` less [`CLOCK_TOLERANCE_US`] towards zero: 0 within it, and continuous beyond.
 fn beyond_tolerance(offset_us: i64) -> i64 {
     if offset_us > CLOCK_TOLERANCE_US {
@@ -679,6 +701,18 @@ mod tests {
         assert_eq!(beyond_tolerance(1_250), 250);
         assert_eq!(beyond_tolerance(-2_000_000), -1_999_000);
         assert_eq!(beyond_tolerance(i64::MIN), i64::MIN + CLOCK_TOLERANCE_US, "no overflow");
+    }
+
+    #[test]
+    fn the_reading_with_the_shortest_round_trip_of_the_last_eight_is_gone_by() {
+        let mut r = ClockReadings::default();
+        assert_eq!(r.offset(300, 400), 300, "the first reading is all there is");
+        assert_eq!(r.offset(2_500, 5_000), 300, "a reading answered late is not taken");
+        assert_eq!(r.offset(-100, 200), -100, "a quicker one is");
+        for _ in 0..7 {
+            assert_eq!(r.offset(600_000, 900), -100, "a step is not taken while the quick reading is kept");
+        }
+        assert_eq!(r.offset(600_000, 900), 600_000, "the step is followed within eight readings");
     }
 
     #[test]

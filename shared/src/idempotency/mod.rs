@@ -900,16 +900,18 @@ impl IdemStore {
 
     /// The health probe: Redis `TIME` on the probe pool's own connection, within the
     /// configured timeout; answers how far this host's clock is ahead of Redis's (negative:
-    /// behind), in microseconds, the round trip halved. Whole milliseconds would not do: the
-    /// three truncations (this clock, Redis's, the half round trip) alone move a reading by
-    /// up to two of them from one second to the next on hosts whose clocks agree.
-    pub async fn clock_offset_us(&self) -> Result<i64, IdemError> {
+    /// behind), in microseconds, the round trip halved, and that round trip (the reading's
+    /// error is up to half of it). Whole milliseconds would not do: the three truncations
+    /// (this clock, Redis's, the half round trip) alone move a reading by up to two of them
+    /// from one second to the next on hosts whose clocks agree.
+    pub async fn clock_offset_us(&self) -> Result<(i64, i64), IdemError> {
         let probe = async {
             let mut conn = (*self.probes).clone();
             let (sent, started) = (chrono::Utc::now(), std::time::Instant::now());
             let redis_us = crate::redis_conn::redis_us(&mut conn).await?;
-            let half = i64::try_from(started.elapsed().as_micros() / 2).unwrap_or(0);
-            Ok::<_, IdemError>(sent.timestamp_micros().saturating_add(half).saturating_sub(redis_us))
+            let round_trip = i64::try_from(started.elapsed().as_micros()).unwrap_or(i64::MAX);
+            let offset = sent.timestamp_micros().saturating_add(round_trip / 2).saturating_sub(redis_us);
+            Ok::<_, IdemError>((offset, round_trip))
         };
         tokio::time::timeout(self.timeout, probe)
             .await
