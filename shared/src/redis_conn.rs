@@ -526,8 +526,7 @@ pub async fn redis_now<C: redis::aio::ConnectionLike + Send>(
 
 /// Redis `TIME` in milliseconds.
 pub(crate) async fn redis_ms<C: redis::aio::ConnectionLike + Send>(conn: &mut C) -> redis::RedisResult<i64> {
-    let time: (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
-    Ok(ms_of(time))
+    Ok(redis_us(conn).await?.div_euclid(1000))
 }
 
 /// Redis `TIME` in microseconds.
