@@ -235,8 +235,12 @@ fn check_tls(section: &str, tls_url: bool, tls: &TlsConfig, scheme: &str) -> Res
         .map_err(|e| ConfigError::invalid(e.key, e.message))
 }
 
-/// `host:port` → (host, port); `[v6]:port` gives the address without brackets.
+/// `host:port` → (host, port); `[v6]:port` gives the address without brackets. A user
+/// (`user:password@host:port`) or a path is not a host.
 pub fn host_port(s: &str) -> Option<(String, u16)> {
+    if s.contains(['@', '/']) {
+        return None;
+    }
     let (host, port) = s.rsplit_once(':')?;
     let port: u16 = port.parse().ok()?;
     (!host.is_empty() && port != 0).then(|| (host.trim_matches(['[', ']']).to_string(), port))
@@ -779,6 +783,21 @@ mod tests {
             ("[worker]\nlisten = \":9090\"\n", "worker.listen: \":9090\": no host before the port"),
             ("[worker]\nlisten = \"::1:9090\"\n", "worker.listen: \"::1:9090\": no host before the port"),
             ("[worker]\nlisten = \"localhost:99999\"\n", "port \"99999\" is not 0 to 65535"),
+            // A password in a listen address or a node list is never echoed (a fuzz case once
+            // showed the port part of `amqp://u:PW@h/` quoted whole).
+            (
+                "[worker]\nlisten = \"amqp://u:Sup3rSecretPw@h/\"\n",
+                "worker.listen: \"amqp://u:***@h/\" is a URL or names a user",
+            ),
+            ("[ticker]\nlisten = \"u:Sup3rSecretPw@h:9090\"\n", "ticker.listen: \"u:***@h:9090\" is a URL"),
+            (
+                "[redis]\nsentinels = [\"u:Sup3rSecretPw@h:26379\"]\nmaster_name = \"m\"\n",
+                "redis.sentinels[0]: \"u:***@h:26379\" is not host:port",
+            ),
+            (
+                "[redis]\ncluster = [\"u:Sup3rSecretPw@h\"]\n",
+                "redis.cluster[0]: \"u:***@h\" is not host:port",
+            ),
             (
                 "[worker]\nqueues = [\"a\", \"b\", \"a\"]\n",
                 "worker.queues[2]: \"a\" is given twice (also worker.queues[0])",
@@ -786,6 +805,7 @@ mod tests {
         ] {
             let e = err(text);
             assert!(e.contains(says), "{text}: {e}");
+            assert!(!e.contains("Sup3rSecretPw"), "{text}: {e}");
         }
         // A spool directory that is a file could never take a job.
         let file = std::env::temp_dir().join(format!("chime-spool-file-{}", std::process::id()));

@@ -1020,6 +1020,11 @@ async fn redis_monitor(core: Arc<Core>, store: IdemStore, health: Health, shutdo
             }
         });
         let ok = ping.is_ok();
+        if !ok {
+            // The Redis that answers next may be another host (a failover): follow its clock
+            // from its first reading.
+            readings = crate::state::ClockReadings::default();
+        }
         if was_ok != Some(ok) {
             let url = core.config.redis.endpoint();
             match ping {

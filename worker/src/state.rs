@@ -352,7 +352,8 @@ pub(crate) struct Core {
     pub registry: Registry,
     pub redis_ok: watch::Sender<bool>,
     /// This host's clock less Redis's `TIME`, in µs, less the [`CLOCK_TOLERANCE_US`] (see
-    /// [`Core::now`]), measured every second.
+    /// [`Core::now`]): of the readings taken every second, the best of the last few
+    /// ([`ClockReadings`]).
     clock_offset_us: std::sync::atomic::AtomicI64,
     /// Cancelled when shutdown begins: no new work, stop waiting on busy keys.
     pub intake_stopped: CancellationToken,
@@ -662,7 +663,8 @@ pub(crate) const CLOCK_TOLERANCE_US: i64 = 1_000;
 pub(crate) struct ClockReadings(std::collections::VecDeque<(i64, i64)>);
 
 /// How many readings (one a second) [`ClockReadings`] chooses from: a clock that steps is
-/// followed within that many seconds.
+/// followed within that many seconds; after Redis failed to answer (it may come back as
+/// another host) the readings start afresh.
 const CLOCK_READINGS: usize = 8;
 
 impl ClockReadings {

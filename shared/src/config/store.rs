@@ -115,7 +115,7 @@ impl RedisConfig {
                 if host_port(node).is_none() {
                     return Err(ConfigError::invalid(
                         format!("{key}[{i}]"),
-                        format!("{node:?} is not host:port"),
+                        format!("{:?} is not host:port", redact(node)),
                     ));
                 }
             }

@@ -121,6 +121,13 @@ impl Default for TickerConfig {
 /// daemon does not fail to start on an address its config check passed.
 pub fn check_listen(addr: &str) -> Result<(), String> {
     let example = "expected HOST:PORT, e.g. 127.0.0.1:9090";
+    if addr.contains('@') || addr.contains("://") {
+        // Never quote a part of it: what follows a user is a password.
+        return Err(format!(
+            "{:?} is a URL or names a user; a listen address is only where to listen ({example})",
+            redact(addr)
+        ));
+    }
     let Some((host, port)) = addr.rsplit_once(':') else {
         return Err(format!("{addr:?} has no port ({example})"));
     };
