@@ -12,7 +12,7 @@ use backon::Retryable;
 use chime_shared::envelope::{Envelope, header_str, pack, put_header};
 use chime_shared::history::{self, Outcome, RunEvent};
 use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, Recorded, Renewal};
-use chime_shared::limit::SlotTake;
+use chime_shared::limit::{ClaimWith, SlotTake};
 use chime_shared::record::StoredResult;
 use chime_shared::telemetry::{self, outcome};
 use chime_shared::trace::{self, TraceContext};
@@ -213,7 +213,8 @@ async fn global_slot<'a, S: KeyStore>(
 
 /// What a run's rate limit says.
 enum Gate {
-    Go,
+    /// It starts now, its key claimed already when the decision could claim it.
+    Go(Option<Result<Claim, IdemError>>),
     /// Its start is further off than `worker.max_hold` (or no in-place wait is free).
     Park(Duration, Park),
     /// Intake stopped while it waited.
@@ -237,14 +238,18 @@ fn rate_park(wait: Duration) -> Duration {
 /// whole seconds, and a loaded chain returns copies late): a copy should be back a little
 /// early and wait the rest in place. However late copies come back, starts stay spaced by
 /// the limit (see `chime_shared::limit`).
+///
+/// With `claim` (the run takes nothing else between its start and its claim), a run that
+/// may start at once has its key claimed in the same round trip.
 async fn rate_gate<S: KeyStore>(
     core: &Core,
     store: &S,
     spec: &JobSpec,
     env: &Envelope,
     incoming: &Incoming,
+    claim: Option<ClaimWith>,
 ) -> Result<Gate, IdemError> {
-    let Some(limit) = &spec.rate else { return Ok(Gate::Go) };
+    let Some(limit) = &spec.rate else { return Ok(Gate::Go(None)) };
     let key = rate_key(core, limit, env);
     let ticket = header_str(&incoming.properties, RATE_AT).and_then(|s| s.parse::<u64>().ok());
     let rate = &limit.limit.rate;
@@ -252,12 +257,12 @@ async fn rate_gate<S: KeyStore>(
     let mut hold =
         if max_hold >= Duration::from_secs(1) { core.holds.clone().try_acquire_owned().ok() } else { None };
     let horizon = if hold.is_some() { max_hold } else { IN_PLACE };
-    let take = store.take_rate(key, rate.interval_us(), rate.burst, ticket, horizon).await?;
+    let take = store.take_rate(key, rate.interval_us(), rate.burst, ticket, horizon, claim).await?;
     if !take.admitted {
         return Ok(Gate::Park(rate_park(take.wait), Park::RateLimit { ticket_us: take.ticket_us }));
     }
-    if take.wait.is_zero() {
-        return Ok(Gate::Go);
+    if take.wait.is_zero() || take.claim.is_some() {
+        return Ok(Gate::Go(take.claim));
     }
     if take.wait < IN_PLACE {
         hold = None;
@@ -268,7 +273,7 @@ async fn rate_gate<S: KeyStore>(
         _ = core.intake_stopped.cancelled() => return Ok(Gate::Stopped),
     }
     drop(hold);
-    Ok(if take_again(core, &incoming.slot, worker_wide).await { Gate::Go } else { Gate::Stopped })
+    Ok(if take_again(core, &incoming.slot, worker_wide).await { Gate::Go(None) } else { Gate::Stopped })
 }
 
 /// How long any rate-limited run may wait in place without one of the worker's in-place
@@ -728,7 +733,7 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         let (key, owner) = (env.key.to_string(), core.owner_token());
         let version = chime_shared::idempotency::version_of(&env);
         return match decision::on_claim(
-            claim(core, store, &key, &owner, (version, env.attempt)).await.as_ref().cloned(),
+            claim(core, store, &key, &owner, (version, env.attempt), None).await.as_ref().cloned(),
         ) {
             AfterClaim::Run(fence) => {
                 let held = Held { key, owner, fence, result: None };
@@ -770,8 +775,14 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
             return Verdict::unheld(Plan::DeadLetter(dead), env, Some(spec));
         }
     };
-    match rate_gate(core, store, &spec, &env, incoming).await {
-        Ok(Gate::Go) => {}
+    let owner = core.owner_token();
+    let key = env.key.to_string();
+    let version = chime_shared::idempotency::version_of(&env);
+    // Claimed with the rate decision when nothing else is taken between them.
+    let claim_with = (spec.rate.is_some() && spec.limit.is_none() && spec.global.is_none())
+        .then(|| ClaimWith { key: key.clone(), owner: owner.clone(), version, attempt: env.attempt });
+    let claimed = match rate_gate(core, store, &spec, &env, incoming, claim_with).await {
+        Ok(Gate::Go(claimed)) => claimed,
         Ok(Gate::Park(delay, why)) => {
             return Verdict::unheld(Plan::Redelay { delay, why: Redelay::Parked(why) }, env, Some(spec));
         }
@@ -780,7 +791,7 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
             slot_error(core, &e);
             return Verdict::unheld(decision::on_redis_error(&e), env, Some(spec));
         }
-    }
+    };
     // Held until the run is over (dropped at the end of this function).
     let _job_permit = match &spec.limit {
         Some(limit) => match job_permit(core, limit, &incoming.slot).await {
@@ -789,7 +800,6 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         },
         None => None,
     };
-    let owner = core.owner_token();
     let parks: u32 = header_str(&incoming.properties, SLOT_PARKS).and_then(|s| s.parse().ok()).unwrap_or(0);
     let _global_slot = match spec.global {
         Some(limit) => {
@@ -808,9 +818,7 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         }
         None => None,
     };
-    let key = env.key.to_string();
-    let claim =
-        claim(core, store, &key, &owner, (chime_shared::idempotency::version_of(&env), env.attempt)).await;
+    let claim = claim(core, store, &key, &owner, (version, env.attempt), claimed).await;
     let checkpoint = match &claim {
         Ok(Claim::Claimed { checkpoint, .. }) => checkpoint.clone(),
         _ => None,
@@ -865,15 +873,20 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     Verdict::Held { env, spec, held, plan, run: Some(RunFacts { started_at, duration, error }) }
 }
 
-/// Claims `key` for `owner`; a failure is logged (and an unreachable Redis pauses the intake).
+/// Claims `key` for `owner` (unless the rate decision `claimed` it already); a failure is
+/// logged (and an unreachable Redis pauses the intake).
 async fn claim<S: KeyStore>(
     core: &Core,
     store: &S,
     key: &str,
     owner: &str,
     (version, attempt): (u64, u32),
+    claimed: Option<Result<Claim, IdemError>>,
 ) -> Result<Claim, IdemError> {
-    let claim = store.claim(key, owner, version, attempt).await;
+    let claim = match claimed {
+        Some(claim) => claim,
+        None => store.claim(key, owner, version, attempt).await,
+    };
     match &claim {
         Err(e) if e.is_bad_record() => {
             warn!(error = %e, "the key's record is unreadable; dead-lettering this delivery")

@@ -11,7 +11,7 @@ use chime_shared::delay;
 use chime_shared::envelope::{Envelope, Upstream, Wait};
 use chime_shared::history::RunEvent;
 use chime_shared::idempotency::{Claim, DeadInfo, Final, IdemError, IdemStore, Recorded, Renewal};
-use chime_shared::limit::{RateTake, SlotTake};
+use chime_shared::limit::{ClaimWith, RateTake, SlotTake};
 use chime_shared::record::KeyState;
 use chime_shared::topology::Names;
 use chime_shared::workflow::UpstreamRun;
@@ -74,7 +74,9 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<SlotTake, IdemError>> + Send;
     /// Frees `owner`'s slot of `job` (best-effort, nobody waits).
     fn free_slot(&self, job: &str, owner: &str);
-    /// When a run may start by rate bucket `key`: reserves a start, or keeps `reserved`.
+    /// When a run may start by rate bucket `key`: reserves a start, or keeps `reserved`. With
+    /// `claim`, a run that may start at once may have its key claimed in the same call
+    /// ([`RateTake::claim`]).
     fn take_rate(
         &self,
         key: String,
@@ -82,6 +84,7 @@ pub(crate) trait KeyStore: Send + Sync + 'static {
         burst: u32,
         ticket: Option<u64>,
         horizon: Duration,
+        claim: Option<ClaimWith>,
     ) -> impl Future<Output = Result<RateTake, IdemError>> + Send;
     /// Holds rate bucket `key` for `hold`, for every worker (the downstream pushed back).
     fn slow_rate(
@@ -155,8 +158,9 @@ impl KeyStore for IdemStore {
         burst: u32,
         ticket: Option<u64>,
         horizon: Duration,
+        claim: Option<ClaimWith>,
     ) -> impl Future<Output = Result<RateTake, IdemError>> + Send {
-        IdemStore::take_rate(self, key, interval_us, burst, ticket, horizon)
+        IdemStore::take_rate(self, key, interval_us, burst, ticket, horizon, claim)
     }
     fn slow_rate(
         &self,

@@ -30,7 +30,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 use tokio::sync::oneshot;
 
-use super::{IdemError, IdemStore, Op, evalsha};
+use super::{CLAIM_FN, Claim, IdemError, IdemStore, Op, PRELUDE, evalsha, parse_claim};
 
 /// KEYS[1] the job's slots; ARGV owner, limit, lease_ms → `{1, 0}`: the owner holds a slot
 /// until now + lease (taken, or renewed when it held one already); `{0, ms}`: every slot is
@@ -50,24 +50,29 @@ return {0, math.max(0, tonumber(first[2]) - now)}",
     )
 });
 
-/// KEYS[1] a rate bucket; ARGV one or more asks of four values each, decided in order:
-/// interval_us, burst, ticket_us (the run's ticket from an earlier ask, or 0 for a new one),
-/// horizon_us (how long it may wait in place) → for each ask `ticket_us, admitted, wait_us`:
-/// admitted 1, it starts in `wait_us` (≤ horizon; that start is its own); admitted 0, it
-/// comes back in about `wait_us` (its ticket is further off than the horizon, or it is due
-/// but every start within the horizon is taken). The asks of one bucket that wait for the
-/// same pipeline are one call (a returning pack's members, a flood's copies): one read and
-/// one write of the bucket instead of one script each.
+/// KEYS[1] a rate bucket, then the idempotency keys the asks may claim; ARGV one or more
+/// asks of ten values each, decided in order: interval_us, burst, ticket_us (the run's ticket
+/// from an earlier ask, or 0 for a new one), horizon_us (how long it may wait in place), then
+/// the index in KEYS of the run's key (0: claim nothing) and the claim's owner, lease_ms,
+/// retention_ms, version and attempt (see `CLAIM`) → for each ask `ticket_us, admitted,
+/// wait_us, claim`: admitted 1, it starts in `wait_us` (≤ horizon; that start is its own);
+/// admitted 0, it comes back in about `wait_us` (its ticket is further off than the horizon,
+/// or it is due but every start within the horizon is taken). A run that starts at once
+/// (admitted, no wait) with a key to claim has it claimed in the same call: `claim` is the
+/// claim's reply (`{'bad', error}` when the key's record is not a chime record), else 0. The
+/// asks of one bucket that wait for the same pipeline are one call (a returning pack's
+/// members, a flood's copies): one read and one write of the bucket instead of one script
+/// each.
 static RATE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    Script::new(&format!(
+        r"{PRELUDE}
+{CLAIM_FN}
 local v = redis.call('HMGET', KEYS[1], 't', 'a', 'h')
 local hold = tonumber(v[3]) or 0
 local q, a = tonumber(v[1]) or now, tonumber(v[2]) or now
 local newq, newa = false, false
-local out = {}
-for i = 1, #ARGV, 4 do
+local out = {{}}
+for i = 1, #ARGV, 10 do
   local T, b, ticket, horizon = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
   if ticket <= 0 then
     q = math.max(q, now) + T
@@ -83,15 +88,21 @@ for i = 1, #ARGV, 4 do
       admitted, a, newa = 1, next, true
     end
   end
-  out[#out + 1] = string.format('%.0f', ticket)
+  local claimed, k = 0, tonumber(ARGV[i + 4])
+  if admitted == 1 and wait <= 0 and k > 0 then
+    local ok, c = pcall(claim, KEYS[k], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7], ARGV[i + 8], ARGV[i + 9])
+    if ok then claimed = c else claimed = {{'bad', type(c) == 'table' and tostring(c.err) or tostring(c)}} end
+  end
+  out[#out + 1] = int(ticket)
   out[#out + 1] = admitted
-  out[#out + 1] = string.format('%.0f', math.max(wait, 0))
+  out[#out + 1] = int(math.max(wait, 0))
+  out[#out + 1] = claimed
 end
-if newq then redis.call('HSET', KEYS[1], 't', string.format('%.0f', q)) end
-if newa then redis.call('HSET', KEYS[1], 'a', string.format('%.0f', a)) end
+if newq then redis.call('HSET', KEYS[1], 't', int(q)) end
+if newa then redis.call('HSET', KEYS[1], 'a', int(a)) end
 redis.call('PEXPIRE', KEYS[1], math.ceil((math.max(q, a, hold) - now) / 1000) + 1000)
-return out",
-    )
+return out"
+    ))
 });
 
 /// KEYS[1] a rate bucket; ARGV hold_us, interval_us, burst → the bucket holds every start
@@ -121,12 +132,29 @@ pub(crate) fn scripts() -> [&'static Script; 3] {
 pub(crate) type RateReply = oneshot::Sender<Result<RateTake, IdemError>>;
 
 /// One ask of [`IdemStore::take_rate`], as the rate script takes it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct RateAsk {
     interval_us: u64,
     burst: u32,
     ticket_us: u64,
     horizon_us: u64,
+    /// The run's key to claim if it may start at once: its Redis name, then the claim's
+    /// owner, lease_ms, retention_ms, version and attempt.
+    claim: Option<(String, [String; 5])>,
+}
+
+/// The run a rate decision claims when it lets the run start at once
+/// ([`IdemStore::take_rate`]): what [`IdemStore::claim_copy`] takes.
+#[derive(Debug, Clone)]
+pub struct ClaimWith {
+    /// The job key.
+    pub key: String,
+    /// The attempt's owner token.
+    pub owner: String,
+    /// The copy's version (`version_of`).
+    pub version: u64,
+    /// The copy's attempt.
+    pub attempt: u32,
 }
 
 /// The rate asks of one pipeline, by bucket, each bucket's in the order they came.
@@ -153,26 +181,41 @@ impl Merged {
     /// One script call per bucket, with the callers it answers.
     pub(crate) fn calls(self) -> impl Iterator<Item = (Cmd, Vec<RateReply>)> {
         self.buckets.into_iter().map(|(key, asks, txs)| {
-            let mut cmd = evalsha(&RATE, key);
+            let claims = asks.iter().filter(|a| a.claim.is_some()).count();
+            let mut cmd = Cmd::with_capacity(4 + claims + asks.len() * 10, 64 + asks.len() * 160);
+            cmd.arg("EVALSHA").arg(RATE.get_hash()).arg(1 + claims).arg(key);
+            for (name, _) in asks.iter().filter_map(|a| a.claim.as_ref()) {
+                cmd.arg(name);
+            }
+            let mut index = 1;
             for a in asks {
                 cmd.arg(a.interval_us).arg(a.burst).arg(a.ticket_us).arg(a.horizon_us);
+                match &a.claim {
+                    Some((_, args)) => {
+                        index += 1;
+                        cmd.arg(index).arg(args);
+                    }
+                    None => {
+                        cmd.arg(0).arg(&[""; 5]);
+                    }
+                }
             }
             (cmd, txs)
         })
     }
 }
 
-/// Answers the callers of one merged rate call from its reply (three values per ask).
+/// Answers the callers of one merged rate call from its reply (four values per ask).
 pub(crate) fn answer_rates(txs: Vec<RateReply>, answer: Result<Value, IdemError>) {
     let values = match answer {
-        Ok(Value::Array(values)) if values.len() == txs.len() * 3 => values,
+        Ok(Value::Array(values)) if values.len() == txs.len() * 4 => values,
         Ok(other) => {
             let e = IdemError::Protocol(format!("rate script replied {other:?} to {} asks", txs.len()));
             return txs.into_iter().for_each(|tx| drop(tx.send(Err(e.clone()))));
         }
         Err(e) => return txs.into_iter().for_each(|tx| drop(tx.send(Err(e.clone())))),
     };
-    for (tx, v) in txs.into_iter().zip(values.chunks(3)) {
+    for (tx, v) in txs.into_iter().zip(values.chunks(4)) {
         let _ = tx.send(rate_take(v));
     }
 }
@@ -183,16 +226,26 @@ fn rate_take(v: &[Value]) -> Result<RateTake, IdemError> {
         redis::from_redis_value_ref::<u8>(&v[1]).ok(),
         redis::from_redis_value_ref::<String>(&v[2]).ok().and_then(|s| s.parse::<u64>().ok()),
     );
+    let claim = match &v[3] {
+        Value::Array(reply) => Some(match reply.first() {
+            Some(first) if redis::from_redis_value_ref::<String>(first).is_ok_and(|s| s == "bad") => {
+                let why = reply.get(1).and_then(|e| redis::from_redis_value_ref::<String>(e).ok());
+                Err(IdemError::BadRecord(why.unwrap_or_default()))
+            }
+            _ => parse_claim(reply),
+        }),
+        _ => None,
+    };
     match parsed {
         (Some(ticket_us), Some(admitted), Some(wait_us)) => {
-            Ok(RateTake { ticket_us, admitted: admitted == 1, wait: Duration::from_micros(wait_us) })
+            Ok(RateTake { ticket_us, admitted: admitted == 1, wait: Duration::from_micros(wait_us), claim })
         }
         _ => Err(IdemError::Protocol(format!("rate script replied {v:?}"))),
     }
 }
 
 /// Answer of [`IdemStore::take_rate`]: when the run may start.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct RateTake {
     /// The run's ticket, in µs of Redis time (carry it when the run is parked).
     pub ticket_us: u64,
@@ -201,6 +254,10 @@ pub struct RateTake {
     pub admitted: bool,
     /// Until it starts (admitted; zero: at once) or should ask again.
     pub wait: Duration,
+    /// The claim of its key made in the same call ([`ClaimWith`]; only when it starts at
+    /// once, and never on Redis Cluster, where the key and the bucket may be on two nodes):
+    /// `None` when none was made, and the caller claims as usual.
+    pub claim: Option<Result<Claim, IdemError>>,
 }
 
 /// Answer of [`IdemStore::take_slot`].
@@ -234,7 +291,8 @@ impl IdemStore {
 
     /// Asks rate bucket `key` (`Names::rate`) whether a run may start within `horizon` (the
     /// wait it may do in place), giving it a ticket unless it brings one (µs, from an earlier
-    /// answer).
+    /// answer). With `claim`, a run that may start at once has its key claimed in the same
+    /// round trip ([`RateTake::claim`]; not on Redis Cluster).
     pub async fn take_rate(
         &self,
         key: String,
@@ -242,12 +300,24 @@ impl IdemStore {
         burst: u32,
         ticket: Option<u64>,
         horizon: Duration,
+        claim: Option<ClaimWith>,
     ) -> Result<RateTake, IdemError> {
+        let claim = claim.filter(|_| self.conn.kind() != "cluster").map(|c| {
+            let args = [
+                c.owner,
+                IdemStore::ms(self.lease()).to_string(),
+                IdemStore::ms(self.retention()).to_string(),
+                c.version.to_string(),
+                c.attempt.to_string(),
+            ];
+            (self.names().idem_key(&c.key), args)
+        });
         let ask = RateAsk {
             interval_us,
             burst,
             ticket_us: ticket.unwrap_or(0),
             horizon_us: u64::try_from(horizon.as_micros()).unwrap_or(u64::MAX),
+            claim,
         };
         let (reply, answer) = oneshot::channel();
         self.batcher().send(Op::Rate { key, ask, reply }).map_err(|_| IdemError::batcher_stopped())?;

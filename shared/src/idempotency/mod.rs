@@ -67,27 +67,35 @@ local now_ms = math.floor(now / 1000) local function int(x) return string.format
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{PRELUDE}
-local h = redis.call('HMGET', KEYS[1], 's', 'o', 'u', 'f', 'r', 'e', 'a', 'cp', 'v', 'na')
-local s, fence = h[1], tonumber(h[4]) or 0
-local version, attempt = tonumber(ARGV[4] or ''), tonumber(ARGV[5] or '')
-if s == 'cancelled' then return {{s, fence, 0}} end
-if h[9] and version and version < tonumber(h[9]) then return {{'superseded', fence, 0}} end
-if s == 'done' or s == 'dead' then return {{s, fence, 0}} end
-if s == 'dying' then
-  if h[2] ~= ARGV[1] and (tonumber(h[3]) or 0) > now_ms then return {{'busy', fence, tonumber(h[3]) - now_ms}} end
-  redis.call('HSET', KEYS[1], 'o', ARGV[1], 'u', int(now_ms + tonumber(ARGV[2])))
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return {{'dying', fence, 0, h[5] or '', h[6] or '', tonumber(h[7]) or 0}}
-end
-if s == 'run' and h[2] == ARGV[1] then return {{'claimed', fence, 0, '', '', 0, h[8]}} end
-if s == 'run' and (tonumber(h[3]) or 0) > now_ms then return {{'busy', fence, tonumber(h[3]) - now_ms}} end
-if attempt and h[10] and attempt < tonumber(h[10]) then return {{'stale', fence, 0}} end
-fence = math.max(fence + 1, now)
-redis.call('HSET', KEYS[1], 's', 'run', 'o', ARGV[1], 'u', int(now_ms + tonumber(ARGV[2])), 'f', int(fence), 'c', int(now_ms))
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {{'claimed', fence, 0, '', '', 0, h[8]}}"
+{CLAIM_FN}
+return claim(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])"
     ))
 });
+
+/// The body of [`CLAIM`] as a Lua function `claim(key, owner, lease_ms, retention_ms,
+/// version, attempt)` (after [`PRELUDE`]), for the scripts that claim a key among other
+/// work (the rate decision that lets a run start at once claims its key in the same call).
+pub(crate) const CLAIM_FN: &str = r"local function claim(key, owner, lease_ms, retention_ms, version, attempt)
+local h = redis.call('HMGET', key, 's', 'o', 'u', 'f', 'r', 'e', 'a', 'cp', 'v', 'na')
+local s, fence = h[1], tonumber(h[4]) or 0
+version, attempt = tonumber(version or ''), tonumber(attempt or '')
+if s == 'cancelled' then return {s, fence, 0} end
+if h[9] and version and version < tonumber(h[9]) then return {'superseded', fence, 0} end
+if s == 'done' or s == 'dead' then return {s, fence, 0} end
+if s == 'dying' then
+  if h[2] ~= owner and (tonumber(h[3]) or 0) > now_ms then return {'busy', fence, tonumber(h[3]) - now_ms} end
+  redis.call('HSET', key, 'o', owner, 'u', int(now_ms + tonumber(lease_ms)))
+  redis.call('PEXPIRE', key, retention_ms)
+  return {'dying', fence, 0, h[5] or '', h[6] or '', tonumber(h[7]) or 0}
+end
+if s == 'run' and h[2] == owner then return {'claimed', fence, 0, '', '', 0, h[8]} end
+if s == 'run' and (tonumber(h[3]) or 0) > now_ms then return {'busy', fence, tonumber(h[3]) - now_ms} end
+if attempt and h[10] and attempt < tonumber(h[10]) then return {'stale', fence, 0} end
+fence = math.max(fence + 1, now)
+redis.call('HSET', key, 's', 'run', 'o', owner, 'u', int(now_ms + tonumber(lease_ms)), 'f', int(fence), 'c', int(now_ms))
+redis.call('PEXPIRE', key, retention_ms)
+return {'claimed', fence, 0, '', '', 0, h[8]}
+end";
 
 /// KEYS[1]; ARGV owner, lease_ms, retention_ms → `{answer, fence}`: `renewed`; `lost` (another
 /// owner or state holds the key); `recreated` (the record was gone: Redis lost data; it is
@@ -598,7 +606,8 @@ struct Trim {
 /// when the previous pipeline returns are written as the next pipeline, in one write, and
 /// their replies read back together. Under load that turns a syscall and a cross-thread
 /// wake-up per call into one per batch; when idle, a call costs one round trip as before.
-/// Each call is still its own single-key script, so Redis Cluster works.
+/// Each call is its own single-key script, so Redis Cluster works (a rate decision that claims
+/// the run's key, two keys in one script, is never sent to a cluster).
 #[derive(Clone)]
 pub struct IdemStore {
     conn: RedisConn,
@@ -759,32 +768,7 @@ impl IdemStore {
             None => cmd.arg(""),
         };
         let reply: Vec<Value> = self.call(cmd).await?;
-        // A missing field is Nil: no conversion (a failed one formats an error message).
-        let text = |i: usize| match reply.get(i) {
-            None | Some(Value::Nil) => None,
-            Some(v) => redis::from_redis_value::<String>(v.clone()).ok(),
-        };
-        let num =
-            |i: usize| reply.get(i).and_then(|v| redis::from_redis_value::<u64>(v.clone()).ok()).unwrap_or(0);
-        let (fence, third) = (num(1), num(2));
-        Ok(match text(0).as_deref() {
-            Some("claimed") => Claim::Claimed { fence, checkpoint: text(6) },
-            Some("done") => Claim::Done { fence },
-            Some("dead") => Claim::Dead { fence },
-            Some("cancelled") => Claim::Cancelled { fence },
-            Some("superseded") => Claim::Superseded { fence },
-            Some("stale") => Claim::Stale { fence },
-            Some("busy") => Claim::Busy { fence, remaining: Duration::from_millis(third) },
-            Some("dying") => Claim::Dying {
-                fence,
-                dead: DeadInfo {
-                    reason: text(3).unwrap_or_default(),
-                    error: text(4).unwrap_or_default(),
-                    attempts: u32::try_from(num(5)).unwrap_or(u32::MAX),
-                },
-            },
-            other => return Err(IdemError::BadRecord(format!("claim answered {other:?}"))),
-        })
+        parse_claim(&reply)
     }
 
     /// Extends our lease and the record's TTL; re-creates a record Redis lost.
@@ -926,6 +910,36 @@ pub(crate) fn evalsha(script: &Script, key: String) -> Cmd {
     cmd.arg("EVALSHA");
     cmd.arg(script.get_hash()).arg(1).arg(key);
     cmd
+}
+
+/// A claim script's reply (see [`CLAIM`]).
+pub(crate) fn parse_claim(reply: &[Value]) -> Result<Claim, IdemError> {
+    // A missing field is Nil: no conversion (a failed one formats an error message).
+    let text = |i: usize| match reply.get(i) {
+        None | Some(Value::Nil) => None,
+        Some(v) => redis::from_redis_value::<String>(v.clone()).ok(),
+    };
+    let num =
+        |i: usize| reply.get(i).and_then(|v| redis::from_redis_value::<u64>(v.clone()).ok()).unwrap_or(0);
+    let (fence, third) = (num(1), num(2));
+    Ok(match text(0).as_deref() {
+        Some("claimed") => Claim::Claimed { fence, checkpoint: text(6) },
+        Some("done") => Claim::Done { fence },
+        Some("dead") => Claim::Dead { fence },
+        Some("cancelled") => Claim::Cancelled { fence },
+        Some("superseded") => Claim::Superseded { fence },
+        Some("stale") => Claim::Stale { fence },
+        Some("busy") => Claim::Busy { fence, remaining: Duration::from_millis(third) },
+        Some("dying") => Claim::Dying {
+            fence,
+            dead: DeadInfo {
+                reason: text(3).unwrap_or_default(),
+                error: text(4).unwrap_or_default(),
+                attempts: u32::try_from(num(5)).unwrap_or(u32::MAX),
+            },
+        },
+        other => return Err(IdemError::BadRecord(format!("claim answered {other:?}"))),
+    })
 }
 
 /// The batching task's queue in `slot`, starting the task on `conn` if needed.

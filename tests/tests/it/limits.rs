@@ -561,7 +561,7 @@ async fn copies_back_late_together_start_an_interval_apart() {
     let (interval, burst) = (10_000u64, 1u32); // 100/s
     let mut tickets = Vec::new();
     for _ in 0..50 {
-        let take = store.take_rate(key.clone(), interval, burst, None, Duration::ZERO).await.unwrap();
+        let take = store.take_rate(key.clone(), interval, burst, None, Duration::ZERO, None).await.unwrap();
         tickets.push(take.ticket_us);
     }
     assert!(tickets.windows(2).all(|w| w[1] >= w[0] + interval), "tickets in line: {tickets:?}");
@@ -584,7 +584,7 @@ async fn copies_back_late_together_start_an_interval_apart() {
     for t in &tickets {
         let sent = std::time::Instant::now();
         let take = store
-            .take_rate(key.clone(), interval, burst, Some(*t), Duration::from_millis(200))
+            .take_rate(key.clone(), interval, burst, Some(*t), Duration::from_millis(200), None)
             .await
             .unwrap();
         let received = std::time::Instant::now();
@@ -614,7 +614,7 @@ async fn copies_back_late_together_start_an_interval_apart() {
     // its turn comes within its wait: asking slowly lets the line move that far) is after
     // every start given to them.
     let fresh =
-        store.take_rate(key.clone(), interval, burst, None, Duration::from_millis(200)).await.unwrap();
+        store.take_rate(key.clone(), interval, burst, None, Duration::from_millis(200), None).await.unwrap();
     assert!(fresh.ticket_us > *tickets.last().unwrap(), "{fresh:?}");
     if fresh.admitted
         && let Some(last) = starts.last()
@@ -625,7 +625,7 @@ async fn copies_back_late_together_start_an_interval_apart() {
     // A push-back holds every start, however old the ticket.
     store.slow_rate(key.clone(), Duration::from_secs(3), interval, burst).await.unwrap();
     let held = store
-        .take_rate(key.clone(), interval, burst, Some(tickets[0]), Duration::from_secs(2))
+        .take_rate(key.clone(), interval, burst, Some(tickets[0]), Duration::from_secs(2), None)
         .await
         .unwrap();
     assert!(!held.admitted && held.wait > Duration::from_secs(2), "{held:?}");
@@ -652,7 +652,7 @@ async fn asks_of_one_bucket_made_at_once_are_decided_as_if_one_after_another() {
         let (store, key) = (store.clone(), key.clone());
         async move {
             let sent = std::time::Instant::now();
-            let take = store.take_rate(key, interval, burst, None, horizon).await.unwrap();
+            let take = store.take_rate(key, interval, burst, None, horizon, None).await.unwrap();
             (sent, std::time::Instant::now(), take)
         }
     };
@@ -695,6 +695,61 @@ async fn asks_of_one_bucket_made_at_once_are_decided_as_if_one_after_another() {
             .unwrap_or(0)
     };
     assert!(calls("evalsha") <= 8, "53 asks took {} script calls:\n{stats}", calls("evalsha"));
+}
+
+/// A run the rate limit lets start at once has its key claimed in the same script call (one
+/// round trip instead of two); a run that must wait first is not claimed (it claims after its
+/// wait); a claim the key's record refuses answers as the claim alone would (busy, a record
+/// that is not chime's), and only for that run: the asks decided with it in one call are
+/// claimed as usual.
+#[tokio::test]
+async fn a_run_let_through_at_once_is_claimed_with_its_rate_decision() {
+    use chime_shared::idempotency::Claim;
+    use chime_shared::limit::ClaimWith;
+    let env = TestEnv::new("rate-claim");
+    let config = env.config("classic", "", "", "");
+    let store = chime_shared::idempotency::IdemStore::connect(&config.redis, env.names()).unwrap();
+    let (interval, burst) = (10_000u64, 1u32); // 100/s
+    let with = |key: &str, owner: &str| {
+        Some(ClaimWith { key: key.into(), owner: owner.into(), version: 1, attempt: 1 })
+    };
+    let bucket = env.names().rate("b", "-");
+    let at_once =
+        store.take_rate(bucket.clone(), interval, burst, None, Duration::ZERO, with("k1", "o1")).await;
+    let at_once = at_once.unwrap();
+    assert!(at_once.admitted && at_once.wait.is_zero(), "{at_once:?}");
+    assert!(matches!(at_once.claim, Some(Ok(Claim::Claimed { .. }))), "{at_once:?}");
+    let mut conn = connect_redis(&env.redis_url).await;
+    let record: (Option<String>, Option<String>) = redis::cmd("HMGET")
+        .arg(env.names().idem_key("k1"))
+        .arg("s")
+        .arg("o")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(record, (Some("run".into()), Some("o1".into())), "the key is held by the run's owner");
+    // The next start is an interval off: admitted with a wait, not claimed.
+    let later = store
+        .take_rate(bucket.clone(), interval, burst, None, Duration::from_millis(500), with("k2", "o2"))
+        .await
+        .unwrap();
+    assert!(later.admitted && !later.wait.is_zero() && later.claim.is_none(), "{later:?}");
+    let k2: Option<String> =
+        redis::cmd("HGET").arg(env.names().idem_key("k2")).arg("s").query_async(&mut conn).await.unwrap();
+    assert_eq!(k2, None, "a run that waits first is not claimed yet");
+    // Three asks of one roomy bucket at once: a key held by another run, a key whose record
+    // is a string, a fresh key.
+    let roomy = env.names().rate("b", "roomy");
+    let _: () =
+        redis::cmd("SET").arg(env.names().idem_key("bad")).arg("x").query_async(&mut conn).await.unwrap();
+    let ask = |key: &'static str, owner: &'static str| {
+        let (store, roomy) = (store.clone(), roomy.clone());
+        async move { store.take_rate(roomy, interval, 10, None, Duration::ZERO, with(key, owner)).await.unwrap() }
+    };
+    let (busy, bad, fresh) = tokio::join!(ask("k1", "o3"), ask("bad", "o4"), ask("k3", "o5"));
+    assert!(matches!(busy.claim, Some(Ok(Claim::Busy { .. }))), "{busy:?}");
+    assert!(matches!(&bad.claim, Some(Err(e)) if e.is_bad_record()), "{bad:?}");
+    assert!(matches!(fresh.claim, Some(Ok(Claim::Claimed { .. }))), "{fresh:?}");
 }
 
 /// The broker (a private node) SIGKILLed and restarted while a queue sheds: every critical

@@ -166,10 +166,16 @@ impl KeyStore for FakeStore {
         _burst: u32,
         ticket: Option<u64>,
         horizon: Duration,
+        claim: Option<chime_shared::limit::ClaimWith>,
     ) -> Result<chime_shared::limit::RateTake, IdemError> {
         let wait = if ticket.is_some() { None } else { *self.rate_wait.lock().unwrap() };
         let wait = wait.unwrap_or_default();
-        Ok(chime_shared::limit::RateTake { ticket_us: 42, admitted: wait <= horizon, wait })
+        // As the rate script does: a run that starts at once has its key claimed with it.
+        let claim = match claim {
+            Some(c) if wait.is_zero() => Some(self.claim(&c.key, &c.owner, c.version, c.attempt).await),
+            _ => None,
+        };
+        Ok(chime_shared::limit::RateTake { ticket_us: 42, admitted: wait <= horizon, wait, claim })
     }
     async fn slow_rate(
         &self,
