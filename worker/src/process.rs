@@ -240,7 +240,8 @@ fn rate_park(wait: Duration) -> Duration {
 /// the limit (see `chime_shared::limit`).
 ///
 /// With `claim` (the run takes nothing else between its start and its claim), a run that
-/// may start at once has its key claimed in the same round trip.
+/// may start at once has its key claimed in the same round trip. `permit`, the job's own
+/// permit taken for that, is given back before any wait in place.
 async fn rate_gate<S: KeyStore>(
     core: &Core,
     store: &S,
@@ -248,6 +249,7 @@ async fn rate_gate<S: KeyStore>(
     env: &Envelope,
     incoming: &Incoming,
     claim: Option<ClaimWith>,
+    permit: &mut Option<tokio::sync::OwnedSemaphorePermit>,
 ) -> Result<Gate, IdemError> {
     let Some(limit) = &spec.rate else { return Ok(Gate::Go(None)) };
     let key = rate_key(core, limit, env);
@@ -267,6 +269,7 @@ async fn rate_gate<S: KeyStore>(
     if take.wait < IN_PLACE {
         hold = None;
     }
+    *permit = None;
     let worker_wide = give_back(&incoming.slot);
     tokio::select! {
         _ = tokio::time::sleep(take.wait) => {}
@@ -778,10 +781,17 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
     let owner = core.owner_token();
     let key = env.key.to_string();
     let version = chime_shared::idempotency::version_of(&env);
-    // Claimed with the rate decision when nothing else is taken between them.
-    let claim_with = (spec.rate.is_some() && spec.limit.is_none() && spec.global.is_none())
-        .then(|| ClaimWith { key: key.clone(), owner: owner.clone(), version, attempt: env.attempt });
-    let claimed = match rate_gate(core, store, &spec, &env, incoming, claim_with).await {
+    // Claimed with the rate decision when nothing else is taken between them: no global slot,
+    // and the job's own permit in this process (exec and http jobs have one by default) free
+    // now, held through the decision (given back if the run must wait).
+    let mut early_permit = match (&spec.rate, &spec.limit, spec.global) {
+        (Some(_), Some(limit), None) => limit.clone().try_acquire_owned().ok(),
+        _ => None,
+    };
+    let claim_with =
+        (spec.rate.is_some() && spec.global.is_none() && (spec.limit.is_none() || early_permit.is_some()))
+            .then(|| ClaimWith { key: key.clone(), owner: owner.clone(), version, attempt: env.attempt });
+    let claimed = match rate_gate(core, store, &spec, &env, incoming, claim_with, &mut early_permit).await {
         Ok(Gate::Go(claimed)) => claimed,
         Ok(Gate::Park(delay, why)) => {
             return Verdict::unheld(Plan::Redelay { delay, why: Redelay::Parked(why) }, env, Some(spec));
@@ -793,12 +803,13 @@ async fn judge<S: KeyStore>(core: &Core, store: &S, incoming: &Incoming, env: En
         }
     };
     // Held until the run is over (dropped at the end of this function).
-    let _job_permit = match &spec.limit {
-        Some(limit) => match job_permit(core, limit, &incoming.slot).await {
+    let _job_permit = match (&spec.limit, early_permit) {
+        (_, Some(p)) => Some(p),
+        (Some(limit), None) => match job_permit(core, limit, &incoming.slot).await {
             Some(p) => Some(p),
             None => return Verdict::unheld(Plan::Requeue, env, Some(spec)),
         },
-        None => None,
+        (None, None) => None,
     };
     let parks: u32 = header_str(&incoming.properties, SLOT_PARKS).and_then(|s| s.parse().ok()).unwrap_or(0);
     let _global_slot = match spec.global {

@@ -90,3 +90,26 @@ async fn worker_ticker_and_cli_run_on_a_redis_cluster_across_a_master_death() {
     assert!(out.contains("\"leader\""), "{out}");
     drop((worker, ticker));
 }
+
+/// On a Redis Cluster a run's key and its rate bucket may live on two nodes: the rate
+/// decision claims nothing there (the run claims on its own), for keys of every slot.
+#[tokio::test]
+async fn on_a_redis_cluster_the_rate_decision_leaves_the_claim_to_the_run() {
+    use chime_shared::idempotency::Claim;
+    use chime_shared::limit::ClaimWith;
+    let cluster = PrivateRedisCluster::start(3).await;
+    let mut env = TestEnv::new("rcluster-rate");
+    env.redis_url = cluster.nodes[0].url();
+    let config = env.config("classic", &cluster.config_line(), "", "");
+    let store = chime_shared::idempotency::IdemStore::connect(&config.redis, env.names()).unwrap();
+    let bucket = env.names().rate("b", "-");
+    for i in 0..20 {
+        let key = format!("k{i}");
+        let with = ClaimWith { key: key.clone(), owner: format!("o{i}"), version: 1, attempt: 1 };
+        let take = store.take_rate(bucket.clone(), 1, 1_000, None, Duration::ZERO, Some(with)).await;
+        let take = take.unwrap_or_else(|e| panic!("rate decision for {key}: {e}"));
+        assert!(take.admitted && take.wait.is_zero() && take.claim.is_none(), "{take:?}");
+        let claim = store.claim(&key, &format!("o{i}")).await.unwrap();
+        assert!(matches!(claim, Claim::Claimed { .. }), "{claim:?}");
+    }
+}

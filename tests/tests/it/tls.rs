@@ -34,12 +34,14 @@ fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
     p
 }
 
-/// The jobs every deployment test runs: `ok`, `flaky` (fails its first attempt), `bad`
+/// The jobs every deployment test runs: `ok` (rate-limited: its rate decision claims its key
+/// in the same call, except on a Redis Cluster), `flaky` (fails its first attempt), `bad`
 /// (dead-lettered at once) and `beat` (every second), writing to `ledger`.
 pub fn flow_jobs(ledger: &Path) -> String {
     let l = ledger.display();
     format!(
-        "[[jobs]]\nname = \"ok\"\nhandler = \"exec\"\ncommand = ['sh', '-c', 'echo ok $CHIME_KEY >> {l}']\n\
+        "[[jobs]]\nname = \"ok\"\nhandler = \"exec\"\nrate_limit = \"100/s\"\n\
+         command = ['sh', '-c', 'echo ok $CHIME_KEY >> {l}']\n\
          [[jobs]]\nname = \"flaky\"\nhandler = \"exec\"\nmax_attempts = 3\n\
          backoff = {{ initial = \"1s\", factor = 1.0, max = \"1s\" }}\n\
          command = ['sh', '-c', 'echo flaky $CHIME_ATTEMPT >> {l}; test $CHIME_ATTEMPT -ge 2']\n\

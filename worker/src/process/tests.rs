@@ -53,6 +53,8 @@ struct FakeStore {
     slot_asks: AtomicUsize,
     /// What `take_rate` answers (`None`: start at once).
     rate_wait: Mutex<Option<Duration>>,
+    /// Claims made by `take_rate` (a run let through at once, its claim asked with it).
+    rate_claims: AtomicUsize,
     /// `slow_rate` calls: bucket and hold.
     slowed: Mutex<Vec<(String, Duration)>>,
     /// What `circuit_admit` answers (`None`: closed).
@@ -172,7 +174,10 @@ impl KeyStore for FakeStore {
         let wait = wait.unwrap_or_default();
         // As the rate script does: a run that starts at once has its key claimed with it.
         let claim = match claim {
-            Some(c) if wait.is_zero() => Some(self.claim(&c.key, &c.owner, c.version, c.attempt).await),
+            Some(c) if wait.is_zero() => {
+                self.rate_claims.fetch_add(1, Ordering::SeqCst);
+                Some(self.claim(&c.key, &c.owner, c.version, c.attempt).await)
+            }
             _ => None,
         };
         Ok(chime_shared::limit::RateTake { ticket_us: 42, admitted: wait <= horizon, wait, claim })
@@ -562,6 +567,8 @@ fn harness() -> Harness {
                 [[jobs]]\nname = \"resumable\"\nhandler = \"resumable\"\n\
                 [[jobs]]\nname = \"limited\"\nhandler = \"job\"\nglobal_concurrency = 1\n\
                 [[jobs]]\nname = \"rated\"\nhandler = \"job\"\nrate_limit = { rate = \"1/s\", key = \"tenant\" }\n\
+                [[jobs]]\nname = \"rated_slot\"\nhandler = \"job\"\nrate_limit = \"10/s\"\nglobal_concurrency = 1\n\
+                [[jobs]]\nname = \"rated_own\"\nhandler = \"job\"\nrate_limit = \"10/s\"\nconcurrency = 1\n\
                 [[jobs]]\nname = \"pushy\"\nhandler = \"pushy\"\nrate_limit = \"shared\"\n\
                 [[limits]]\nname = \"shared\"\nrate = \"10/s\"\n\
                 [[jobs]]\nname = \"guarded\"\nhandler = \"job\"\ncircuit = \"dep\"\n\
@@ -1227,6 +1234,60 @@ async fn a_rate_limited_run_near_its_start_waits_in_place() {
     assert!(started.elapsed() >= Duration::from_millis(300));
     assert!(h.sent().is_empty(), "{:?}", h.sent());
     assert_eq!(h.store.state(&env.key.to_string()), Some("done"));
+    assert_eq!(
+        h.store.rate_claims.load(Ordering::SeqCst),
+        0,
+        "claimed after its wait, not with its decision"
+    );
+}
+
+/// A rate-limited run let through at once has its key claimed with the rate decision (one
+/// round trip); one that takes a global slot after its decision claims after the slot.
+#[tokio::test(start_paused = true)]
+async fn a_rate_limited_run_let_through_at_once_is_claimed_with_its_decision() {
+    let h = harness();
+    let env = envelope("rated", "ok", 1, 3);
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert_eq!(h.store.state(&env.key.to_string()), Some("done"));
+    assert_eq!(h.store.rate_claims.load(Ordering::SeqCst), 1);
+    let env = envelope("rated_slot", "ok", 1, 3);
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert_eq!(h.store.state(&env.key.to_string()), Some("done"));
+    assert_eq!(h.store.rate_claims.load(Ordering::SeqCst), 1, "the slot's run claims on its own");
+    // A job with a limit of its own in this process (exec and http jobs by default): its
+    // permit, free, is taken first and the claim goes with the decision.
+    let env = envelope("rated_own", "ok", 1, 3);
+    assert_eq!(h.deliver(incoming(&env)).await, ["ack"]);
+    assert_eq!(h.store.state(&env.key.to_string()), Some("done"));
+    assert_eq!(h.store.rate_claims.load(Ordering::SeqCst), 2);
+}
+
+/// A run of a job with a limit of its own (1 here) that waits in place for its start does
+/// not hold the job's permit meanwhile: a run whose turn has come goes at once beside it.
+#[tokio::test(start_paused = true)]
+async fn a_run_waiting_in_place_for_its_start_holds_no_permit_of_its_job() {
+    let h = harness();
+    *h.store.rate_wait.lock().unwrap() = Some(Duration::from_millis(300));
+    let (a, b) = (envelope("rated_own", "ok", 1, 3), envelope("rated_own", "ok", 1, 3));
+    // `b` is a parked copy back with its ticket: its turn is now.
+    let mut back = incoming(&b);
+    let mut headers = FieldTable::default();
+    put_header(&mut headers, RATE_AT, "42");
+    back.properties = back.properties.with_headers(headers);
+    let started = tokio::time::Instant::now();
+    let first = async {
+        let acks = h.deliver(incoming(&a)).await;
+        (acks, started.elapsed())
+    };
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let acks = h.deliver(back).await;
+        (acks, started.elapsed())
+    };
+    let ((x, waited), (y, went)) = tokio::join!(first, second);
+    assert_eq!((x, y), (vec!["ack"], vec!["ack"]));
+    assert!(waited >= Duration::from_millis(300), "{waited:?}");
+    assert!(went < Duration::from_millis(300), "the run whose turn came waited for the permit: {went:?}");
 }
 
 /// A run shed while its queue is backed up settles its key (`done`, with a `shed` run), so a
